@@ -1,0 +1,58 @@
+"""KV cache of one sequence: per layer, keys and values [K, L, Dh], grown by doubling.
+
+A forward step writes each layer's new keys/values at positions [length, length + S) and reads
+[0, length + S); the model then advances `length` once, after the last layer. `fork` copies a
+sequence (beams), `truncate` rolls it back (rejected speculative tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", capacity: int = 64):
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        self.length = 0
+        self._k: list[torch.Tensor] = [self._empty(capacity) for _ in range(num_layers)]
+        self._v: list[torch.Tensor] = [self._empty(capacity) for _ in range(num_layers)]
+
+    def _empty(self, capacity: int) -> torch.Tensor:
+        return torch.empty(self.num_kv_heads, capacity, self.head_dim, dtype=self.dtype, device=self.device)
+
+    @property
+    def capacity(self) -> int:
+        return self._k[0].shape[1]
+
+    def _grow(self, layer: int, needed: int) -> None:
+        capacity = max(needed, 2 * self._k[layer].shape[1])
+        for store in (self._k, self._v):
+            bigger = self._empty(capacity)
+            bigger[:, :self.length] = store[layer][:, :self.length]
+            store[layer] = bigger
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [K, S, Dh] after the cached positions; return all keys and values [K, length+S, Dh]."""
+        end = self.length + k.shape[1]
+        if end > self._k[layer].shape[1]:
+            self._grow(layer, end)
+        self._k[layer][:, self.length:end] = k
+        self._v[layer][:, self.length:end] = v
+        return self._k[layer][:, :end], self._v[layer][:, :end]
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"truncate: length {length} outside [0, {self.length}]")
+        self.length = length
+
+    def fork(self) -> "KVCache":
+        twin = KVCache(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.device, capacity=1)
+        twin._k = [k.clone() for k in self._k]
+        twin._v = [v.clone() for v in self._v]
+        twin.length = self.length
+        return twin

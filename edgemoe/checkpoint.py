@@ -1,0 +1,146 @@
+"""Lazy reader of a Hugging Face checkpoint directory.
+
+A checkpoint is config.json plus one safetensors file (model.safetensors) or several with an index
+(model.safetensors.index.json). Every file's header is parsed and checked against the file size when
+the directory is opened, so a truncated download fails at once, naming the file, instead of midway
+through a load. Tensors are then read one at a time (safetensors memory-maps the file), so the whole
+checkpoint is never in memory twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .errors import CheckpointError
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def read_json(path: Path) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+
+
+def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
+    """Parse a safetensors header and check that the file holds every byte it promises."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+        (header_len,) = struct.unpack("<Q", raw)
+        if 8 + header_len > size:
+            raise CheckpointError(f"{path}: truncated safetensors file (header of {header_len} bytes, "
+                                  f"file of {size} bytes)")
+        try:
+            header = json.loads(f.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise CheckpointError(f"{path}: corrupt safetensors header") from None
+    header.pop("__metadata__", None)
+    data_end = 0
+    infos = {}
+    for name, entry in header.items():
+        begin, end = entry["data_offsets"]
+        shape = tuple(entry["shape"])
+        n = 1
+        for d in shape:
+            n *= d
+        if end - begin != n * _DTYPE_BYTES.get(entry["dtype"], 0):
+            raise CheckpointError(f"{path}: tensor {name!r} has {end - begin} bytes for shape {shape} "
+                                  f"{entry['dtype']}")
+        data_end = max(data_end, end)
+        infos[name] = TensorInfo(path, entry["dtype"], shape)
+    if 8 + header_len + data_end > size:
+        raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, header promises "
+                              f"{8 + header_len + data_end})")
+    return infos
+
+
+class Checkpoint:
+    """The tensors of a checkpoint directory, by name, read lazily. Tracks which were read."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise CheckpointError(f"{self.path}: no such checkpoint directory")
+        self.config = read_json(self.path / "config.json")
+        self.tensors = self._index_tensors()
+        self.used: set[str] = set()
+        self._handles: dict[Path, object] = {}
+
+    def _index_tensors(self) -> dict[str, TensorInfo]:
+        index_path = self.path / "model.safetensors.index.json"
+        if index_path.exists():
+            weight_map = read_json(index_path).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index_path}: no 'weight_map'")
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in self.path.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"{self.path}: no *.safetensors file")
+        tensors: dict[str, TensorInfo] = {}
+        for name in files:
+            file = self.path / name
+            if not file.exists():
+                raise CheckpointError(f"{file}: listed in the index but missing")
+            for tensor, info in read_safetensors_header(file).items():
+                if tensor in tensors:
+                    raise CheckpointError(f"{file}: tensor {tensor!r} also in {tensors[tensor].file.name}")
+                tensors[tensor] = info
+        return tensors
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.tensors[name].shape
+
+    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Read one tensor (optionally cast), and mark it used."""
+        info = self.tensors.get(name)
+        if info is None:
+            raise CheckpointError(f"{self.path}: tensor {name!r} not found")
+        handle = self._handles.get(info.file)
+        if handle is None:
+            handle = self._handles[info.file] = safe_open(str(info.file), framework="pt")
+        tensor = handle.get_tensor(name)
+        self.used.add(name)
+        return tensor if dtype is None else tensor.to(dtype)
+
+    def unused(self) -> list[str]:
+        return sorted(set(self.tensors) - self.used)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def read_slice(ckpt: Checkpoint, name: str, index: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Read tensor[index] of a stacked tensor without reading the rest (fused expert layouts)."""
+    info = ckpt.tensors[name]
+    handle = ckpt._handles.get(info.file)
+    if handle is None:
+        handle = ckpt._handles[info.file] = safe_open(str(info.file), framework="pt")
+    tensor = handle.get_slice(name)[index]
+    ckpt.used.add(name)
+    return tensor if dtype is None else tensor.to(dtype)

@@ -1,0 +1,160 @@
+"""Token generation: greedy or sampled (temperature, top-k, top-p, seeded), stop tokens and strings,
+streaming, and several sequences decoded together.
+
+Sampling applies temperature, then top-k, then top-p, as transformers' logits warpers do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from .model import MoEModel, Segment
+from .tokenizer import StreamDecoder
+
+
+@dataclass
+class GenerationOptions:
+    max_new_tokens: int = 128
+    temperature: float = 0.0          # 0: greedy
+    top_k: int = 0                    # 0: off
+    top_p: float = 1.0                # 1: off
+    seed: int | None = None
+    stop_token_ids: Sequence[int] | None = None  # None: the model's eos tokens
+    stop_strings: Sequence[str] = field(default_factory=tuple)
+
+    def __post_init__(self):
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def defaults_from(generation_config: dict) -> dict:
+    """Sampling defaults from a checkpoint's generation_config.json (greedy unless it says do_sample)."""
+    if not generation_config.get("do_sample", False):
+        return {}
+    return {k: generation_config[k] for k in ("temperature", "top_k", "top_p") if generation_config.get(k) is not None}
+
+
+def eos_token_ids(model: MoEModel) -> list[int]:
+    ids = model.generation_config.get("eos_token_id")
+    if ids is None and model.tokenizer is not None:
+        ids = model.tokenizer.eos_token_id
+    if ids is None:
+        return []
+    return [ids] if isinstance(ids, int) else list(ids)
+
+
+def next_token(logits: torch.Tensor, opts: GenerationOptions, generator: torch.Generator | None) -> int:
+    """Choose the next token from float32 logits [V]."""
+    if opts.temperature == 0:
+        return int(torch.argmax(logits))
+    logits = logits / opts.temperature
+    if opts.top_k:
+        kth = torch.topk(logits, min(opts.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if opts.top_p < 1:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= opts.top_p  # keep the smallest set >= top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _generator(seed: int | None) -> torch.Generator:
+    g = torch.Generator()
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g
+
+
+def generate_batch(model: MoEModel, prompts: Sequence[Sequence[int]], opts: GenerationOptions) -> list[list[int]]:
+    """Generate for several prompts together: one prefill step for all, then one decode step per token
+    for every unfinished sequence. Returns the new token ids of each (stop token excluded)."""
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("generate: a prompt is empty")
+    stops = set(opts.stop_token_ids if opts.stop_token_ids is not None else eos_token_ids(model))
+    generator = _generator(opts.seed)
+    caches = [model.new_cache() for _ in prompts]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    live = list(range(len(prompts))) if opts.max_new_tokens else []
+    step_tokens = [list(p) for p in prompts]
+    while live:
+        tokens = torch.tensor([t for i in live for t in step_tokens[i]])
+        logits = model.forward(tokens, [Segment(caches[i], len(step_tokens[i])) for i in live], last_only=True)
+        still_live = []
+        for row, i in enumerate(live):
+            token = next_token(logits[row], opts, generator)
+            if token in stops:
+                continue
+            outputs[i].append(token)
+            step_tokens[i] = [token]
+            if len(outputs[i]) < opts.max_new_tokens:
+                still_live.append(i)
+        live = still_live
+    return outputs
+
+
+def stream_tokens(model: MoEModel, prompt_ids: Sequence[int], opts: GenerationOptions) -> Iterator[int]:
+    """New token ids for one prompt, yielded as soon as each is chosen."""
+    if len(prompt_ids) == 0:
+        raise ValueError("generate: the prompt is empty")
+    stops = set(opts.stop_token_ids if opts.stop_token_ids is not None else eos_token_ids(model))
+    generator = _generator(opts.seed)
+    cache = model.new_cache()
+    step = list(prompt_ids)
+    for _ in range(opts.max_new_tokens):
+        logits = model.logits(step, cache)[-1]
+        token = next_token(logits, opts, generator)
+        if token in stops:
+            return
+        yield token
+        step = [token]
+
+
+def generate(model: MoEModel, prompt: str | Sequence[int], on_text: Callable[[str], None] | None = None,
+             **options) -> str:
+    """Generated text for `prompt`; `on_text` receives each piece as soon as it is decoded. Text that
+    could be the start of a stop string is held back until it is known not to be one."""
+    if model.tokenizer is None:
+        raise ValueError("generate: this model has no tokenizer")
+    opts = GenerationOptions(**{**defaults_from(model.generation_config), **options})
+    prompt_ids = model.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    emit = on_text or (lambda piece: None)
+    decoder = StreamDecoder(model.tokenizer)
+    text, emitted = "", 0
+    for token in stream_tokens(model, prompt_ids, opts):
+        text += decoder.push(token)
+        stop_at = _first_stop(text, opts.stop_strings)
+        if stop_at is not None:
+            text = text[:stop_at]
+            break
+        safe = len(text) - _stop_prefix_length(text, opts.stop_strings)
+        if safe > emitted:
+            emit(text[emitted:safe])
+            emitted = safe
+    else:
+        text += decoder.flush()
+    if len(text) > emitted:
+        emit(text[emitted:])
+    return text
+
+
+def _first_stop(text: str, stop_strings: Sequence[str]) -> int | None:
+    hits = [text.find(s) for s in stop_strings if s and s in text]
+    return min(hits) if hits else None
+
+
+def _stop_prefix_length(text: str, stop_strings: Sequence[str]) -> int:
+    """Length of the longest end of `text` that is the beginning of a stop string."""
+    return max((n for s in stop_strings for n in range(1, len(s)) if text.endswith(s[:n])), default=0)

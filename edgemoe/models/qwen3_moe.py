@@ -1,0 +1,36 @@
+"""Qwen3-MoE: RMSNorm on each query/key head (q_norm, k_norm over Dh), no shared expert.
+
+Checkpoint names as Qwen2-MoE without the shared expert, plus self_attn.q_norm / k_norm .weight [Dh].
+"""
+
+from __future__ import annotations
+
+from .common import attention_fields, llama_style_names, qwen_style_mlp_names
+from .qwen2_moe import moe_layer_flags
+from .spec import ModelSpec, TensorNames, config_value
+
+MODEL_TYPE = "qwen3_moe"
+
+
+def parse_config(config: dict) -> ModelSpec:
+    fields = attention_fields(config)
+    num_layers = fields["num_layers"]
+    window = config.get("sliding_window") if config.get("use_sliding_window", False) else None
+    return ModelSpec(
+        model_type=MODEL_TYPE,
+        num_experts=config_value(config, "num_experts", "num_local_experts"),
+        top_k=config_value(config, "num_experts_per_tok"),
+        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+        expert_hidden=config_value(config, "moe_intermediate_size"),
+        moe_layers=moe_layer_flags(config, num_layers),
+        sliding_windows=(window,) * num_layers,
+        dense_hidden=config_value(config, "intermediate_size"),
+        qkv_bias=bool(config.get("attention_bias", False)),
+        qk_norm="head",
+        **fields,
+    )
+
+
+def tensor_names(spec: ModelSpec) -> TensorNames:
+    names = llama_style_names(spec.num_layers, spec.tie_word_embeddings, qkv_bias=spec.qkv_bias, qk_norm=True)
+    return TensorNames(names, qwen_style_mlp_names(spec, names))

@@ -1,0 +1,92 @@
+"""tokenizer.json (via `tokenizers`) plus tokenizer_config.json: special tokens and the chat template.
+
+Special tokens are added as tokenizer.json's post-processor says (as transformers' fast tokenizers
+do). Streaming decode holds back text that ends in an incomplete UTF-8 sequence, since a byte-level
+BPE token can end in the middle of a character.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+from .checkpoint import read_json
+from .errors import CheckpointError
+
+
+def _token_text(value) -> str | None:
+    """A special token from tokenizer_config.json: a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    def __init__(self, directory: str | Path):
+        directory = Path(directory)
+        path = directory / "tokenizer.json"
+        if not path.exists():
+            raise CheckpointError(f"{path}: file not found (edgemoe needs a tokenizer.json)")
+        try:
+            self._tok = _HFTokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception on malformed files
+            raise CheckpointError(f"{path}: cannot be read by tokenizers ({e})") from None
+        config_path = directory / "tokenizer_config.json"
+        self.config = read_json(config_path) if config_path.exists() else {}
+        self.bos_token = _token_text(self.config.get("bos_token"))
+        self.eos_token = _token_text(self.config.get("eos_token"))
+        self.chat_template = self.config.get("chat_template")
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_id(self, token: str | None) -> int | None:
+        return None if token is None else self._tok.token_to_id(token)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.token_id(self.eos_token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise CheckpointError("tokenizer_config.json: no chat_template, so --chat cannot be used")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise CheckpointError(f"chat template: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+
+class StreamDecoder:
+    """Turns generated ids into text pieces as they come, never splitting a character."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.emitted = 0  # characters of the decoded text already returned
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            return ""
+        piece, self.emitted = text[self.emitted:], len(text)
+        return piece
+
+    def flush(self) -> str:
+        text = self.tokenizer.decode(self.ids)
+        piece, self.emitted = text[self.emitted:], len(text)
+        return piece

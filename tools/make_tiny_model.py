@@ -1,0 +1,163 @@
+#!/usr/bin/env python
+"""Write a small random Hugging Face MoE checkpoint of a supported architecture, for tests and examples.
+
+    python tools/make_tiny_model.py --arch mixtral --out /tmp/tiny-mixtral
+    python tools/make_tiny_model.py --arch qwen2_moe --out DIR --set num_experts=6 --set norm_topk_prob=true
+    python tools/make_tiny_model.py --arch olmoe --out DIR --fused-experts --shards 3
+
+The model is built and saved by transformers itself (so it is a real checkpoint of that architecture),
+with a byte-level BPE tokenizer trained on a built-in paragraph, a tokenizer_config.json with a chat
+template and a generation_config.json. --fused-experts rewrites the experts stacked over experts
+([E, 2I, D] gate_up_proj, [E, D, I] down_proj) as some checkpoints store them; --shards splits the
+weights over several files with a model.safetensors.index.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+TEXT = (
+    "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer the slings and "
+    "arrows of outrageous fortune, or to take arms against a sea of troubles and by opposing end them. "
+    "Now is the winter of our discontent made glorious summer by this sun of York. All the world's a stage, "
+    "and all the men and women merely players; they have their exits and their entrances. "
+)
+
+SPECIAL_TOKENS = ["<s>", "</s>", "<pad>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] | upper }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
+BASE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            num_experts_per_tok=2, max_position_embeddings=256, rms_norm_eps=1e-6)
+ARCH_DEFAULTS = {
+    "mixtral": dict(num_local_experts=4, intermediate_size=96),
+    "qwen2_moe": dict(num_experts=4, moe_intermediate_size=48, shared_expert_intermediate_size=80,
+                      intermediate_size=128),
+    "qwen3_moe": dict(num_experts=4, moe_intermediate_size=48, intermediate_size=128, head_dim=16),
+    "olmoe": dict(num_experts=4, intermediate_size=96),
+}
+
+
+def train_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([TEXT], trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    return tok
+
+
+def parse_overrides(pairs: list[str]) -> dict:
+    overrides = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    return overrides
+
+
+def fuse_experts(out: Path) -> None:
+    """Rewrite per-expert tensors as stacked gate_up_proj [E, 2I, D] and down_proj [E, D, I]."""
+    path = out / "model.safetensors"
+    tensors = load_file(path)
+    pattern = re.compile(r"(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+    groups: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name in list(tensors):
+        m = pattern.match(name)
+        if m:
+            role = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up"}.get(m[3], "down")
+            groups.setdefault(m[1], {}).setdefault(int(m[2]), {})[role] = tensors.pop(name)
+    for prefix, experts in groups.items():
+        order = sorted(experts)
+        tensors[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([experts[e]["gate"], experts[e]["up"]]) for e in order])
+        tensors[f"{prefix}.down_proj"] = torch.stack([experts[e]["down"] for e in order])
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def shard(out: Path, shards: int) -> None:
+    path = out / "model.safetensors"
+    tensors = load_file(path)
+    names = sorted(tensors)
+    weight_map = {}
+    for i in range(shards):
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[i::shards]}
+        save_file(part, out / file, metadata={"format": "pt"})
+        weight_map.update({n: file for n in part})
+    path.unlink()
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+
+
+def make_tiny_model(out: str | Path, arch: str = "mixtral", seed: int = 0, dtype: str = "float32",
+                    fused_experts: bool = False, shards: int = 1, vocab_size: int = 320, **overrides) -> Path:
+    """Build, save and return the directory of a random `arch` checkpoint (config keys in `overrides`)."""
+    import transformers
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(vocab_size)
+    config_cls = transformers.AutoConfig.for_model(arch).__class__
+    params = {**BASE, **ARCH_DEFAULTS[arch], **overrides}
+    params.update(vocab_size=tok.get_vocab_size(), bos_token_id=tok.token_to_id("<s>"),
+                  eos_token_id=tok.token_to_id("</s>"), pad_token_id=tok.token_to_id("<pad>"))
+    config = config_cls(**params)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    _randomize(model, seed)
+    model.to(getattr(torch, dtype)).save_pretrained(out)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "chat_template": CHAT_TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast"}, indent=1))
+    if fused_experts:
+        fuse_experts(out)
+    if shards > 1:
+        shard(out, shards)
+    return out
+
+
+def _randomize(model, seed: int) -> None:
+    """Give every weight a visible random value: transformers initialises some (norms, routers) to
+    constants, which would hide errors in how they are applied."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:  # norms and biases
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g) if "norm" in name
+                        else 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * (1.0 / p.shape[-1]) ** 0.5)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", default="mixtral", choices=sorted(ARCH_DEFAULTS))
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--fused-experts", action="store_true")
+    parser.add_argument("--shards", type=int, default=1)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config.json key (value parsed as JSON)")
+    args = parser.parse_args()
+    out = make_tiny_model(args.out, args.arch, args.seed, args.dtype, args.fused_experts, args.shards,
+                          **parse_overrides(args.set))
+    print(out)
+
+
+if __name__ == "__main__":
+    main()
