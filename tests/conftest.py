@@ -1,0 +1,38 @@
+"""Shared fixtures: tiny random checkpoints written by tools/make_tiny_model.py (cached per session)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load_tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+make_tiny = _load_tool("make_tiny_model")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """tiny_model(arch, **config_overrides) -> checkpoint directory (built once per distinct call)."""
+    made: dict[str, Path] = {}
+
+    def build(arch: str = "mixtral", fused_experts: bool = False, shards: int = 1, dtype: str = "float32",
+              seed: int = 0, **overrides) -> Path:
+        key = json.dumps([arch, fused_experts, shards, dtype, seed, overrides], sort_keys=True)
+        if key not in made:
+            out = tmp_path_factory.mktemp(arch)
+            made[key] = make_tiny.make_tiny_model(out, arch, seed=seed, dtype=dtype, fused_experts=fused_experts,
+                                                  shards=shards, **overrides)
+        return made[key]
+
+    return build
