@@ -54,6 +54,53 @@ def run(
     sys.stdout.write("\n")
 
 
+@app.command("eval")
+def eval_(
+    model: Optional[Path] = typer.Argument(None, help="Checkpoint directory (default: the bundled model)."),
+    text: Optional[Path] = typer.Option(None, "--text", help="UTF-8 text file (default with the bundled "
+                                        "model: its held-out eval.txt)."),
+    reference: Optional[Path] = typer.Option(None, "--reference", help="Also report top-1 agreement and KL "
+                                             "divergence against this model."),
+    context: Optional[int] = typer.Option(None, help="Window length in tokens (default: the model's "
+                                          "max_position_embeddings, at most 1024)."),
+    stride: Optional[int] = typer.Option(None, help="Window step (default: context / 2)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+):
+    """Perplexity over a text (sliding window); with --reference, agreement and KL too."""
+    import json
+
+    import edgemoe
+    from .evaluate import evaluate_text
+
+    if text is None:
+        if model is not None:
+            raise typer.BadParameter("--text is required for a model other than the bundled one", param_hint="--text")
+        from .bundled import bundled_text
+        text = bundled_text("eval.txt")
+    content = _read_text(text)
+    m = edgemoe.load(_model_path(model))
+    ref = edgemoe.load(reference) if reference is not None else None
+    result = evaluate_text(m, content, context=context, stride=stride, reference=ref)
+    if as_json:
+        print(json.dumps(result.to_dict()))
+        return
+    print(f"text: {text} ({result.tokens} tokens scored; context {result.context} tokens, stride {result.stride})")
+    print(f"perplexity: {result.perplexity:.4f}   (nll {result.nll:.4f} nats/token)")
+    if ref is not None:
+        print(f"reference perplexity: {result.reference_perplexity:.4f}")
+        print(f"top-1 agreement with reference: {result.top1_agreement:.4f}")
+        print(f"mean KL(reference || model): {result.kl:.6f} nats/token")
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise EdgeMoEError(f"{path}: text file not found") from None
+    except UnicodeDecodeError as e:
+        raise EdgeMoEError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
 def main() -> None:
     try:
         app()
