@@ -1,1 +1,14 @@
-"""edgemoe.quant"""
+"""edgemoe.quant: per output channel INT2/4/8 quantization (RTN, optional HQQ refinement).
+
+    qt = quantize(w, bits, group_size=None, method="rtn")   # w float [R, C]
+    dequantize_reference(qt)                                 # float32 [R, C], plain torch
+    QuantizedTensor.from_arrays(bits, group_size, shape, qt.arrays())   # zero-copy rebuild
+
+Layouts: edgemoe.quant.formats. Kernels on the packed codes: edgemoe.kernels.
+"""
+
+from .formats import FORMATS, QuantError, QuantFormat, get_format
+from .tensor import QuantizedTensor, dequantize_reference, group_layout, quantize
+
+__all__ = ["FORMATS", "QuantError", "QuantFormat", "QuantizedTensor", "dequantize_reference",
+           "get_format", "group_layout", "quantize"]

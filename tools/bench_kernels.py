@@ -1,0 +1,308 @@
+"""Benchmark edgemoe's CPU kernels against this machine's memory read bandwidth.
+
+    python tools/bench_kernels.py [--json results.json] [--parts qmatmul,expert,crossover]
+                                  [--mixtral-only] [--bundled DIR] [--repeats N]
+
+Measures, in one run:
+1. memory read bandwidth: a numba parallel sum over 1 GiB of float32 (and torch's sum, for comparison);
+2. per width (2/4/8) and token count (1, 2, 4, 8, 16): qmatmul's effective bandwidth (bytes of packed
+   codes + scales + zeros read per second) on 14336x4096 (Mixtral's expert) and on the bundled model's
+   expert shapes, beside torch bf16 F.linear on the dequantized weight;
+3. per width, the token count where dequantize (bf16) + torch F.linear overtakes qmatmul;
+4. the fused SwiGLU expert against its three GEMVs.
+
+Weights are "cold": each timed call reads a different copy of the packed weight, from a set of copies
+larger than 2x the last-level cache, so bandwidth means DRAM bandwidth. "hot" rows (1 token only)
+repeat one copy, which the 260 MB L3 of this machine holds: their gap to the cold rows separates the
+memory limit from the decoding (instruction) limit. "1thr" rows run on one thread; "l2_1thr" runs
+one thread on a 256-row weight that stays in L2, the decoding ceiling of one core (it includes the
+~10 us Python call overhead, about 10% at this size).
+Times are medians over --repeats calls after 2 warm-up calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numba
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from edgemoe.kernels import dequantize, qmatmul, set_threads, swiglu_expert
+from edgemoe.quant import QuantizedTensor, quantize
+
+MIXTRAL = (14336, 4096)  # expert hidden I, hidden D
+TOKENS = (1, 2, 4, 8, 16)
+CROSSOVER_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
+COLD_BYTES = 1 << 30  # working set of the rotated copies: 4x this machine's 260 MB L3
+MAX_COPIES = 2048  # small (bundled) shapes: 2048 copies stay under the L3 size, so they run cached
+L2_ROWS = 256  # a weight of 256 x 4096 codes (<= 1 MiB) stays in one core's 2 MiB L2: decoding speed
+BUNDLED = Path(__file__).resolve().parent.parent / "edgemoe" / "bundled" / "shakespeare-moe"
+
+
+@numba.njit(parallel=True, fastmath=True, cache=True)
+def _parallel_sum(a):
+    rows = a.shape[0]
+    part = np.zeros(rows, np.float32)
+    for i in numba.prange(rows):
+        acc = np.float32(0)
+        for j in range(a.shape[1]):
+            acc += a[i, j]
+        part[i] = acc
+    return part.sum()
+
+
+def progress(*what):
+    print(time.strftime("%H:%M:%S"), *what, file=sys.stderr, flush=True)
+
+
+def median_time(fn, repeats: int) -> float:
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def read_bandwidth(repeats: int) -> dict[str, float]:
+    a = np.random.default_rng(0).random((COLD_BYTES // 4 // 4096, 4096), dtype=np.float32)
+    t = torch.from_numpy(a)
+    return {"numba_sum_gbps": a.nbytes / median_time(lambda: _parallel_sum(a), repeats) / 1e9,
+            "torch_sum_gbps": a.nbytes / median_time(lambda: t.sum(), repeats) / 1e9}
+
+
+def copies(qts: list[QuantizedTensor]) -> list[list[QuantizedTensor]]:
+    """Enough copies of a group of tensors (read together) to exceed COLD_BYTES, 2 to MAX_COPIES."""
+    nbytes = sum(qt.nbytes for qt in qts)
+    n = min(MAX_COPIES, max(2, -(-COLD_BYTES // nbytes)))
+    return [[QuantizedTensor(qt.bits, qt.group_size, qt.shape, qt.packed.copy(), qt.scale.copy(),
+                             qt.zero.copy()) for qt in qts] for _ in range(n)]
+
+
+def rotating(fn, sets):
+    """A no-argument call that runs fn on the next set of copies each time."""
+    state = {"i": 0}
+
+    def call():
+        state["i"] = (state["i"] + 1) % len(sets)
+        return fn(*sets[state["i"]])
+
+    return call
+
+
+def record(kernel, bits, tokens, shape, nbytes, seconds, bandwidth, **extra):
+    gbps = nbytes / seconds / 1e9
+    return {"kernel": kernel, "bits": bits, "tokens": tokens, "rows": shape[0], "cols": shape[1],
+            "gbps": round(gbps, 2), "bandwidth_gbps": round(bandwidth, 2),
+            "pct_of_bandwidth": round(100 * gbps / bandwidth, 1), "ms": round(seconds * 1e3, 4), **extra}
+
+
+def bench_qmatmul(shape, bits, bandwidth, repeats, with_hot):
+    progress("qmatmul", shape, f"int{bits}")
+    rows, cols = shape
+    qt = quantize(torch.randn(rows, cols) * 0.02, bits)
+    sets = copies([qt])
+    out = []
+    for tokens in TOKENS:
+        x = np.random.default_rng(tokens).standard_normal((tokens, cols), dtype=np.float32)
+        t = median_time(rotating(lambda q: qmatmul(x, q), sets), repeats)
+        out.append(record("qmatmul", bits, tokens, shape, qt.nbytes, t, bandwidth))
+    if with_hot:
+        x = np.random.default_rng(1).standard_normal((1, cols), dtype=np.float32)
+        t = median_time(lambda: qmatmul(x, qt), repeats)
+        out.append(record("qmatmul_hot", bits, 1, shape, qt.nbytes, t, bandwidth))
+        t = after_torch_time(lambda q: qmatmul(x, q), sets, repeats)
+        out.append(record("qmatmul_after_torch", bits, 1, shape, qt.nbytes, t, bandwidth))
+        l2 = quantize(torch.randn(L2_ROWS, cols) * 0.02, bits)
+        set_threads(1)
+        try:
+            t = median_time(rotating(lambda q: qmatmul(x, q), sets), repeats)
+            out.append(record("qmatmul_1thr", bits, 1, shape, qt.nbytes, t, bandwidth))
+            t = median_time(lambda: qmatmul(x, l2), repeats * 10)
+            out.append(record("qmatmul_l2_1thr", bits, 1, (L2_ROWS, cols), l2.nbytes, t, bandwidth))
+        finally:
+            set_threads()
+    return out
+
+
+def after_torch_time(fn, sets, repeats: int) -> float:
+    """Median time of fn alone when each call directly follows a torch op (torch's OpenMP threads
+    may still be spinning on the cores the numba kernel needs)."""
+    a, b = torch.randn(64, 1024), torch.randn(1024, 1024)
+    times = []
+    for i in range(repeats + 2):
+        torch.mm(a, b)
+        t0 = time.perf_counter()
+        fn(*sets[i % len(sets)])
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[2:])
+
+
+def bench_torch_linear(shape, bandwidth, repeats):
+    """torch bf16 F.linear on an (already dequantized) bf16 weight, cold like the others."""
+    progress("torch bf16 linear", shape)
+    rows, cols = shape
+    n = max(2, -(-COLD_BYTES // (rows * cols * 2)))
+    ws = [torch.randn(rows, cols).to(torch.bfloat16) for _ in range(n)]
+    out = []
+    for tokens in TOKENS:
+        x = torch.randn(tokens, cols).to(torch.bfloat16)
+        t = median_time(rotating(lambda w: F.linear(x, w), [[w] for w in ws]), repeats)
+        out.append(record("torch_bf16_linear", 16, tokens, shape, rows * cols * 2, t, bandwidth))
+    return out
+
+
+def crossover(bits, bandwidth, repeats):
+    """qmatmul vs dequantize(bf16) + F.linear on Mixtral's shape, for growing token counts."""
+    progress("crossover", f"int{bits}")
+    rows, cols = MIXTRAL
+    qt = quantize(torch.randn(rows, cols) * 0.02, bits)
+    sets = copies([qt])
+    out, first = [], None
+    for tokens in CROSSOVER_TOKENS:
+        x = np.random.default_rng(tokens).standard_normal((tokens, cols), dtype=np.float32)
+        xb = torch.from_numpy(x).to(torch.bfloat16)
+        t_fused = median_time(rotating(lambda q: qmatmul(x, q), sets), repeats)
+        t_deq = median_time(rotating(lambda q: F.linear(xb, dequantize(q, torch.bfloat16)), sets), repeats)
+        out.append(record("qmatmul", bits, tokens, MIXTRAL, qt.nbytes, t_fused, bandwidth, series="crossover"))
+        out.append(record("dequant_bf16+linear", bits, tokens, MIXTRAL, qt.nbytes, t_deq, bandwidth,
+                          series="crossover"))
+        if first is None and t_deq < t_fused:
+            first = tokens
+    return out, first
+
+
+def bench_expert(shape, bits, bandwidth, repeats):
+    """swiglu_expert vs qmatmul(gate) + qmatmul(up) + qmatmul(down) at 1..16 tokens."""
+    progress("swiglu expert", shape, f"int{bits}")
+    inner, dim = shape
+    experts = [quantize(torch.randn(*s) * 0.02, bits) for s in ((inner, dim), (inner, dim), (dim, inner))]
+    nbytes = sum(qt.nbytes for qt in experts)
+    sets = copies(experts)
+    out = []
+    for tokens in TOKENS:
+        x = np.random.default_rng(tokens).standard_normal((tokens, dim), dtype=np.float32)
+        t = median_time(rotating(lambda g, u, d: swiglu_expert(x, g, u, d), sets), repeats)
+        out.append(record("swiglu_expert", bits, tokens, shape, nbytes, t, bandwidth))
+    x = np.random.default_rng(1).standard_normal((1, dim), dtype=np.float32)
+    h = np.random.default_rng(2).standard_normal((1, inner), dtype=np.float32)
+
+    def three(g, u, d):
+        qmatmul(x, g), qmatmul(x, u), qmatmul(h, d)
+
+    t = median_time(rotating(three, sets), repeats)
+    out.append(record("three_gemvs", bits, 1, shape, nbytes, t, bandwidth))
+    return out
+
+
+def bundled_shape(path: Path):
+    config = path / "config.json"
+    if not config.exists():
+        return None
+    cfg = json.loads(config.read_text())
+    return cfg["intermediate_size"], cfg["hidden_size"]
+
+
+def machine() -> dict:
+    wide = (numba.config.CPU_FEATURES or "").endswith("-prefer-256-bit")
+    return {"date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+            "vector_bits": 512 if wide else "LLVM default (256 on this CPU)",
+            "cpu": platform.processor() or platform.machine(), "cores": len(os.sched_getaffinity(0)),
+            "loadavg": os.getloadavg(), "numba": numba.__version__, "torch": torch.__version__,
+            "numpy": np.__version__, "threading_layer": numba.threading_layer(),
+            "numba_threads": numba.get_num_threads(), "torch_threads": torch.get_num_threads()}
+
+
+def cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def print_table(records):
+    print(f"{'kernel':<22}{'bits':>5}{'tokens':>7}{'rows':>7}{'cols':>7}{'ms':>10}{'GB/s':>8}{'% bw':>7}")
+    for r in records:
+        print(f"{r['kernel']:<22}{r['bits']:>5}{r['tokens']:>7}{r['rows']:>7}{r['cols']:>7}"
+              f"{r['ms']:>10.3f}{r['gbps']:>8.1f}{r['pct_of_bandwidth']:>7.1f}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", help="write the records as a JSON list to this file ('-': stdout)")
+    ap.add_argument("--bundled", type=Path, default=BUNDLED, help="bundled model dir (its config.json)")
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--parts", default="qmatmul,expert,crossover",
+                    help="comma-separated subset of qmatmul,expert,crossover (bandwidth always runs)")
+    ap.add_argument("--mixtral-only", action="store_true", help="skip the bundled model's shapes")
+    args = ap.parse_args()
+
+    set_threads()
+    _parallel_sum(np.ones((2, 16), np.float32))  # start numba's thread pool before machine() reads it
+    info = machine() | {"cpu": cpu_model()}
+    print("machine:", json.dumps(info))
+    bw = read_bandwidth(args.repeats)
+    bandwidth = bw["numba_sum_gbps"]
+    print(f"memory read bandwidth (1 GiB): numba sum {bandwidth:.1f} GB/s, torch sum {bw['torch_sum_gbps']:.1f} GB/s")
+
+    parts = set(args.parts.split(","))
+    small = None if args.mixtral_only else bundled_shape(args.bundled)
+    if small is None:
+        print(f"bundled model shapes skipped ({args.bundled}): Mixtral shape only")
+    records, notes = [], []
+    if "qmatmul" in parts:
+        for shape in [MIXTRAL] + ([small, small[::-1]] if small else []):  # gate/up [I, D], down [D, I]
+            for bits in (8, 4, 2):
+                records += bench_qmatmul(shape, bits, bandwidth, args.repeats, with_hot=shape == MIXTRAL)
+            records += bench_torch_linear(shape, bandwidth, args.repeats)
+    if "expert" in parts:
+        fused = {}
+        for shape in [MIXTRAL] + ([small] if small else []):
+            for bits in (8, 4, 2):
+                recs = bench_expert(shape, bits, bandwidth, args.repeats)
+                records += recs
+                one = {r["kernel"]: r["ms"] for r in recs if r["tokens"] == 1}
+                fused[(shape, bits)] = one["swiglu_expert"] / one["three_gemvs"]
+        notes.append("fused expert / three GEMVs, 1 token: "
+                     + ", ".join(f"{s[0]}x{s[1]} int{b}: {v:.2f}x" for (s, b), v in fused.items()))
+    if "crossover" in parts:
+        crossings = {}
+        for bits in (8, 4, 2):
+            recs, first = crossover(bits, bandwidth, args.repeats)
+            records += recs
+            crossings[bits] = first
+        notes.append("dequantize(bf16) + F.linear beats qmatmul from (tokens, Mixtral shape): "
+                     + ", ".join(f"int{b}: {t if t else '>' + str(CROSSOVER_TOKENS[-1])}"
+                                 for b, t in crossings.items()))
+    finish(records, args.json, notes)
+
+
+def finish(records, json_path, notes):
+    print_table(records)
+    for note in notes:
+        print(note)
+    print("load average after:", os.getloadavg())
+    if json_path:
+        text = json.dumps(records, indent=1)
+        if json_path == "-":
+            print(text)
+        else:
+            Path(json_path).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
