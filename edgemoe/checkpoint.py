@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 from .errors import CheckpointError
 
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                 "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
@@ -65,7 +65,7 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
         n = 1
         for d in shape:
             n *= d
-        if end - begin != n * _DTYPE_BYTES.get(entry["dtype"], 0):
+        if end - begin != n * DTYPE_BYTES.get(entry["dtype"], 0):
             raise CheckpointError(f"{path}: tensor {name!r} has {end - begin} bytes for shape {shape} "
                                   f"{entry['dtype']}")
         data_end = max(data_end, end)

@@ -1,4 +1,5 @@
-"""`edgemoe.load(path)`: a model from a Hugging Face checkpoint directory (everything in RAM)."""
+"""`edgemoe.load(path)`: a model from a Hugging Face checkpoint directory (everything in RAM) or from a
+store (dense weights in RAM, experts in the tiered store)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,48 @@ def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32)
     return MoEModel(spec, dense, InMemoryExperts(experts), tokenizer, generation_config, name=directory.name)
 
 
-def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> MoEModel:
-    """A model from a checkpoint directory. (Stores are added by the store issue.)"""
+
+
+def is_store(path: str | os.PathLike) -> bool:
+    from edgemoe.store.format import MANIFEST, DENSE_FILE
+    path = Path(path)
+    return (path / MANIFEST).exists() or (path / DENSE_FILE).exists()
+
+
+def load_store(path: str | os.PathLike, ram=None, vram=0, device=None, policy: str = "lru", io: str = "buffered",
+               dtype: torch.dtype = torch.float32, fused_max_tokens: int | None = None) -> MoEModel:
+    """A model whose experts stay in a tiered store (budgets: bytes or strings like "512MiB")."""
+    from safetensors import safe_open
+
+    from edgemoe.store import TieredStore
+    from edgemoe.store.format import StoreError, crc32
+    from .quantized import FUSED_MAX_TOKENS, StoreExperts
+
+    store = TieredStore(path, ram=ram, vram=vram, device=device, policy=policy, io=io)
+    dense_info = store.manifest.data["dense"]
+    dense_path = store.path / dense_info["file"]
+    if crc32(dense_path.read_bytes()) != dense_info["crc32"]:
+        store.close()
+        raise StoreError(f"{dense_path}: checksum mismatch: the store is corrupt")
+    with safe_open(str(dense_path), framework="pt") as f:
+        dense = {name: f.get_tensor(name).to(dtype) for name in f.keys()}
+    missing = sorted(set(store.spec.dense_shapes()) - set(dense))
+    if missing:
+        store.close()
+        raise StoreError(f"{dense_path}: missing dense tensors {missing[:5]}")
+    directory = Path(path)
+    tokenizer = Tokenizer(directory) if (directory / "tokenizer.json").exists() else None
+    gen_path = directory / "generation_config.json"
+    generation_config = read_json(gen_path) if gen_path.exists() else {}
+    experts = StoreExperts(store, fused_max_tokens or FUSED_MAX_TOKENS)
+    return MoEModel(store.spec, dense, experts, tokenizer, generation_config, name=directory.name)
+
+
+def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32, **store_options) -> MoEModel:
+    """A model from a Hugging Face checkpoint directory (all in RAM) or from a store (experts tiered;
+    options ram=, vram=, device=, policy=, io=, fused_max_tokens=)."""
+    if is_store(path):
+        return load_store(path, dtype=dtype, **store_options)
+    if store_options:
+        raise ValueError(f"{path}: {sorted(store_options)} apply to stores only; this is a checkpoint directory")
     return load_checkpoint(path, dtype)

@@ -1,0 +1,173 @@
+"""The store's on-disk format (docs/store-format.md): manifest, blob layout, checksums.
+
+Shapes: I expert hidden, D hidden; see edgemoe.quant for the packed arrays.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from edgemoe.errors import EdgeMoEError
+from edgemoe.models.spec import ModelSpec
+from edgemoe.quant import QuantizedTensor
+
+FORMAT_NAME = "edgemoe-store"
+FORMAT_VERSION = 1
+ALIGNMENT = 4096          # every blob starts on a page: one aligned read (O_DIRECT-able) per expert
+ARRAY_ALIGNMENT = 64      # every array inside a blob starts on a cache line
+MANIFEST = "manifest.json"
+DENSE_FILE = "dense.safetensors"
+PROFILE = "profile.json"
+EXPERT_ROLES = ("gate", "up", "down")
+ARRAY_NAMES = ("packed", "scale", "zero")
+COPIED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+class StoreError(EdgeMoEError):
+    """A store that is missing, incomplete, of an unknown version, or corrupt."""
+
+
+def crc32(data) -> int:
+    return zlib.crc32(data) & 0xFFFFFFFF
+
+
+def align(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+@dataclass(frozen=True)
+class ExpertEntry:
+    """One expert's record in the manifest."""
+
+    layer: int
+    expert: int
+    bits: int
+    file: str
+    offset: int
+    length: int           # blob bytes (decompressed)
+    stored_length: int    # bytes on disk
+    compression: str | None
+    crc32: int            # of the stored bytes
+    tensors: dict         # role -> {"shape", "bits", "group_size", "arrays": {name -> {offset, dtype, shape}}}
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.layer, self.expert
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+    def where(self) -> str:
+        return f"layer {self.layer} expert {self.expert} ({self.file} at byte {self.offset})"
+
+
+def blob_layout(quantized: dict[str, QuantizedTensor]) -> tuple[dict, int]:
+    """Where each array of an expert goes inside its blob: (tensors record, blob length)."""
+    tensors, offset = {}, 0
+    for role in EXPERT_ROLES:
+        qt = quantized[role]
+        arrays = {}
+        for name, array in qt.arrays().items():
+            offset = align(offset, ARRAY_ALIGNMENT)
+            arrays[name] = {"offset": offset, "dtype": array.dtype.name, "shape": list(getattr(qt, name).shape)}
+            offset += array.nbytes
+        tensors[role] = {"shape": list(qt.shape), "bits": qt.bits, "group_size": qt.group_size, "arrays": arrays}
+    return tensors, offset
+
+
+def encode_blob(quantized: dict[str, QuantizedTensor]) -> tuple[dict, bytes]:
+    tensors, length = blob_layout(quantized)
+    blob = bytearray(length)
+    for role in EXPERT_ROLES:
+        for name, array in quantized[role].arrays().items():
+            start = tensors[role]["arrays"][name]["offset"]
+            blob[start:start + array.nbytes] = array.tobytes()
+    return tensors, bytes(blob)
+
+
+def decode_blob(entry: ExpertEntry, blob: np.ndarray) -> dict[str, QuantizedTensor]:
+    """Zero-copy QuantizedTensors over a blob buffer (uint8 array of entry.length bytes)."""
+    out = {}
+    for role in EXPERT_ROLES:
+        t = entry.tensors[role]
+        arrays = {}
+        for name, a in t["arrays"].items():
+            dtype = np.dtype(a["dtype"])
+            count = int(np.prod(a["shape"]))
+            arrays[name] = blob[a["offset"]:a["offset"] + count * dtype.itemsize].view(dtype)
+        out[role] = QuantizedTensor.from_arrays(t["bits"], t["group_size"], tuple(t["shape"]), arrays)
+    return out
+
+
+@dataclass
+class Manifest:
+    path: Path
+    data: dict
+    spec: ModelSpec
+    experts: dict[tuple[int, int], ExpertEntry]
+
+    @property
+    def quantization(self) -> dict:
+        return self.data["quantization"]
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_manifest(store: Path) -> Manifest:
+    """Parse and validate manifest.json; StoreError naming the problem otherwise."""
+    store = Path(store)
+    path = store / MANIFEST
+    if not store.is_dir():
+        raise StoreError(f"{store}: no such store directory")
+    if not path.exists():
+        raise StoreError(f"{store}: no {MANIFEST}: not a store, or an incomplete one (interrupted convert?)")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise StoreError(f"{path}: corrupt manifest ({e})") from None
+    if data.get("format") != FORMAT_NAME:
+        raise StoreError(f"{path}: not an edgemoe store manifest (format={data.get('format')!r})")
+    if data.get("version") != FORMAT_VERSION:
+        raise StoreError(f"{path}: store format version {data.get('version')!r} is not supported "
+                         f"(this edgemoe reads version {FORMAT_VERSION})")
+    if data.get("complete") is not True:
+        raise StoreError(f"{path}: the store is marked incomplete")
+    try:
+        spec = ModelSpec.from_dict(data["spec"])
+        experts = {(e["layer"], e["expert"]): ExpertEntry(**e) for e in data["experts"]}
+        sizes = {f["name"]: f["size"] for f in data["data_files"]}
+    except (KeyError, TypeError) as e:
+        raise StoreError(f"{path}: malformed manifest ({e})") from None
+    _check_files(store, data, sizes, experts)
+    expected = {(l, e) for l in spec.moe_layer_ids for e in range(spec.num_experts)}
+    if set(experts) != expected:
+        missing = sorted(expected - set(experts))[:5]
+        raise StoreError(f"{path}: manifest lists {len(experts)} experts, the model has {len(expected)} "
+                         f"(missing e.g. {missing})")
+    return Manifest(store, data, spec, experts)
+
+
+def _check_files(store: Path, data: dict, sizes: dict[str, int], experts: dict) -> None:
+    for name, size in list(sizes.items()) + [(data["dense"]["file"], data["dense"]["size"])]:
+        file = store / name
+        if not file.exists():
+            raise StoreError(f"{file}: missing (listed in the manifest)")
+        actual = file.stat().st_size
+        if actual != size:
+            raise StoreError(f"{file}: {actual} bytes, the manifest says {size} (truncated or replaced)")
+    for entry in experts.values():
+        if entry.file not in sizes or entry.offset + entry.stored_length > sizes[entry.file]:
+            raise StoreError(f"{store / MANIFEST}: {entry.where()} lies outside its data file")

@@ -1,0 +1,373 @@
+"""TieredStore: disk -> RAM -> VRAM, each tier with a byte budget, a pluggable eviction policy,
+a background loader for preloads, and counters.
+
+Tiers are exclusive: an expert is resident in at most one of VRAM and RAM, so on unified-memory
+devices (Jetson) nothing is counted twice. A load from disk goes to the fastest tier with a budget;
+an expert evicted from VRAM moves down to RAM, one evicted from RAM is dropped. An expert larger
+than a tier's whole budget is served without being cached ("streamed"): any budget gives correct
+results, a budget smaller than one layer's active experts just re-reads them. The budget bounds the
+cached bytes; an expert in use by the current step is also held by its caller until it is done.
+
+Thread safety: one lock guards the tiers and counters; disk reads happen outside it, and a read in
+flight is shared by every thread that asks for the same expert.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from edgemoe.quant import QuantizedTensor, dequantize_reference, get_format, group_layout
+
+from .disk import DiskTier
+from .format import ARRAY_NAMES, PROFILE, ExpertEntry, StoreError, decode_blob, read_manifest
+from .policies import make_policy
+
+Key = tuple[int, int]
+
+
+@dataclass
+class ResidentExpert:
+    """An expert's packed weights: in RAM (`tensors`, numpy, for the CPU kernels) or on a torch device
+    (`device_tensors`, role -> packed/scale/zero; then `tensors` is None: no second copy on the host)."""
+
+    entry: ExpertEntry
+    tensors: dict[str, QuantizedTensor] | None
+    nbytes: int
+    device_tensors: dict[str, dict[str, torch.Tensor]] | None = None
+    device: torch.device | None = None
+
+    @property
+    def key(self) -> Key:
+        return self.entry.key
+
+    @property
+    def bits(self) -> int:
+        return self.entry.bits
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """gate [I, D], up [I, D], down [D, I] as dense tensors (on the device when resident there)."""
+        if self.device_tensors is None:
+            return {role: dequantize_reference(qt).to(dtype) for role, qt in self.tensors.items()}
+        return {role: _dequantize_on_device(self.entry.tensors[role], t, dtype)
+                for role, t in self.device_tensors.items()}
+
+
+def _dequantize_on_device(meta: dict, t: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The torch twin of the dequantize kernel, run wherever the tensors are. meta: the manifest's record."""
+    rows, cols = meta["shape"]
+    group, _ = group_layout(meta["bits"], meta["group_size"], cols)
+    codes = get_format(meta["bits"]).unpack(t["packed"], group)                 # [R, NG, G] on the device
+    w = (codes.to(torch.float32) - t["zero"][..., None]) * t["scale"][..., None]
+    return w.reshape(rows, -1)[:, :cols].to(dtype)
+
+
+@dataclass
+class TierStats:
+    hits: int = 0
+    evictions: int = 0
+    bytes: int = 0          # resident now
+    peak_bytes: int = 0
+
+
+@dataclass
+class StoreStats:
+    vram: TierStats = field(default_factory=TierStats)
+    ram: TierStats = field(default_factory=TierStats)
+    misses: int = 0               # demand loads from disk
+    streamed: int = 0             # served without caching (larger than a tier)
+    disk_bytes_read: int = 0
+    preloads_issued: int = 0
+    preloads_loaded: int = 0
+    preloads_used: int = 0        # preloaded, then asked for before eviction
+    preloads_wasted: int = 0      # preloaded, evicted without use
+
+    @property
+    def requests(self) -> int:
+        return self.vram.hits + self.ram.hits + self.misses
+
+    @property
+    def hit_rate(self) -> float:
+        return (self.vram.hits + self.ram.hits) / self.requests if self.requests else 0.0
+
+    def to_dict(self) -> dict:
+        return {"requests": self.requests, "hit_rate": self.hit_rate, "vram": self.vram.__dict__,
+                "ram": self.ram.__dict__, "misses": self.misses, "streamed": self.streamed,
+                "disk_bytes_read": self.disk_bytes_read, "preloads_issued": self.preloads_issued,
+                "preloads_loaded": self.preloads_loaded, "preloads_used": self.preloads_used,
+                "preloads_wasted": self.preloads_wasted}
+
+
+class _Tier:
+    """A byte-budgeted map key -> ResidentExpert with an eviction policy."""
+
+    def __init__(self, name: str, budget: int, policy, stats: TierStats):
+        self.name, self.budget, self.policy, self.stats = name, budget, policy, stats
+        self.items: OrderedDict[Key, ResidentExpert] = OrderedDict()
+
+    def fits(self, nbytes: int) -> bool:
+        return nbytes <= self.budget
+
+    def put(self, item: ResidentExpert) -> list[ResidentExpert]:
+        """Insert, evicting by policy until it fits; returns the evicted items."""
+        evicted = []
+        while self.stats.bytes + item.nbytes > self.budget and self.items:
+            victim = self.items.pop(self.policy.victim(self.items.keys()))
+            self.policy.remove(victim.key)
+            self.stats.bytes -= victim.nbytes
+            self.stats.evictions += 1
+            evicted.append(victim)
+        self.items[item.key] = item
+        self.policy.insert(item.key)
+        self.stats.bytes += item.nbytes
+        self.stats.peak_bytes = max(self.stats.peak_bytes, self.stats.bytes)
+        return evicted
+
+    def pop(self, key: Key) -> ResidentExpert:
+        item = self.items.pop(key)
+        self.policy.remove(key)
+        self.stats.bytes -= item.nbytes
+        return item
+
+
+def parse_bytes(value: int | str | None, option: str = "budget") -> int | None:
+    """'512MiB', '2GB', '1.5G', 1048576 -> bytes; None stays None (unlimited)."""
+    if value is None or isinstance(value, int):
+        return value
+    units = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+             "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+    text = str(value).strip().lower()
+    number = text.rstrip("kmgtib")
+    try:
+        return int(float(number) * units[text[len(number):]])
+    except (ValueError, KeyError):
+        raise StoreError(f"--{option} {value!r}: expected bytes like 512MiB, 2GB or 1048576") from None
+
+
+class TieredStore:
+    """A store opened with budgets. Use as a context manager, or call close()."""
+
+    def __init__(self, path, ram: int | str | None = None, vram: int | str | None = 0,
+                 device: str | torch.device | None = None, policy: str = "lru", io: str = "buffered",
+                 verify: str = "first", preload_queue: int = 64, place_popular: bool = True):
+        self.manifest = read_manifest(Path(path))
+        self.path = self.manifest.path
+        self.spec = self.manifest.spec
+        self.disk = DiskTier(self.manifest, io=io, verify=verify)
+        self.stats = StoreStats()
+        self.popularity = self._read_popularity()
+        ram_budget = parse_bytes(ram, "ram")
+        vram_budget = parse_bytes(vram, "vram") or 0
+        if vram_budget and device is None:
+            device = "cuda" if torch.cuda.is_available() else None
+            if device is None:
+                raise StoreError("--vram: no GPU here; give a device explicitly (e.g. device='cpu' as a stand-in)")
+        self.device = torch.device(device) if vram_budget else None
+        self.policy_name = policy
+        make = lambda: make_policy(policy, self.spec.num_layers, self.popularity)  # noqa: E731
+        self.vram = _Tier("vram", vram_budget, make(), self.stats.vram) if vram_budget else None
+        self.ram = _Tier("ram", ram_budget if ram_budget is not None else 1 << 62, make(), self.stats.ram)
+        self._lock = threading.RLock()
+        self._in_flight: dict[Key, threading.Event] = {}
+        self._preloaded: set[Key] = set()
+        self._queue: queue.Queue = queue.Queue(maxsize=preload_queue)
+        self._loader_error: BaseException | None = None
+        self._closed = False
+        self._loader = threading.Thread(target=self._load_loop, name="edgemoe-preload", daemon=True)
+        self._loader.start()
+        if place_popular and self.popularity:
+            self._place_popular()
+
+    # ---- public API -------------------------------------------------------------------------------
+    def __enter__(self) -> "TieredStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def experts(self) -> list[ExpertEntry]:
+        return [self.manifest.experts[k] for k in sorted(self.manifest.experts)]
+
+    def resident(self) -> dict[Key, str]:
+        """Which experts are resident now, and where ("vram" or "ram")."""
+        with self._lock:
+            where = {k: "ram" for k in self.ram.items}
+            if self.vram:
+                where.update({k: "vram" for k in self.vram.items})
+            return where
+
+    def get(self, layer: int, expert: int) -> ResidentExpert:
+        """The expert, from the fastest tier holding it, else loaded from disk (and cached if it fits)."""
+        self._raise_loader_error()
+        key = (layer, expert)
+        if key not in self.manifest.experts:
+            raise StoreError(f"{self.path}: no expert {expert} in layer {layer}")
+        while True:
+            with self._lock:
+                item = self._lookup(key)
+                if item is not None:
+                    return item
+                event = self._in_flight.get(key)
+                if event is None:
+                    event = self._in_flight[key] = threading.Event()
+                    break
+            event.wait()   # another thread (the preloader) is reading it
+            self._raise_loader_error()
+        try:
+            item = self._read(key)
+            with self._lock:
+                self.stats.misses += 1
+                return self._place(item, preloaded=False)
+        finally:
+            with self._lock:
+                self._in_flight.pop(key).set()
+
+    def prefetch(self, keys) -> None:
+        """Ask the background loader for these experts (most wanted first); never blocks on I/O."""
+        self._raise_loader_error()
+        for key in keys:
+            key = (int(key[0]), int(key[1]))
+            with self._lock:
+                if self._lookup(key, count=False) is not None or key in self._in_flight:
+                    continue
+                self.stats.preloads_issued += 1
+            try:
+                self._queue.put_nowait(key)
+            except queue.Full:
+                return  # preloading is best effort: never stall the compute
+
+    def begin_layer(self, layer: int) -> None:
+        """The model is about to run `layer` (eviction policies weigh layer distance)."""
+        with self._lock:
+            for tier in (self.vram, self.ram):
+                if tier:
+                    tier.policy.set_layer(layer)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._loader.join(timeout=5)
+        self.disk.close()
+
+    # ---- internals --------------------------------------------------------------------------------
+    def _read_popularity(self) -> dict[Key, float]:
+        path = self.path / PROFILE
+        if not path.exists():
+            return {}
+        try:
+            table = json.loads(path.read_text())["popularity"]
+            return {(int(l), e): float(p) for l, row in table.items() for e, p in enumerate(row)}
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise StoreError(f"{path}: malformed profile ({exc})") from None
+
+    def _place_popular(self) -> None:
+        """Fiddler's initial placement: the most popular experts in the fastest tiers, while they fit."""
+        room = (self.vram.budget if self.vram else 0) + self.ram.budget
+        for key in sorted(self.popularity, key=lambda k: -self.popularity[k]):
+            entry = self.manifest.experts.get(key)
+            if entry is None or entry.length > room:
+                continue
+            room -= entry.length
+            with self._lock:
+                self._place(self._read(key), preloaded=False)
+
+    def _lookup(self, key: Key, count: bool = True) -> ResidentExpert | None:
+        for tier in (self.vram, self.ram):
+            if tier and key in tier.items:
+                if count:
+                    tier.stats.hits += 1
+                    tier.policy.touch(key)
+                    if key in self._preloaded:
+                        self._preloaded.discard(key)
+                        self.stats.preloads_used += 1
+                return tier.items[key]
+        return None
+
+    def _read(self, key: Key) -> ResidentExpert:
+        entry = self.manifest.experts[key]
+        blob = self.disk.read(entry)
+        with self._lock:
+            self.stats.disk_bytes_read += entry.stored_length
+        return ResidentExpert(entry, decode_blob(entry, blob), entry.length)
+
+    def _place(self, item: ResidentExpert, preloaded: bool) -> ResidentExpert:
+        """Cache a freshly read expert in the fastest tier it fits; returns what the caller should use."""
+        if self.vram and self.vram.fits(item.nbytes):
+            item = self._to_device(item)
+            for demoted in self.vram.put(item):
+                self._put_ram(self._to_host(demoted))
+        elif self.ram.fits(item.nbytes):
+            self._put_ram(item)
+        else:
+            self.stats.streamed += 1
+            return item
+        if preloaded:
+            self._preloaded.add(item.key)
+        else:
+            tier = self.vram if item.device is not None else self.ram
+            tier.policy.touch(item.key)
+        return item
+
+    def _put_ram(self, item: ResidentExpert) -> None:
+        if not self.ram.fits(item.nbytes):
+            self._forget(item.key)
+            return
+        for dropped in self.ram.put(item):
+            self._forget(dropped.key)
+
+    def _forget(self, key: Key) -> None:
+        if key in self._preloaded:
+            self._preloaded.discard(key)
+            self.stats.preloads_wasted += 1
+
+    def _to_device(self, item: ResidentExpert) -> ResidentExpert:
+        tensors = {role: {name: torch.from_numpy(np.array(getattr(qt, name))).to(self.device)
+                          for name in ARRAY_NAMES} for role, qt in item.tensors.items()}
+        return ResidentExpert(item.entry, None, item.nbytes, tensors, self.device)
+
+    def _to_host(self, item: ResidentExpert) -> ResidentExpert:
+        tensors = {}
+        for role, t in item.device_tensors.items():
+            meta = item.entry.tensors[role]
+            arrays = {name: np.ascontiguousarray(t[name].cpu().numpy()).reshape(-1) for name in ARRAY_NAMES}
+            tensors[role] = QuantizedTensor.from_arrays(meta["bits"], meta["group_size"], tuple(meta["shape"]), arrays)
+        return ResidentExpert(item.entry, tensors, item.nbytes)
+
+    def _load_loop(self) -> None:
+        while True:
+            key = self._queue.get()
+            if key is None:
+                return
+            with self._lock:
+                if self._lookup(key, count=False) is not None or key in self._in_flight:
+                    continue
+                event = self._in_flight[key] = threading.Event()
+            try:
+                item = self._read(key)
+                with self._lock:
+                    self.stats.preloads_loaded += 1
+                    self._place(item, preloaded=True)
+            except BaseException as exc:  # surfaced in the caller's thread by the next get/prefetch
+                self._loader_error = exc
+            finally:
+                with self._lock:
+                    self._in_flight.pop(key).set()
+
+    def _raise_loader_error(self) -> None:
+        if self._loader_error is not None:
+            error, self._loader_error = self._loader_error, None
+            raise error
+
+
+def open_store(path, **options) -> TieredStore:
+    """Open a store with tier budgets: open_store(path, ram="512MiB", vram=0, policy="lru"|"edgemoe")."""
+    return TieredStore(path, **options)
