@@ -38,20 +38,122 @@ def run(
     seed: Optional[int] = typer.Option(None, help="Seed for sampling."),
     stop: List[str] = typer.Option([], "--stop", help="Stop when this text is produced (repeatable)."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the tokenizer's chat template."),
+    ram: Optional[str] = typer.Option(None, "--ram", help="Store only: RAM budget for experts, e.g. 512MiB "
+                                      "(default: unlimited)."),
+    vram: Optional[str] = typer.Option(None, "--vram", help="Store only: VRAM budget for experts."),
+    device: Optional[str] = typer.Option(None, "--device", help="Store only: torch device of the VRAM tier "
+                                         "(default: cuda when present)."),
+    policy: str = typer.Option("lru", "--policy", help="Store only: eviction policy, lru or edgemoe."),
+    stats: bool = typer.Option(False, "--stats", help="Print speed and cache figures after the text."),
 ):
-    """Generate text, streamed as it is produced."""
-    import edgemoe
+    """Generate text, streamed as it is produced, from a checkpoint directory or a store."""
+    import time
 
-    m = edgemoe.load(_model_path(model))
+    import edgemoe
+    from .loader import is_store
+
+    path = _model_path(model)
+    store_options = dict(ram=ram, vram=vram, device=device, policy=policy) if is_store(path) else {}
+    if not store_options and (ram or vram or device):
+        raise EdgeMoEError(f"{path}: --ram/--vram/--device apply to stores; this is a checkpoint directory")
+    m = edgemoe.load(path, **store_options)
     if m.tokenizer is None:
         raise EdgeMoEError(f"{model}: no tokenizer.json, cannot generate text")
     text = m.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
     options = {k: v for k, v in dict(temperature=temperature, top_k=top_k, top_p=top_p).items() if v is not None}
     if not chat:
         sys.stdout.write(prompt)
+    start = time.perf_counter()
     m.generate(text, on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()),
                max_new_tokens=max_new_tokens, seed=seed, stop_strings=tuple(stop), **options)
     sys.stdout.write("\n")
+    if stats:
+        _print_run_stats(m, time.perf_counter() - start)
+
+
+def _print_run_stats(model, seconds: float) -> None:
+    print(f"[stats] {seconds:.2f} s", file=sys.stderr)
+    store = getattr(model.experts, "store", None)
+    if store is not None:
+        st = store.stats
+        print(f"[stats] expert requests {st.requests}, hit rate {st.hit_rate:.3f} (vram {st.vram.hits}, "
+              f"ram {st.ram.hits}, disk {st.misses}), disk bytes read {st.disk_bytes_read}, "
+              f"evictions ram {st.ram.evictions} vram {st.vram.evictions}, preloads used {st.preloads_used} "
+              f"wasted {st.preloads_wasted}", file=sys.stderr)
+
+
+@app.command()
+def convert(
+    model: Path = typer.Argument(..., help="Hugging Face checkpoint directory."),
+    out: Path = typer.Option(..., "--out", "-o", help="Store directory to create."),
+    bits: int = typer.Option(4, "--bits", help="Width of every expert: 2, 4 or 8."),
+    widths: Optional[Path] = typer.Option(None, "--widths", help='Per-expert widths, JSON {"widths": '
+                                          '{"<layer>": [bits, ...]}}, overriding --bits.'),
+    group_size: Optional[int] = typer.Option(None, "--group-size", help="Quantization group along the input "
+                                             "dimension (default: one group per row)."),
+    method: str = typer.Option("rtn", "--method", help="rtn (round to nearest) or hqq (refined zero points)."),
+    compress: Optional[str] = typer.Option(None, "--compress", help="zstd: compress each expert blob."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing store."),
+    workers: Optional[int] = typer.Option(None, "--workers", help="Quantization threads (default: all cores)."),
+):
+    """Quantize a checkpoint's experts into a tiered store."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from edgemoe.checkpoint import Checkpoint
+    from edgemoe.store import convert as convert_store, read_widths
+    from .loader import read_spec
+
+    width_map = read_widths(widths, read_spec(Checkpoint(model))) if widths else None
+    with Progress(TextColumn("quantizing experts"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  transient=True) as progress:
+        task = progress.add_task("experts", total=None)
+        report = convert_store(model, out, bits=bits, widths=width_map, group_size=group_size, method=method,
+                               compress=compress, force=force, workers=workers,
+                               on_progress=lambda done, total: progress.update(task, completed=done, total=total))
+    widths_text = ", ".join(f"INT{b}: {n}" for b, n in report.widths.items())
+    print(f"wrote {report.store}: {report.experts} experts ({widths_text}), expert bytes {_size(report.expert_bytes)}"
+          f" ({report.bits_per_weight:.3f} bits/weight), dense {_size(report.dense_bytes)}, "
+          f"{report.seconds:.1f} s, peak RSS {_size(report.peak_rss_bytes)}")
+
+
+@app.command()
+def inspect(
+    store: Path = typer.Argument(..., help="Store directory."),
+    ram: Optional[str] = typer.Option(None, "--ram", help="Show where experts would be placed with this RAM budget."),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Summarise a store: model, sizes per layer and width, bits per weight, initial placement."""
+    import json
+
+    from edgemoe.store import inspect_store
+
+    summary = inspect_store(store, ram=ram)
+    if as_json:
+        print(json.dumps(summary, indent=1))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    m = summary["model"]
+    console.print(f"{store}: {m['model_type']}, {m['layers']} layers, {m['experts']} experts/layer, top-{m['top_k']}, "
+                  f"hidden {m['hidden']}, expert hidden {m['expert_hidden']}; format v{summary['version']}, "
+                  f"{summary['quantization']}")
+    console.print(f"experts {_size(summary['expert_bytes'])} at {summary['bits_per_weight']:.3f} bits/weight, "
+                  f"dense {_size(summary['dense_bytes'])}")
+    table = Table("layer", *[f"INT{b}" for b in (2, 4, 8)], "bytes", *(["in RAM"] if ram else []))
+    for row in summary["layers"]:
+        table.add_row(str(row["layer"]), *[str(row["widths"].get(str(b), 0)) for b in (2, 4, 8)],
+                      _size(row["bytes"]), *([str(row["resident"])] if ram else []))
+    console.print(table)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
 
 
 @app.command("eval")

@@ -12,8 +12,9 @@
 """
 
 from .format import ExpertEntry, Manifest, StoreError, read_manifest
+from .inspect import inspect_store
 from .tiers import ResidentExpert, StoreStats, TieredStore, open_store, parse_bytes
 from .writer import ConvertReport, convert, read_widths
 
 __all__ = ["ConvertReport", "ExpertEntry", "Manifest", "ResidentExpert", "StoreError", "StoreStats", "TieredStore",
-           "convert", "open_store", "parse_bytes", "read_manifest", "read_widths"]
+           "convert", "inspect_store", "open_store", "parse_bytes", "read_manifest", "read_widths"]

@@ -250,6 +250,11 @@ class TieredStore:
                 if tier:
                     tier.policy.set_layer(layer)
 
+    def drain(self) -> None:
+        """Wait until every queued preload is loaded (or failed); its error, if any, is raised."""
+        self._queue.join()
+        self._raise_loader_error()
+
     def close(self) -> None:
         if self._closed:
             return
@@ -345,22 +350,29 @@ class TieredStore:
     def _load_loop(self) -> None:
         while True:
             key = self._queue.get()
-            if key is None:
-                return
-            with self._lock:
-                if self._lookup(key, count=False) is not None or key in self._in_flight:
-                    continue
-                event = self._in_flight[key] = threading.Event()
             try:
-                item = self._read(key)
-                with self._lock:
-                    self.stats.preloads_loaded += 1
-                    self._place(item, preloaded=True)
-            except BaseException as exc:  # surfaced in the caller's thread by the next get/prefetch
-                self._loader_error = exc
+                if key is None:
+                    return
+                self._load_one(key)
             finally:
-                with self._lock:
-                    self._in_flight.pop(key).set()
+                self._queue.task_done()
+
+    def _load_one(self, key: Key) -> None:
+        with self._lock:
+            if self._lookup(key, count=False) is not None or key in self._in_flight:
+                return
+            event = self._in_flight[key] = threading.Event()
+        try:
+            item = self._read(key)
+            with self._lock:
+                self.stats.preloads_loaded += 1
+                self._place(item, preloaded=True)
+        except BaseException as exc:  # surfaced in the caller's thread by the next get/prefetch
+            self._loader_error = exc
+        finally:
+            with self._lock:
+                self._in_flight.pop(key)
+            event.set()
 
     def _raise_loader_error(self) -> None:
         if self._loader_error is not None:

@@ -1,0 +1,300 @@
+"""The store: format round trip against a plain-torch reference, atomic convert, corruption detected,
+tier budgets and policies, background loader, and greedy output independent of all of them."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import edgemoe
+from edgemoe.experts import DenseExpert, InMemoryExperts
+from edgemoe.generate import GenerationOptions, generate_batch
+from edgemoe.model import MoEModel
+from edgemoe.quant import dequantize_reference, quantize
+from edgemoe.store import StoreError, convert, inspect_store, open_store, read_manifest
+from edgemoe.store.format import ALIGNMENT, MANIFEST
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_model):
+    return tiny_model("qwen2_moe", num_hidden_layers=3, num_experts=6, mlp_only_layers=[1])
+
+
+@pytest.fixture(scope="module")
+def store(checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("stores") / "q4"
+    convert(checkpoint, out, bits=4)
+    return out
+
+
+def dequantized_reference(checkpoint, widths):
+    """The checkpoint's model with each expert replaced by quantize -> dequantize_reference (plain torch)."""
+    model = edgemoe.load(checkpoint)
+    experts = {key: DenseExpert(**{role: dequantize_reference(quantize(getattr(e, role), widths(key)))
+                                   for role in ("gate", "up", "down")})
+               for key, e in model.experts.experts.items()}
+    model.experts = InMemoryExperts(experts)
+    return model
+
+
+def tokens(model, text="To be, or not to be, that is the question"):
+    return torch.tensor(model.tokenizer.encode(text))
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_store_logits_match_plain_torch_dequantized_model(checkpoint, tmp_path, bits):
+    convert(checkpoint, tmp_path / "s", bits=bits)
+    model = edgemoe.load(tmp_path / "s")
+    reference = dequantized_reference(checkpoint, lambda key: bits)
+    ids = tokens(model)
+    assert (model.logits(ids) - reference.logits(ids)).abs().max() <= 1e-4
+
+
+def test_per_expert_widths_and_compression(checkpoint, tmp_path):
+    spec = edgemoe.load(checkpoint).spec
+    widths = {str(l): [(2, 4, 8)[(l + e) % 3] for e in range(spec.num_experts)] for l in spec.moe_layer_ids}
+    (tmp_path / "w.json").write_text(json.dumps({"widths": widths}))
+    from edgemoe.store import read_widths
+    width_map = read_widths(tmp_path / "w.json", spec)
+    convert(checkpoint, tmp_path / "mixed", widths=width_map, compress="zstd")
+    manifest = read_manifest(tmp_path / "mixed")
+    assert all(e.bits == width_map[e.key] and e.compression == "zstd" for e in manifest.experts.values())
+    assert all(e.offset % ALIGNMENT == 0 for e in manifest.experts.values())
+    model = edgemoe.load(tmp_path / "mixed")
+    reference = dequantized_reference(checkpoint, lambda key: width_map[key])
+    assert (model.logits(tokens(model)) - reference.logits(tokens(model))).abs().max() <= 1e-4
+    assert inspect_store(tmp_path / "mixed")["widths"] == {k: v for k, v in widths.items()}
+
+
+def test_bad_width_file_names_the_file_and_layer(checkpoint, tmp_path):
+    (tmp_path / "w.json").write_text(json.dumps({"widths": {"0": [4, 3]}}))
+    from edgemoe.store import read_widths
+    with pytest.raises(StoreError, match=r"w\.json: layer 0 needs a list of 6 widths"):
+        read_widths(tmp_path / "w.json", edgemoe.load(checkpoint).spec)
+
+
+def greedy(model, n=12):
+    prompts = [model.tokenizer.encode("To be, or not"), model.tokenizer.encode("All the world")]
+    return generate_batch(model, prompts, GenerationOptions(max_new_tokens=n, stop_token_ids=[]))
+
+
+def test_greedy_output_is_the_same_whatever_the_budgets_and_policies(store):
+    entry_bytes = max(e.length for e in read_manifest(store).experts.values())
+    expected = greedy(edgemoe.load(store))
+    settings = [dict(ram=0), dict(ram=entry_bytes), dict(ram=3 * entry_bytes, policy="edgemoe"),
+                dict(ram=5 * entry_bytes, policy="lru"), dict(ram=2 * entry_bytes, vram=2 * entry_bytes, device="cpu"),
+                dict(ram=0, vram=4 * entry_bytes, device="cpu", policy="edgemoe")]
+    for options in settings:
+        model = edgemoe.load(store, **options)
+        assert greedy(model) == expected, options
+        stats = model.experts.store.stats
+        assert stats.ram.peak_bytes <= (options["ram"] or 0) and stats.vram.peak_bytes <= options.get("vram", 0)
+
+
+def test_vram_tier_on_a_cpu_stand_in_matches_ram_logits(store):
+    ids = tokens(edgemoe.load(store))
+    ram_logits = edgemoe.load(store).logits(ids)
+    model = edgemoe.load(store, ram=0, vram="1GB", device="cpu")
+    assert (model.logits(ids) - ram_logits).abs().max() <= 1e-4
+    assert set(model.experts.store.resident().values()) == {"vram"}
+
+
+def test_tiers_are_exclusive_and_demote_from_vram_to_ram(store):
+    size = max(e.length for e in read_manifest(store).experts.values())
+    with open_store(store, ram=2 * size, vram=2 * size, device="cpu") as s:
+        for e in range(4):
+            s.get(0, e)
+        where = s.resident()
+        assert list(where.values()).count("vram") == 2 and list(where.values()).count("ram") == 2
+        assert s.stats.vram.evictions == 2 and s.stats.vram.bytes <= 2 * size
+        s.get(0, 0)                                   # in RAM now: a hit, not a disk read
+        assert s.stats.misses == 4 and s.stats.ram.hits == 1
+
+
+def test_lru_and_edgemoe_policies_choose_different_victims(store):
+    size = max(e.length for e in read_manifest(store).experts.values())
+    choices = {}
+    for policy in ("lru", "edgemoe"):
+        with open_store(store, ram=3 * size, policy=policy) as s:
+            s.begin_layer(0)
+            for _ in range(3):
+                s.get(0, 0)                            # frequent, layer 0
+            s.begin_layer(2)
+            s.get(2, 1)
+            s.get(2, 2)
+            s.begin_layer(2)
+            s.get(2, 3)                                # needs room: evict one of (0,0), (2,1), (2,2)
+            choices[policy] = sorted(s.resident())
+    assert choices["lru"] == [(2, 1), (2, 2), (2, 3)]          # the least recently used went
+    assert choices["edgemoe"] == [(0, 0), (2, 2), (2, 3)]      # frequent and soon-needed (0,0) stays
+
+
+def test_budget_smaller_than_one_expert_streams_without_caching(store):
+    with open_store(store, ram=100) as s:
+        a = s.get(0, 1)
+        assert s.stats.streamed == 1 and s.resident() == {}
+        assert a.dequantize()["gate"].shape == a.dequantize()["up"].shape
+
+
+def test_prefetch_loads_in_background_and_counts_use_and_waste(store):
+    size = max(e.length for e in read_manifest(store).experts.values())
+    with open_store(store, ram=2 * size) as s:
+        s.prefetch([(0, 2), (0, 3)])
+        s.drain()
+        s.get(0, 2)
+        s.get(0, 3)
+        assert (s.stats.misses, s.stats.ram.hits, s.stats.preloads_loaded, s.stats.preloads_used) == (0, 2, 2, 2)
+        s.prefetch([(2, 0), (2, 1)])
+        s.drain()                                      # they evicted the used (0, 2), (0, 3)
+        s.prefetch([(2, 2), (2, 3)])
+        s.drain()                                      # these evict (2, 0), (2, 1), never used
+        assert s.stats.preloads_wasted == 2 and sorted(s.resident()) == [(2, 2), (2, 3)]
+        s.prefetch([(2, 2)])                           # already resident: not issued again
+        assert s.stats.preloads_issued == 6
+
+
+def test_many_threads_share_a_store(store):
+    size = max(e.length for e in read_manifest(store).experts.values())
+    expected = {}
+    with open_store(store) as s:
+        for key in read_manifest(store).experts:
+            expected[key] = s.get(*key).dequantize()["down"]
+    errors = []
+    with open_store(store, ram=3 * size, policy="edgemoe") as s:
+        def worker(seed):
+            g = torch.Generator().manual_seed(seed)
+            keys = sorted(expected)
+            try:
+                for _ in range(40):
+                    key = keys[int(torch.randint(len(keys), (1,), generator=g))]
+                    s.prefetch([keys[int(torch.randint(len(keys), (1,), generator=g))]])
+                    assert torch.equal(s.get(*key).dequantize()["down"], expected[key])
+            except BaseException as exc:
+                errors.append(exc)
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert s.stats.ram.bytes <= 3 * size and s.stats.ram.peak_bytes <= 3 * size
+        assert s.stats.requests == 160
+
+
+def test_existing_output_is_refused_unless_forced(checkpoint, store, tmp_path):
+    with pytest.raises(StoreError, match="already exists"):
+        convert(checkpoint, store)
+    out = tmp_path / "s"
+    convert(checkpoint, out, bits=8)
+    convert(checkpoint, out, bits=2, force=True)
+    assert {e.bits for e in read_manifest(out).experts.values()} == {2}
+
+
+def test_a_failed_convert_leaves_nothing_that_opens(checkpoint, tmp_path):
+    def fail(done, total):
+        if done == 3:
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        convert(checkpoint, tmp_path / "s", on_progress=fail)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_killed_convert_leaves_no_store_and_the_next_one_cleans_up(checkpoint, tmp_path):
+    out = tmp_path / "s"
+    code = ("import os, sys; from edgemoe.store import convert; "
+            f"convert({str(checkpoint)!r}, {str(out)!r}, on_progress=lambda d, t: d == 3 and os.kill(os.getpid(), 9))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True)
+    assert proc.returncode == -9
+    assert not out.exists()
+    partials = list(tmp_path.glob("s.partial-*"))
+    assert len(partials) == 1 and not (partials[0] / MANIFEST).exists()
+    with pytest.raises(StoreError, match="no manifest.json"):
+        edgemoe.load(partials[0])
+    convert(checkpoint, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
+
+
+def copy_store(store, tmp_path):
+    import shutil
+    shutil.copytree(store, tmp_path / "copy")
+    return tmp_path / "copy"
+
+
+def test_truncated_data_file_is_detected_at_open(store, tmp_path):
+    s = copy_store(store, tmp_path)
+    data = s / "experts-00000.bin"
+    os.truncate(data, data.stat().st_size - ALIGNMENT)
+    with pytest.raises(StoreError, match="experts-00000.bin: .* bytes, the manifest says"):
+        edgemoe.load(s)
+
+
+def test_flipped_byte_inside_a_blob_names_layer_expert_and_file(store, tmp_path):
+    s = copy_store(store, tmp_path)
+    entry = read_manifest(s).experts[2, 4]
+    with open(s / "experts-00000.bin", "r+b") as f:
+        f.seek(entry.offset + 100)
+        byte = f.read(1)
+        f.seek(entry.offset + 100)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with open_store(s) as opened:
+        opened.get(2, 3)
+        with pytest.raises(StoreError, match=r"checksum mismatch for layer 2 expert 4 \(experts-00000.bin"):
+            opened.get(2, 4)
+    with open_store(s) as opened:                   # a corrupt preload surfaces in the caller
+        opened.prefetch([(2, 4)])
+        opened._queue.join()
+        with pytest.raises(StoreError, match="checksum mismatch for layer 2 expert 4"):
+            opened.get(0, 0)
+
+
+def test_corrupt_dense_file_is_detected(store, tmp_path):
+    s = copy_store(store, tmp_path)
+    with open(s / "dense.safetensors", "r+b") as f:
+        f.seek(-10, os.SEEK_END)
+        tail = f.read(4)
+        f.seek(-10, os.SEEK_END)
+        f.write(bytes(b ^ 0xFF for b in tail))
+    with pytest.raises(StoreError, match="dense.safetensors: checksum mismatch"):
+        edgemoe.load(s)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda m: None, "no manifest.json"),
+    (lambda m: {**m, "version": 99}, "version 99 is not supported"),
+    (lambda m: {**m, "complete": False}, "marked incomplete"),
+    (lambda m: {**m, "format": "other"}, "not an edgemoe store"),
+    (lambda m: {**m, "experts": m["experts"][1:]}, "manifest lists"),
+])
+def test_bad_manifests_are_refused(store, tmp_path, change, message):
+    s = copy_store(store, tmp_path)
+    manifest = json.loads((s / MANIFEST).read_text())
+    changed = change(manifest)
+    if changed is None:
+        (s / MANIFEST).unlink()
+    else:
+        (s / MANIFEST).write_text(json.dumps(changed))
+    with pytest.raises(StoreError, match=message):
+        edgemoe.load(s)
+
+
+def test_two_processes_read_one_store_at_once(store):
+    code = ("import sys, edgemoe; from edgemoe.generate import GenerationOptions, generate_batch; "
+            f"m = edgemoe.load({str(store)!r}, ram=30000); "
+            "print(generate_batch(m, [m.tokenizer.encode('To be, or not')], GenerationOptions(max_new_tokens=12, "
+            "stop_token_ids=[]))[0])")
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    expected = str(greedy(edgemoe.load(store))[0])
+    assert outputs == [expected, expected]
+
+
+def test_budget_strings_and_errors():
+    from edgemoe.store import parse_bytes
+    assert parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("2GB") == 2 * 10**9 and parse_bytes(4096) == 4096
+    assert parse_bytes("1.5k") == 1500
+    with pytest.raises(StoreError, match="--ram 'lots'"):
+        parse_bytes("lots", "ram")
