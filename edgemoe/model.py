@@ -42,6 +42,9 @@ class MoEModel:
         self.lm_head = dense["embed"] if spec.tie_word_embeddings else dense["lm_head"]
         self.layers = [{key.split(".", 2)[2]: t for key, t in dense.items() if key.startswith(f"layers.{l}.")}
                        for l in range(spec.num_layers)]
+        # Observers of each MoE layer's routing: hook(layer, experts [T, A], weights [T, A], positions [T],
+        # segments). Used to record traces and profiles and to drive preloading.
+        self.routing_hooks: list = []
 
     # ---- public API -------------------------------------------------------------------------------
     def new_cache(self) -> KVCache:
@@ -71,7 +74,7 @@ class MoEModel:
         for l, w in enumerate(self.layers):
             x = x + self._attention(l, w, rms_norm(x, w["attn_norm"], self.spec.rms_norm_eps),
                                     positions, cos, sin, segments)
-            x = x + self._mlp(l, w, rms_norm(x, w["mlp_norm"], self.spec.rms_norm_eps))
+            x = x + self._mlp(l, w, rms_norm(x, w["mlp_norm"], self.spec.rms_norm_eps), positions, segments)
         for s in segments:
             s.cache.advance(s.num_tokens)
         if last_only:
@@ -112,10 +115,12 @@ class MoEModel:
             start = end
         return torch.nn.functional.linear(torch.cat(outputs), w["o"])
 
-    def _mlp(self, l: int, w: dict, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, l: int, w: dict, x: torch.Tensor, positions: torch.Tensor, segments) -> torch.Tensor:
         if not self.spec.moe_layers[l]:
             return swiglu(x, w["mlp.gate"], w["mlp.up"], w["mlp.down"])
         weights, experts = route(x, w["router"], self.spec.top_k, self.spec.norm_topk_prob)
+        for hook in self.routing_hooks:
+            hook(l, experts, weights, positions, segments)
         out = self.experts.run(l, x, ExpertBatches.from_routing(weights, experts))
         if self.spec.shared_expert_hidden:
             shared = swiglu(x, w["shared.gate"], w["shared.up"], w["shared.down"])
