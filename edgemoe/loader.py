@@ -50,13 +50,13 @@ def is_store(path: str | os.PathLike) -> bool:
 
 
 def load_store(path: str | os.PathLike, ram=None, vram=0, device=None, policy: str = "lru", io: str = "buffered",
-               dtype: torch.dtype = torch.float32, fused_max_tokens: int | None = None) -> MoEModel:
+               dtype: torch.dtype = torch.float32, compute: str = "auto") -> MoEModel:
     """A model whose experts stay in a tiered store (budgets: bytes or strings like "512MiB")."""
     from safetensors import safe_open
 
     from edgemoe.store import TieredStore
     from edgemoe.store.format import StoreError, crc32
-    from .quantized import FUSED_MAX_TOKENS, StoreExperts
+    from .quantized import StoreExperts
 
     store = TieredStore(path, ram=ram, vram=vram, device=device, policy=policy, io=io)
     dense_info = store.manifest.data["dense"]
@@ -74,13 +74,13 @@ def load_store(path: str | os.PathLike, ram=None, vram=0, device=None, policy: s
     tokenizer = Tokenizer(directory) if (directory / "tokenizer.json").exists() else None
     gen_path = directory / "generation_config.json"
     generation_config = read_json(gen_path) if gen_path.exists() else {}
-    experts = StoreExperts(store, fused_max_tokens or FUSED_MAX_TOKENS)
+    experts = StoreExperts(store, compute)
     return MoEModel(store.spec, dense, experts, tokenizer, generation_config, name=directory.name)
 
 
 def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32, **store_options) -> MoEModel:
     """A model from a Hugging Face checkpoint directory (all in RAM) or from a store (experts tiered;
-    options ram=, vram=, device=, policy=, io=, fused_max_tokens=)."""
+    options ram=, vram=, device=, policy=, io=, compute=)."""
     if is_store(path):
         return load_store(path, dtype=dtype, **store_options)
     if store_options:

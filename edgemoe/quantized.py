@@ -1,15 +1,17 @@
 """Experts served by a tiered store and computed from their quantized weights.
 
-Where an expert computes (its token count S decides, never its residency in RAM):
-- in RAM, S <= fused_max_tokens: the fused numba SwiGLU kernel on the packed weights;
-- in RAM, larger S: dequantize once (numba) and multiply with torch;
-- in VRAM (a torch device): dequantize there and multiply there.
-The issue-6 latency model replaces fused_max_tokens by a measured per-machine decision.
+Where an expert in RAM computes is decided by its width and token count S alone (so that tiering
+never changes results): "fused", the numba SwiGLU kernel on the packed weights, or "dequant",
+dequantize once (numba) then torch matmuls. `compute="auto"` picks the cheaper by this machine's
+measured latency model (edgemoe.latency); "fused" or "dequant" force one. An expert resident on a
+torch device (the VRAM tier) is dequantized and multiplied there.
 
 Shapes: T tokens, D hidden, S tokens of one expert.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -19,13 +21,13 @@ from edgemoe.store import ResidentExpert, TieredStore
 from .experts import ExpertBatches, ExpertProvider
 from .layers import swiglu
 
-FUSED_MAX_TOKENS = 16  # the fused kernel's design range (issue 4); a kernel limit, not a latency model
+COMPUTE_CHOICES = ("auto", "fused", "dequant")
 
 
 class QuantizedExpert:
-    def __init__(self, resident: ResidentExpert, fused_max_tokens: int = FUSED_MAX_TOKENS):
+    def __init__(self, resident: ResidentExpert, choose: Callable[[int, int], str]):
         self.resident = resident
-        self.fused_max_tokens = fused_max_tokens
+        self.choose = choose          # (bits, tokens) -> "fused" | "dequant"
         self.nbytes = resident.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -33,7 +35,7 @@ class QuantizedExpert:
         if r.device is not None:
             w = r.dequantize(torch.float32)
             return swiglu(x.to(r.device, torch.float32), w["gate"], w["up"], w["down"]).to(x.device, x.dtype)
-        if x.shape[0] <= self.fused_max_tokens:
+        if self.choose(r.bits, x.shape[0]) == "fused":
             t = r.tensors
             y = kernels.swiglu_expert(x.float().contiguous().numpy(), t["gate"], t["up"], t["down"])
             return torch.from_numpy(y).to(x.dtype)
@@ -44,12 +46,28 @@ class QuantizedExpert:
 class StoreExperts(ExpertProvider):
     """The ExpertProvider of a model loaded from a store."""
 
-    def __init__(self, store: TieredStore, fused_max_tokens: int = FUSED_MAX_TOKENS):
+    def __init__(self, store: TieredStore, compute: str = "auto"):
+        if compute not in COMPUTE_CHOICES:
+            raise ValueError(f"compute={compute!r}: expected one of {COMPUTE_CHOICES}")
         self.store = store
-        self.fused_max_tokens = fused_max_tokens
+        self.compute = compute
+        self._latency = None
+
+    @property
+    def latency(self):
+        """This machine's latency model for the store's expert shape (calibrated once, then cached)."""
+        if self._latency is None:
+            from .latency import load_or_calibrate
+            spec = self.store.spec
+            widths = {e.bits for e in self.store.manifest.experts.values()}
+            self._latency = load_or_calibrate((spec.expert_hidden, spec.hidden_size), widths)
+        return self._latency
+
+    def choose(self, bits: int, tokens: int) -> str:
+        return self.compute if self.compute != "auto" else self.latency.choose(bits, tokens)
 
     def expert(self, layer: int, expert: int) -> QuantizedExpert:
-        return QuantizedExpert(self.store.get(layer, expert), self.fused_max_tokens)
+        return QuantizedExpert(self.store.get(layer, expert), self.choose)
 
     def run(self, layer: int, x: torch.Tensor, batches: ExpertBatches) -> torch.Tensor:
         self.store.begin_layer(layer)

@@ -36,3 +36,10 @@ def tiny_model(tmp_path_factory):
         return made[key]
 
     return build
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_latency_cache(tmp_path_factory):
+    """Latency calibrations go to a per-session directory, not the user's cache."""
+    import os
+    os.environ["EDGEMOE_CACHE_DIR"] = str(tmp_path_factory.mktemp("edgemoe-cache"))

@@ -1,0 +1,153 @@
+"""Where an expert computes, decided by measured latencies (Fiddler's rule), never by constants in code.
+
+For an expert of width `bits` and shape (I, D), with S tokens routed to it:
+- fused(S): the numba SwiGLU kernel on the packed weights; grows about linearly in S;
+- dequant(S): dequantize the three matrices once (numba), then torch matmuls; about constant plus a
+  small slope in S.
+A short calibration times both at a few token counts on this machine and fits t = a + b*S per path
+and width; the choice for S is the cheaper prediction. Results are cached per machine and shape in
+the user cache directory ($EDGEMOE_CACHE_DIR, else ~/.cache/edgemoe/latency.json), so a machine
+calibrates once and every later run (and every tier) makes the same choice for the same S.
+(With a GPU, a device path adds the measured host->device copy of the packed bytes; edgemoe has no
+GPU here: that path is not calibrated and an expert resident on a device computes there.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+CALIBRATION_TOKENS = (1, 4, 16, 64)
+PATHS = ("fused", "dequant")
+
+
+def cache_file() -> Path:
+    root = os.environ.get("EDGEMOE_CACHE_DIR") or Path.home() / ".cache" / "edgemoe"
+    return Path(root) / "latency.json"
+
+
+def machine_fingerprint() -> str:
+    """What the timings depend on: CPU, cores we may use, library versions."""
+    import numba
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{cpu}|{cores} cores|torch {torch.__version__}|numba {numba.__version__}|threads {torch.get_num_threads()}"
+
+
+@dataclass
+class LatencyModel:
+    """Fitted t = a + b*S (seconds) per path and width, for one expert shape on one machine."""
+
+    fits: dict[str, dict[int, tuple[float, float]]]   # path -> bits -> (a, b)
+    shape: tuple[int, int]                             # (I, D)
+    machine: str
+
+    def predict(self, path: str, bits: int, tokens: int) -> float:
+        a, b = self.fits[path][bits]
+        return a + b * tokens
+
+    def choose(self, bits: int, tokens: int) -> str:
+        """"fused" or "dequant": the cheaper for this many tokens."""
+        if bits not in self.fits["fused"]:
+            raise KeyError(f"latency model has no calibration for INT{bits}")
+        return min(PATHS, key=lambda p: self.predict(p, bits, tokens))
+
+    def crossover(self, bits: int) -> int | None:
+        """The smallest token count for which dequantize + matmul wins, or None below 4096 tokens."""
+        return next((s for s in range(1, 4097) if self.choose(bits, s) == "dequant"), None)
+
+    def to_json(self) -> dict:
+        return {"shape": list(self.shape), "machine": self.machine,
+                "fits": {p: {str(b): list(ab) for b, ab in per_bits.items()} for p, per_bits in self.fits.items()}}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "LatencyModel":
+        fits = {p: {int(b): tuple(ab) for b, ab in per_bits.items()} for p, per_bits in d["fits"].items()}
+        return cls(fits, tuple(d["shape"]), d["machine"])
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()  # warm-up (and numba compilation on first use)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _fit(tokens, seconds) -> tuple[float, float]:
+    """Least-squares line through (S, t), slope and intercept kept >= 0 (times never fall with S)."""
+    b, a = np.polyfit(np.asarray(tokens, float), np.asarray(seconds, float), 1)
+    b = max(float(b), 0.0)
+    a = max(float(np.mean(seconds) - b * np.mean(tokens)), 0.0)
+    return a, b
+
+
+def calibrate(shape: tuple[int, int], widths, repeats: int = 3, tokens=CALIBRATION_TOKENS) -> LatencyModel:
+    """Time both paths on random weights of `shape` (I, D) at each width; fit a line per path."""
+    from edgemoe import kernels
+    from edgemoe.quant import quantize
+
+    from .layers import swiglu
+
+    inner, dim = shape
+    g = torch.Generator().manual_seed(0)
+    fits: dict[str, dict[int, tuple[float, float]]] = {p: {} for p in PATHS}
+    for bits in sorted(set(widths)):
+        gate, up = (quantize(torch.randn(inner, dim, generator=g), bits) for _ in range(2))
+        down = quantize(torch.randn(dim, inner, generator=g), bits)
+        measured = {p: [] for p in PATHS}
+        for s in tokens:
+            x = torch.randn(s, dim, generator=g)
+            xn = x.numpy()
+            measured["fused"].append(_median_time(lambda: kernels.swiglu_expert(xn, gate, up, down), repeats))
+            measured["dequant"].append(_median_time(
+                lambda: swiglu(x, kernels.dequantize(gate), kernels.dequantize(up), kernels.dequantize(down)), repeats))
+        for p in PATHS:
+            fits[p][bits] = _fit(tokens, measured[p])
+    return LatencyModel(fits, (inner, dim), machine_fingerprint())
+
+
+def _cache_key(shape, machine: str) -> str:
+    return f"{machine}|{shape[0]}x{shape[1]}"
+
+
+def load_or_calibrate(shape: tuple[int, int], widths, path: Path | None = None) -> LatencyModel:
+    """The cached model for this machine and shape if it covers `widths`, else a fresh calibration (cached)."""
+    path = path or cache_file()
+    machine = machine_fingerprint()
+    key = _cache_key(shape, machine)
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        cached = {}
+    if key in cached:
+        model = LatencyModel.from_json(cached[key])
+        if set(widths) <= set(model.fits["fused"]):
+            return model
+        widths = set(widths) | set(model.fits["fused"])
+    model = calibrate(shape, widths)
+    cached[key] = model.to_json()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cached, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home: calibrate again next time, results unchanged
+    return model

@@ -1,0 +1,75 @@
+"""The latency model: fitted from timings, chooses the cheaper path, cached per machine and shape."""
+
+import json
+
+import pytest
+import torch
+
+import edgemoe
+from edgemoe import latency
+from edgemoe.latency import LatencyModel, load_or_calibrate
+from edgemoe.store import convert
+
+
+def fake_timings(monkeypatch, fused_slope=1e-3, dequant_base=5e-3):
+    """fused: t = S * fused_slope; dequant: t = dequant_base + 1e-5 * S (as on a real CPU, roughly)."""
+    calls = []
+
+    def fake_calibrate(shape, widths, repeats=3, tokens=latency.CALIBRATION_TOKENS):
+        calls.append(tuple(sorted(widths)))
+        fits = {"fused": {b: latency._fit(tokens, [s * fused_slope * b / 4 for s in tokens]) for b in widths},
+                "dequant": {b: latency._fit(tokens, [dequant_base + 1e-5 * s for s in tokens]) for b in widths}}
+        return LatencyModel(fits, tuple(shape), latency.machine_fingerprint())
+
+    monkeypatch.setattr(latency, "calibrate", fake_calibrate)
+    return calls
+
+
+def test_choice_switches_at_the_measured_crossover(monkeypatch, tmp_path):
+    fake_timings(monkeypatch)
+    model = load_or_calibrate((96, 64), [4, 8], path=tmp_path / "l.json")
+    # fused 1e-3*S vs dequant 5e-3 + 1e-5*S: dequant is cheaper from S = 6 at INT4; INT8 costs 2x: S = 3
+    assert [model.choose(4, s) for s in (1, 5, 6, 64)] == ["fused", "fused", "dequant", "dequant"]
+    assert model.crossover(4) == 6 and model.crossover(8) == 3
+
+
+def test_calibration_is_cached_per_shape_and_extended_for_new_widths(monkeypatch, tmp_path):
+    calls = fake_timings(monkeypatch)
+    path = tmp_path / "l.json"
+    load_or_calibrate((96, 64), [4], path=path)
+    load_or_calibrate((96, 64), [4], path=path)
+    assert calls == [(4,)]
+    load_or_calibrate((96, 64), [2], path=path)          # a width not calibrated yet: redo with the union
+    load_or_calibrate((48, 64), [4], path=path)          # another shape
+    assert calls == [(4,), (2, 4), (4,)]
+    assert len(json.loads(path.read_text())) == 2
+
+
+def test_corrupt_cache_is_recalibrated(monkeypatch, tmp_path):
+    calls = fake_timings(monkeypatch)
+    path = tmp_path / "l.json"
+    path.write_text("{not json")
+    assert load_or_calibrate((96, 64), [4], path=path).choose(4, 1) == "fused"
+    assert calls == [(4,)] and json.loads(path.read_text())
+
+
+def test_real_calibration_fits_nonnegative_lines():
+    model = latency.calibrate((32, 64), [4], repeats=1, tokens=(1, 8))
+    for path in ("fused", "dequant"):
+        a, b = model.fits[path][4]
+        assert a >= 0 and b >= 0 and model.predict(path, 4, 8) >= model.predict(path, 4, 1)
+
+
+@pytest.mark.parametrize("compute", ["auto", "fused", "dequant"])
+def test_every_compute_path_gives_the_same_logits(tiny_model, tmp_path, compute):
+    convert(tiny_model("olmoe"), tmp_path / "s", bits=4)
+    fused = edgemoe.load(tmp_path / "s", compute="fused")
+    model = edgemoe.load(tmp_path / "s", compute=compute)
+    ids = torch.tensor(fused.tokenizer.encode("All the world's a stage, and all the men and women"))
+    assert (model.logits(ids) - fused.logits(ids)).abs().max() <= 1e-4
+
+
+def test_unknown_compute_choice_is_named(tiny_model, tmp_path):
+    convert(tiny_model("olmoe"), tmp_path / "s", bits=4)
+    with pytest.raises(ValueError, match="compute='gpu'"):
+        edgemoe.load(tmp_path / "s", compute="gpu")
