@@ -144,3 +144,39 @@ def read_slice(ckpt: Checkpoint, name: str, index: int, dtype: torch.dtype | Non
     tensor = handle.get_slice(name)[index]
     ckpt.used.add(name)
     return tensor if dtype is None else tensor.to(dtype)
+
+
+TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def write_safetensors(path: Path, items: list[tuple[str, str, tuple[int, ...], "callable"]]) -> int:
+    """Write a safetensors file one tensor at a time: items are (name, dtype, shape, produce) where
+    produce() returns the tensor only when its turn comes, so memory holds one tensor at once.
+    Returns the CRC-32 of the whole file; fsyncs it."""
+    import zlib
+
+    header, offset = {}, 0
+    for name, dtype, shape, _ in items:
+        n = 1
+        for d in shape:
+            n *= d
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n * DTYPE_BYTES[dtype]]}
+        offset += n * DTYPE_BYTES[dtype]
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-aligned
+    checksum = 0
+    with open(path, "wb") as f:
+        for chunk in (struct.pack("<Q", len(raw)), raw):
+            f.write(chunk)
+            checksum = zlib.crc32(chunk, checksum)
+        for name, dtype, shape, produce in items:
+            tensor = produce()
+            if tuple(tensor.shape) != tuple(shape) or tensor.dtype != TORCH_DTYPES.get(dtype, tensor.dtype):
+                raise ValueError(f"write_safetensors: {name} is {tuple(tensor.shape)} {tensor.dtype}, "
+                                 f"declared {tuple(shape)} {dtype}")
+            data = tensor.contiguous().view(torch.uint8).numpy().tobytes()
+            f.write(data)
+            checksum = zlib.crc32(data, checksum)
+        f.flush()
+        os.fsync(f.fileno())
+    return checksum & 0xFFFFFFFF

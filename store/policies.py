@@ -4,6 +4,8 @@ A policy sees every access (`touch`), insertion and removal, and the layer the m
 (`set_layer`); `victim` picks among the candidates. Keys are (layer, expert).
 
 - "lru": least recently used (the baseline; Mixtral-offloading's scheme).
+- "lfu": least frequently used: fewest accesses, ties by LRU. Counts survive eviction (as EdgeMoE's do),
+  so an expert that comes back keeps its history; the popularity prior is not used.
 - "edgemoe": EdgeMoE's rule: keep experts that are used often and whose layer runs soon. score =
   (1 + accesses + prior) * (L - d) / L, where d in 0..L-1 is how many layers after the running one
   the expert's layer comes (0: the layer running now, L-1: the one that just ran); the lowest score
@@ -71,7 +73,25 @@ class EdgeMoEPolicy(LRUPolicy):
         return min(candidates, key=lambda k: (self.score(k), self.last_use.get(k, -1)))
 
 
-POLICIES = {p.name: p for p in (LRUPolicy, EdgeMoEPolicy)}
+class LFUPolicy(LRUPolicy):
+    name = "lfu"
+
+    def __init__(self, num_layers: int = 1, popularity: dict[Key, float] | None = None):
+        super().__init__(num_layers)
+        self.accesses: dict[Key, int] = {}
+
+    def touch(self, key: Key) -> None:
+        super().touch(key)
+        self.accesses[key] = self.accesses.get(key, 0) + 1
+
+    def insert(self, key: Key) -> None:
+        LRUPolicy.touch(self, key)  # residency is not an access: only the model's use counts
+
+    def victim(self, candidates: Iterable[Key]) -> Key:
+        return min(candidates, key=lambda k: (self.accesses.get(k, 0), self.last_use.get(k, -1)))
+
+
+POLICIES = {p.name: p for p in (LRUPolicy, LFUPolicy, EdgeMoEPolicy)}
 
 
 def make_policy(name: str, num_layers: int, popularity: dict[Key, float] | None = None):

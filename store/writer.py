@@ -13,16 +13,14 @@ import os
 import resource
 import shutil
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import torch
 
 import edgemoe
-from edgemoe.checkpoint import DTYPE_BYTES, Checkpoint
+from edgemoe.checkpoint import Checkpoint, write_safetensors
 from edgemoe.loader import read_spec
 from edgemoe.models import architecture
 from edgemoe.models.spec import ModelSpec
@@ -82,37 +80,9 @@ def _fsync_path(path: Path) -> None:
 
 def write_dense(ckpt: Checkpoint, dense_names: dict[str, str], path: Path) -> int:
     """Stream the dense tensors into a safetensors file under canonical names; returns its crc32."""
-    header, offset = {}, 0
-    for role, name in sorted(dense_names.items()):
-        info = ckpt.tensors[name]
-        nbytes = _numel(info.shape) * DTYPE_BYTES[info.dtype]
-        header[role] = {"dtype": info.dtype, "shape": list(info.shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (align(len(raw), 8) - len(raw))
-    checksum = 0
-    with open(path, "wb") as f:
-        for chunk in (len(raw).to_bytes(8, "little"), raw):
-            f.write(chunk)
-            checksum = _crc_update(checksum, chunk)
-        for role, name in sorted(dense_names.items()):
-            data = ckpt.get(name).contiguous().view(torch.uint8).numpy().tobytes()
-            f.write(data)
-            checksum = _crc_update(checksum, data)
-        f.flush()
-        os.fsync(f.fileno())
-    return checksum
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _crc_update(checksum: int, data: bytes) -> int:
-    return zlib.crc32(data, checksum) & 0xFFFFFFFF
+    items = [(role, ckpt.tensors[name].dtype, ckpt.tensors[name].shape, lambda name=name: ckpt.get(name))
+             for role, name in sorted(dense_names.items())]
+    return write_safetensors(path, items)
 
 
 def _quantize_expert(ckpt: Checkpoint, source, bits: int, group_size: int | None, method: str):

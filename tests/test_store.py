@@ -13,7 +13,6 @@ import torch
 import edgemoe
 from edgemoe.experts import DenseExpert, InMemoryExperts
 from edgemoe.generate import GenerationOptions, generate_batch
-from edgemoe.model import MoEModel
 from edgemoe.quant import dequantize_reference, quantize
 from edgemoe.store import StoreError, convert, inspect_store, open_store, read_manifest
 from edgemoe.store.format import ALIGNMENT, MANIFEST
