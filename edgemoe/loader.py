@@ -50,12 +50,13 @@ def is_store(path: str | os.PathLike) -> bool:
 
 
 def load_store(path: str | os.PathLike, ram=None, vram=0, device=None, policy: str = "lru", io: str = "buffered",
-               dtype: torch.dtype = torch.float32, compute: str = "auto") -> MoEModel:
+               dtype: torch.dtype = torch.float32, compute: str = "auto", preload: str = "auto") -> MoEModel:
     """A model whose experts stay in a tiered store (budgets: bytes or strings like "512MiB")."""
     from safetensors import safe_open
 
     from edgemoe.store import TieredStore
     from edgemoe.store.format import StoreError, crc32
+    from .preload import Preloader
     from .quantized import StoreExperts
 
     store = TieredStore(path, ram=ram, vram=vram, device=device, policy=policy, io=io)
@@ -74,13 +75,26 @@ def load_store(path: str | os.PathLike, ram=None, vram=0, device=None, policy: s
     tokenizer = Tokenizer(directory) if (directory / "tokenizer.json").exists() else None
     gen_path = directory / "generation_config.json"
     generation_config = read_json(gen_path) if gen_path.exists() else {}
-    experts = StoreExperts(store, compute)
-    return MoEModel(store.spec, dense, experts, tokenizer, generation_config, name=directory.name)
+    model = MoEModel(store.spec, dense, StoreExperts(store, compute), tokenizer, generation_config,
+                     name=directory.name)
+    model.preloader = Preloader(model, store, preload, routing_profile(store.path)).attach()
+    return model
+
+
+def routing_profile(store_path: Path):
+    """The store's routing profile (edgemoe profile), or None if it has none."""
+    from edgemoe.store.format import PROFILE
+    from edgemoe.store.profile import RoutingProfile
+
+    path = Path(store_path) / PROFILE
+    if not path.exists() or "routing" not in read_json(path):
+        return None
+    return RoutingProfile.load(store_path)
 
 
 def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32, **store_options) -> MoEModel:
     """A model from a Hugging Face checkpoint directory (all in RAM) or from a store (experts tiered;
-    options ram=, vram=, device=, policy=, io=, compute=)."""
+    options ram=, vram=, device=, policy=, io=, compute=, preload=)."""
     if is_store(path):
         return load_store(path, dtype=dtype, **store_options)
     if store_options:

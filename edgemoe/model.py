@@ -9,7 +9,8 @@ Shapes: T tokens in the step, D hidden, V vocab, H heads, K kv heads, Dh head di
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -26,6 +27,25 @@ class Segment:
 
     cache: KVCache
     num_tokens: int
+
+
+@dataclass
+class Timings:
+    """Seconds spent per phase since the last reset (for --stats); experts include waiting for I/O."""
+
+    attention: float = 0.0
+    experts: float = 0.0
+    total: float = 0.0
+    steps: int = 0
+    tokens: int = 0
+    per_step: list = field(default_factory=list)   # (tokens, seconds) of each forward step
+
+    @property
+    def other(self) -> float:
+        return self.total - self.attention - self.experts
+
+    def reset(self) -> None:
+        self.__init__()
 
 
 class MoEModel:
@@ -45,6 +65,9 @@ class MoEModel:
         # Observers of each MoE layer's routing: hook(layer, experts [T, A], weights [T, A], positions [T],
         # segments). Used to record traces and profiles and to drive preloading.
         self.routing_hooks: list = []
+        # Called with (layer, hidden [T, D]) just before a MoE layer routes (gate look-ahead preloading).
+        self.moe_input_hooks: list = []
+        self.timings = Timings()
 
     # ---- public API -------------------------------------------------------------------------------
     def new_cache(self) -> KVCache:
@@ -68,20 +91,32 @@ class MoEModel:
             raise ValueError("forward: segments do not cover the tokens")
         if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.spec.vocab_size):
             raise ValueError(f"forward: token id outside [0, {self.spec.vocab_size})")
+        t = self.timings
+        start = time.perf_counter()
         positions = torch.cat([torch.arange(s.cache.length, s.cache.length + s.num_tokens) for s in segments])
         cos, sin = rope_tables(positions, self.spec.head_dim, self.spec.rope_theta)
         x = self.embed[tokens]                                          # [T, D]
         for l, w in enumerate(self.layers):
+            t0 = time.perf_counter()
             x = x + self._attention(l, w, rms_norm(x, w["attn_norm"], self.spec.rms_norm_eps),
                                     positions, cos, sin, segments)
+            t1 = time.perf_counter()
             x = x + self._mlp(l, w, rms_norm(x, w["mlp_norm"], self.spec.rms_norm_eps), positions, segments)
+            t.attention += t1 - t0
+            t.experts += time.perf_counter() - t1
         for s in segments:
             s.cache.advance(s.num_tokens)
         if last_only:
             ends = torch.tensor([s.num_tokens for s in segments]).cumsum(0) - 1
             x = x[ends]
         x = rms_norm(x, self.final_norm, self.spec.rms_norm_eps)
-        return torch.nn.functional.linear(x, self.lm_head).float()
+        logits = torch.nn.functional.linear(x, self.lm_head).float()
+        elapsed = time.perf_counter() - start
+        t.steps += 1
+        t.tokens += tokens.numel()
+        t.total += elapsed
+        t.per_step.append((tokens.numel(), elapsed))
+        return logits
 
     # ---- layers -----------------------------------------------------------------------------------
     def _qkv(self, w: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -118,6 +153,8 @@ class MoEModel:
     def _mlp(self, l: int, w: dict, x: torch.Tensor, positions: torch.Tensor, segments) -> torch.Tensor:
         if not self.spec.moe_layers[l]:
             return swiglu(x, w["mlp.gate"], w["mlp.up"], w["mlp.down"])
+        for hook in self.moe_input_hooks:
+            hook(l, x)
         weights, experts = route(x, w["router"], self.spec.top_k, self.spec.norm_topk_prob)
         for hook in self.routing_hooks:
             hook(l, experts, weights, positions, segments)

@@ -72,5 +72,5 @@ class StoreExperts(ExpertProvider):
     def run(self, layer: int, x: torch.Tensor, batches: ExpertBatches) -> torch.Tensor:
         self.store.begin_layer(layer)
         # The loader reads the layer's other experts while the first ones compute.
-        self.store.prefetch((layer, e) for e in batches.experts[1:])
+        self.store.prefetch(((layer, e) for e in batches.experts[1:]), urgent=True)
         return super().run(layer, x, batches)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import time
 
 import numpy as np
 
@@ -34,6 +35,7 @@ class DiskTier:
         self._lock = threading.Lock()
         self.bytes_read = 0
         self.reads = 0
+        self.read_seconds = 0.0   # wall time of reads, checksum included: the preloader's I/O estimate
 
     def _fd(self, name: str) -> int:
         fd = self._fds.get(name)
@@ -52,6 +54,7 @@ class DiskTier:
 
     def read(self, entry: ExpertEntry) -> np.ndarray:
         """The expert's blob (decompressed): uint8 [entry.length], owned by the caller."""
+        start = time.perf_counter()
         with self._lock:
             fd = self._fd(entry.file)
             direct = self._direct
@@ -66,6 +69,7 @@ class DiskTier:
         with self._lock:
             self.bytes_read += entry.stored_length
             self.reads += 1
+            self.read_seconds += time.perf_counter() - start
         if entry.compression == "zstd":
             import zstandard
             raw = zstandard.ZstdDecompressor().decompress(bytes(stored), max_output_size=entry.length)

@@ -14,6 +14,7 @@ flight is shared by every thread that asks for the same expert.
 
 from __future__ import annotations
 
+import itertools
 import json
 import queue
 import threading
@@ -85,6 +86,7 @@ class StoreStats:
     streamed: int = 0             # served without caching (larger than a tier)
     disk_bytes_read: int = 0
     preloads_issued: int = 0
+    preloads_cancelled: int = 0   # still queued when the real routing was known
     preloads_loaded: int = 0
     preloads_used: int = 0        # preloaded, then asked for before eviction
     preloads_wasted: int = 0      # preloaded, evicted without use
@@ -101,7 +103,7 @@ class StoreStats:
         return {"requests": self.requests, "hit_rate": self.hit_rate, "vram": self.vram.__dict__,
                 "ram": self.ram.__dict__, "misses": self.misses, "streamed": self.streamed,
                 "disk_bytes_read": self.disk_bytes_read, "preloads_issued": self.preloads_issued,
-                "preloads_loaded": self.preloads_loaded, "preloads_used": self.preloads_used,
+                "preloads_cancelled": self.preloads_cancelled, "preloads_loaded": self.preloads_loaded, "preloads_used": self.preloads_used,
                 "preloads_wasted": self.preloads_wasted}
 
 
@@ -177,7 +179,9 @@ class TieredStore:
         self._lock = threading.RLock()
         self._in_flight: dict[Key, threading.Event] = {}
         self._preloaded: set[Key] = set()
-        self._queue: queue.Queue = queue.Queue(maxsize=preload_queue)
+        # (priority, sequence, key): 0 = needed by the running layer, 1 = predicted; -1 stops the loader.
+        self._queue: queue.PriorityQueue = queue.PriorityQueue(maxsize=preload_queue)
+        self._sequence = itertools.count()
         self._loader_error: BaseException | None = None
         self._closed = False
         self._loader = threading.Thread(target=self._load_loop, name="edgemoe-preload", daemon=True)
@@ -229,8 +233,9 @@ class TieredStore:
             with self._lock:
                 self._in_flight.pop(key).set()
 
-    def prefetch(self, keys) -> None:
-        """Ask the background loader for these experts (most wanted first); never blocks on I/O."""
+    def prefetch(self, keys, urgent: bool = False) -> None:
+        """Ask the background loader for these experts, most wanted first; never blocks on I/O.
+        urgent: needed by the layer running now (served before predictions)."""
         self._raise_loader_error()
         for key in keys:
             key = (int(key[0]), int(key[1]))
@@ -239,8 +244,10 @@ class TieredStore:
                     continue
                 self.stats.preloads_issued += 1
             try:
-                self._queue.put_nowait(key)
+                self._queue.put_nowait((0 if urgent else 1, next(self._sequence), key))
             except queue.Full:
+                with self._lock:
+                    self.stats.preloads_issued -= 1
                 return  # preloading is best effort: never stall the compute
 
     def begin_layer(self, layer: int) -> None:
@@ -249,6 +256,23 @@ class TieredStore:
             for tier in (self.vram, self.ram):
                 if tier:
                     tier.policy.set_layer(layer)
+
+    def cancel_preloads(self, layer: int) -> None:
+        """Drop the queued predictions for `layer` (not reads under way): its real routing is known now."""
+        kept = []
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            self._queue.task_done()
+            if item[0] == 1 and item[2][0] == layer:
+                with self._lock:
+                    self.stats.preloads_cancelled += 1
+            else:
+                kept.append(item)
+        for item in kept:
+            self._queue.put_nowait(item)
 
     def drain(self) -> None:
         """Wait until every queued preload is loaded (or failed); its error, if any, is raised."""
@@ -259,7 +283,7 @@ class TieredStore:
         if self._closed:
             return
         self._closed = True
-        self._queue.put(None)
+        self._queue.put((-1, -1, None))
         self._loader.join(timeout=5)
         self.disk.close()
 
@@ -349,7 +373,7 @@ class TieredStore:
 
     def _load_loop(self) -> None:
         while True:
-            key = self._queue.get()
+            _, _, key = self._queue.get()
             try:
                 if key is None:
                     return
