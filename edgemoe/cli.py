@@ -43,17 +43,17 @@ def run(
     vram: Optional[str] = typer.Option(None, "--vram", help="Store only: VRAM budget for experts."),
     device: Optional[str] = typer.Option(None, "--device", help="Store only: torch device of the VRAM tier "
                                          "(default: cuda when present)."),
-    policy: str = typer.Option("lru", "--policy", help="Store only: eviction policy, lru or edgemoe."),
+    policy: str = typer.Option("lru", "--policy", help="Store only: eviction policy, lru, lfu or edgemoe."),
+    preload: str = typer.Option("auto", "--preload", help="Store only: auto (correlation if the store has a "
+                                "profile, else lookahead), correlation, lookahead or none."),
     stats: bool = typer.Option(False, "--stats", help="Print speed and cache figures after the text."),
 ):
     """Generate text, streamed as it is produced, from a checkpoint directory or a store."""
-    import time
-
     import edgemoe
     from .loader import is_store
 
     path = _model_path(model)
-    store_options = dict(ram=ram, vram=vram, device=device, policy=policy) if is_store(path) else {}
+    store_options = dict(ram=ram, vram=vram, device=device, policy=policy, preload=preload) if is_store(path) else {}
     if not store_options and (ram or vram or device):
         raise EdgeMoEError(f"{path}: --ram/--vram/--device apply to stores; this is a checkpoint directory")
     m = edgemoe.load(path, **store_options)
@@ -63,23 +63,18 @@ def run(
     options = {k: v for k, v in dict(temperature=temperature, top_k=top_k, top_p=top_p).items() if v is not None}
     if not chat:
         sys.stdout.write(prompt)
-    start = time.perf_counter()
     m.generate(text, on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()),
                max_new_tokens=max_new_tokens, seed=seed, stop_strings=tuple(stop), **options)
     sys.stdout.write("\n")
     if stats:
-        _print_run_stats(m, time.perf_counter() - start)
+        _print_run_stats(m)
 
 
-def _print_run_stats(model, seconds: float) -> None:
-    print(f"[stats] {seconds:.2f} s", file=sys.stderr)
-    store = getattr(model.experts, "store", None)
-    if store is not None:
-        st = store.stats
-        print(f"[stats] expert requests {st.requests}, hit rate {st.hit_rate:.3f} (vram {st.vram.hits}, "
-              f"ram {st.ram.hits}, disk {st.misses}), disk bytes read {st.disk_bytes_read}, "
-              f"evictions ram {st.ram.evictions} vram {st.vram.evictions}, preloads used {st.preloads_used} "
-              f"wasted {st.preloads_wasted}", file=sys.stderr)
+def _print_run_stats(model) -> None:
+    from .stats import format_stats, run_stats
+
+    for line in format_stats(run_stats(model)):
+        print(f"[stats] {line}", file=sys.stderr)
 
 
 @app.command()

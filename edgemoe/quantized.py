@@ -11,6 +11,7 @@ Shapes: T tokens, D hidden, S tokens of one expert.
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -52,6 +53,7 @@ class StoreExperts(ExpertProvider):
         self.store = store
         self.compute = compute
         self._latency = None
+        self.io_wait_seconds = 0.0   # time the compute spent waiting for experts to arrive
 
     @property
     def latency(self):
@@ -67,7 +69,10 @@ class StoreExperts(ExpertProvider):
         return self.compute if self.compute != "auto" else self.latency.choose(bits, tokens)
 
     def expert(self, layer: int, expert: int) -> QuantizedExpert:
-        return QuantizedExpert(self.store.get(layer, expert), self.choose)
+        start = time.perf_counter()
+        resident = self.store.get(layer, expert)
+        self.io_wait_seconds += time.perf_counter() - start
+        return QuantizedExpert(resident, self.choose)
 
     def run(self, layer: int, x: torch.Tensor, batches: ExpertBatches) -> torch.Tensor:
         self.store.begin_layer(layer)
