@@ -90,8 +90,10 @@ def convert(
     compress: Optional[str] = typer.Option(None, "--compress", help="zstd: compress each expert blob."),
     force: bool = typer.Option(False, "--force", help="Replace an existing store."),
     workers: Optional[int] = typer.Option(None, "--workers", help="Quantization threads (default: all cores)."),
+    calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration text: profile the store's routing "
+                                         "on it (default for the bundled model: its calib.txt)."),
 ):
-    """Quantize a checkpoint's experts into a tiered store."""
+    """Quantize a checkpoint's experts into a tiered store (and profile its routing on --calib)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from edgemoe.checkpoint import Checkpoint
@@ -105,6 +107,11 @@ def convert(
         report = convert_store(model, out, bits=bits, widths=width_map, group_size=group_size, method=method,
                                compress=compress, force=force, workers=workers,
                                on_progress=lambda done, total: progress.update(task, completed=done, total=total))
+    calib = calib or _bundled_calibration(model)
+    if calib is not None:
+        from .profiling import profile_store
+        profile_store(out, text=_read_text(calib))
+        print(f"profiled routing on {calib}")
     widths_text = ", ".join(f"INT{b}: {n}" for b, n in report.widths.items())
     print(f"wrote {report.store}: {report.experts} experts ({widths_text}), expert bytes {_size(report.expert_bytes)}"
           f" ({report.bits_per_weight:.3f} bits/weight), dense {_size(report.dense_bytes)}, "
@@ -143,12 +150,55 @@ def inspect(
     console.print(table)
 
 
+def _bundled_calibration(model: Path) -> Optional[Path]:
+    from .bundled import BUNDLED_DIR
+
+    return BUNDLED_DIR / "calib.txt" if model.resolve() == BUNDLED_DIR and (BUNDLED_DIR / "calib.txt").exists() else None
+
+
 def _size(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"
+
+
+@app.command()
+def trace(
+    model: Path = typer.Argument(..., help="Store or checkpoint directory."),
+    text: Path = typer.Option(..., "--text", help="UTF-8 text to run through the model."),
+    out: Path = typer.Option(..., "--out", "-o", help="Trace file to write (JSON lines, docs/trace-format.md)."),
+    context: Optional[int] = typer.Option(None, help="Window length in tokens (default: as edgemoe eval)."),
+):
+    """Record the routers' choices over a text as a trace."""
+    import edgemoe
+    from edgemoe.store.profile import write_trace
+    from .loader import is_store
+    from .profiling import trace_text
+
+    m = edgemoe.load(model, **({"preload": "none"} if is_store(model) else {}))
+    records = trace_text(m, _read_text(text), context)
+    write_trace(out, records)
+    print(f"wrote {out}: {len(records)} records ({len({(r.seq, r.token) for r in records})} tokens)")
+
+
+@app.command()
+def profile(
+    store: Path = typer.Argument(..., help="Store directory."),
+    text: Optional[Path] = typer.Option(None, "--text", help="Calibration text to run through the store."),
+    trace_file: Optional[Path] = typer.Option(None, "--trace", help="Or: build the profile from this trace."),
+    context: Optional[int] = typer.Option(None, help="Window length in tokens."),
+    min_count: int = typer.Option(3, "--min-count", help="Back off from a correlation key seen fewer times."),
+):
+    """Store the routing profile (popularity, correlation table) used for placement and preload."""
+    from .profiling import profile_store
+
+    if (text is None) == (trace_file is None):
+        raise typer.BadParameter("give --text or --trace (exactly one)")
+    result = profile_store(store, _read_text(text) if text else None, trace_file, context, min_count)
+    print(f"profiled {store}: {sum(result.counts[result.moe_layers[0]]) // result.top_k} tokens, "
+          f"{sum(len(t) for t in result.given_prev2.values())} correlation keys; saved to {store}/profile.json")
 
 
 @app.command("eval")

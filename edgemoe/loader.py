@@ -50,7 +50,8 @@ def is_store(path: str | os.PathLike) -> bool:
 
 
 def load_store(path: str | os.PathLike, ram=None, vram=0, device=None, policy: str = "lru", io: str = "buffered",
-               dtype: torch.dtype = torch.float32, compute: str = "auto", preload: str = "auto") -> MoEModel:
+               dtype: torch.dtype = torch.float32, compute: str = "auto", preload: str = "auto",
+               place_popular: bool = True) -> MoEModel:
     """A model whose experts stay in a tiered store (budgets: bytes or strings like "512MiB")."""
     from safetensors import safe_open
 
@@ -59,7 +60,7 @@ def load_store(path: str | os.PathLike, ram=None, vram=0, device=None, policy: s
     from .preload import Preloader
     from .quantized import StoreExperts
 
-    store = TieredStore(path, ram=ram, vram=vram, device=device, policy=policy, io=io)
+    store = TieredStore(path, ram=ram, vram=vram, device=device, policy=policy, io=io, place_popular=place_popular)
     dense_info = store.manifest.data["dense"]
     dense_path = store.path / dense_info["file"]
     if crc32(dense_path.read_bytes()) != dense_info["crc32"]:
@@ -75,7 +76,9 @@ def load_store(path: str | os.PathLike, ram=None, vram=0, device=None, policy: s
     tokenizer = Tokenizer(directory) if (directory / "tokenizer.json").exists() else None
     gen_path = directory / "generation_config.json"
     generation_config = read_json(gen_path) if gen_path.exists() else {}
-    model = MoEModel(store.spec, dense, StoreExperts(store, compute), tokenizer, generation_config,
+    # preload="none" is pure on-demand loading (the baseline): no background reads of any kind.
+    model = MoEModel(store.spec, dense, StoreExperts(store, compute, overlap=preload != "none"), tokenizer,
+                     generation_config,
                      name=directory.name)
     model.preloader = Preloader(model, store, preload, routing_profile(store.path)).attach()
     return model
@@ -94,7 +97,7 @@ def routing_profile(store_path: Path):
 
 def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32, **store_options) -> MoEModel:
     """A model from a Hugging Face checkpoint directory (all in RAM) or from a store (experts tiered;
-    options ram=, vram=, device=, policy=, io=, compute=, preload=)."""
+    options ram=, vram=, device=, policy=, io=, compute=, preload=, place_popular=)."""
     if is_store(path):
         return load_store(path, dtype=dtype, **store_options)
     if store_options:

@@ -47,11 +47,12 @@ class QuantizedExpert:
 class StoreExperts(ExpertProvider):
     """The ExpertProvider of a model loaded from a store."""
 
-    def __init__(self, store: TieredStore, compute: str = "auto"):
+    def __init__(self, store: TieredStore, compute: str = "auto", overlap: bool = True):
         if compute not in COMPUTE_CHOICES:
             raise ValueError(f"compute={compute!r}: expected one of {COMPUTE_CHOICES}")
         self.store = store
         self.compute = compute
+        self.overlap = overlap       # read a layer's other experts in the background while one computes
         self._latency = None
         self.io_wait_seconds = 0.0   # time the compute spent waiting for experts to arrive
 
@@ -76,6 +77,6 @@ class StoreExperts(ExpertProvider):
 
     def run(self, layer: int, x: torch.Tensor, batches: ExpertBatches) -> torch.Tensor:
         self.store.begin_layer(layer)
-        # The loader reads the layer's other experts while the first ones compute.
-        self.store.prefetch(((layer, e) for e in batches.experts[1:]), urgent=True)
+        if self.overlap:
+            self.store.prefetch(((layer, e) for e in batches.experts[1:]), urgent=True)
         return super().run(layer, x, batches)

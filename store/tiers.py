@@ -178,7 +178,8 @@ class TieredStore:
         self.ram = _Tier("ram", ram_budget if ram_budget is not None else 1 << 62, make(), self.stats.ram)
         self._lock = threading.RLock()
         self._in_flight: dict[Key, threading.Event] = {}
-        self._preloaded: set[Key] = set()
+        self._preloaded: set[Key] = set()   # loaded on a prediction, not yet asked for
+        self._urgent: set[Key] = set()      # loaded by prefetch(urgent=True), not yet asked for
         # (priority, sequence, key): 0 = needed by the running layer, 1 = predicted; -1 stops the loader.
         self._queue: queue.PriorityQueue = queue.PriorityQueue(maxsize=preload_queue)
         self._sequence = itertools.count()
@@ -228,7 +229,7 @@ class TieredStore:
             item = self._read(key)
             with self._lock:
                 self.stats.misses += 1
-                return self._place(item, preloaded=False)
+                return self._place(item, kind="demand")
         finally:
             with self._lock:
                 self._in_flight.pop(key).set()
@@ -307,19 +308,28 @@ class TieredStore:
                 continue
             room -= entry.length
             with self._lock:
-                self._place(self._read(key), preloaded=False)
+                self._place(self._read(key), kind="placement")
 
     def _lookup(self, key: Key, count: bool = True) -> ResidentExpert | None:
         for tier in (self.vram, self.ram):
             if tier and key in tier.items:
                 if count:
-                    tier.stats.hits += 1
-                    tier.policy.touch(key)
-                    if key in self._preloaded:
-                        self._preloaded.discard(key)
-                        self.stats.preloads_used += 1
+                    self._count_request(tier, key)
                 return tier.items[key]
         return None
+
+    def _count_request(self, tier: _Tier, key: Key) -> None:
+        """A request served by `tier`: a hit, unless the expert was fetched for this very request
+        (prefetch(urgent=True) overlaps the read with other compute, but it was not resident in time)."""
+        tier.policy.touch(key)
+        if key in self._urgent:
+            self._urgent.discard(key)
+            self.stats.misses += 1
+            return
+        tier.stats.hits += 1
+        if key in self._preloaded:
+            self._preloaded.discard(key)
+            self.stats.preloads_used += 1
 
     def _read(self, key: Key) -> ResidentExpert:
         entry = self.manifest.experts[key]
@@ -328,8 +338,9 @@ class TieredStore:
             self.stats.disk_bytes_read += entry.stored_length
         return ResidentExpert(entry, decode_blob(entry, blob), entry.length)
 
-    def _place(self, item: ResidentExpert, preloaded: bool) -> ResidentExpert:
-        """Cache a freshly read expert in the fastest tier it fits; returns what the caller should use."""
+    def _place(self, item: ResidentExpert, kind: str) -> ResidentExpert:
+        """Cache a freshly read expert in the fastest tier it fits; returns what the caller should use.
+        kind: "demand" (asked for now: counts as a use), "preload", "urgent" or "placement"."""
         if self.vram and self.vram.fits(item.nbytes):
             item = self._to_device(item)
             for demoted in self.vram.put(item):
@@ -339,9 +350,11 @@ class TieredStore:
         else:
             self.stats.streamed += 1
             return item
-        if preloaded:
+        if kind == "preload":
             self._preloaded.add(item.key)
-        else:
+        elif kind == "urgent":
+            self._urgent.add(item.key)
+        elif kind == "demand":
             tier = self.vram if item.device is not None else self.ram
             tier.policy.touch(item.key)
         return item
@@ -354,6 +367,7 @@ class TieredStore:
             self._forget(dropped.key)
 
     def _forget(self, key: Key) -> None:
+        self._urgent.discard(key)
         if key in self._preloaded:
             self._preloaded.discard(key)
             self.stats.preloads_wasted += 1
@@ -373,15 +387,15 @@ class TieredStore:
 
     def _load_loop(self) -> None:
         while True:
-            _, _, key = self._queue.get()
+            priority, _, key = self._queue.get()
             try:
                 if key is None:
                     return
-                self._load_one(key)
+                self._load_one(key, urgent=priority == 0)
             finally:
                 self._queue.task_done()
 
-    def _load_one(self, key: Key) -> None:
+    def _load_one(self, key: Key, urgent: bool) -> None:
         with self._lock:
             if self._lookup(key, count=False) is not None or key in self._in_flight:
                 return
@@ -389,8 +403,9 @@ class TieredStore:
         try:
             item = self._read(key)
             with self._lock:
-                self.stats.preloads_loaded += 1
-                self._place(item, preloaded=True)
+                if not urgent:
+                    self.stats.preloads_loaded += 1
+                self._place(item, kind="urgent" if urgent else "preload")
         except BaseException as exc:  # surfaced in the caller's thread by the next get/prefetch
             self._loader_error = exc
         finally:

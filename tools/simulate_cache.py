@@ -106,7 +106,7 @@ def _replay(tokens, capacity: int, name: str, profile: RoutingProfile | None, pr
         for layer in sorted(routing):
             cache.policy.set_layer(layer)
             preloaded = _preload(cache, profile, layer, history, k) if profile else set()
-            for e in routing[layer]:
+            for e in sorted(routing[layer]):   # the runtime runs a layer's experts in ascending order
                 key = (layer, e)
                 total += 1
                 if key in cache.resident:
@@ -136,7 +136,7 @@ def _preload(cache: _Cache, profile: RoutingProfile, layer: int, history, k: int
 def _belady(tokens, capacity: int) -> dict:
     """Optimal eviction: on a miss with a full cache, drop the resident expert whose next request is
     furthest away (never requested again = infinitely far), from a max-heap of (next use, key)."""
-    keys = [(layer, e) for routing in tokens for layer in sorted(routing) for e in routing[layer]]
+    keys = [(layer, e) for routing in tokens for layer in sorted(routing) for e in sorted(routing[layer])]
     never = len(keys)
     next_use, later = [never] * len(keys), {}
     for i in range(len(keys) - 1, -1, -1):

@@ -1,0 +1,54 @@
+"""Routing traces of a model over a text, and the store's routing profile built from them
+(`edgemoe trace`, `edgemoe profile`, and convert with a calibration text).
+
+The text is cut into consecutive windows of `context` tokens, each run from an empty KV cache as
+its own sequence (trace "seq" = window number), so every token is routed once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from edgemoe.store.profile import RoutingProfile, TraceRecord, TraceRecorder, read_trace
+
+from .evaluate import default_context
+
+
+def trace_text(model, text: str, context: int | None = None) -> list[TraceRecord]:
+    if model.tokenizer is None:
+        raise ValueError("trace: this model has no tokenizer")
+    ids = torch.tensor(model.tokenizer.encode(text, add_special_tokens=False))
+    if ids.numel() == 0:
+        raise ValueError("trace: the text has no tokens")
+    context = context or default_context(model)
+    records: list[TraceRecord] = []
+    for window, start in enumerate(range(0, ids.numel(), context)):
+        with TraceRecorder(model, seq=window) as recorder:
+            model.logits(ids[start:start + context])
+        records += recorder.records
+    return records
+
+
+def build_profile(model, records: list[TraceRecord], min_count: int = 3) -> RoutingProfile:
+    spec = model.spec
+    return RoutingProfile.from_trace(records, moe_layers=spec.moe_layer_ids, num_experts=spec.num_experts,
+                                     top_k=spec.top_k, min_count=min_count)
+
+
+def profile_store(store: str | Path, text: str | None = None, trace: str | Path | None = None,
+                  context: int | None = None, min_count: int = 3) -> RoutingProfile:
+    """Profile a store from a text (run the store's own quantized model) or a recorded trace; save it."""
+    import edgemoe
+
+    if (text is None) == (trace is None):
+        raise ValueError("profile: give a text or a trace (exactly one)")
+    model = edgemoe.load(store, preload="none")
+    try:
+        records = read_trace(trace) if trace is not None else trace_text(model, text, context)
+        profile = build_profile(model, records, min_count)
+        profile.save(store)
+    finally:
+        model.experts.store.close()
+    return profile

@@ -1,0 +1,143 @@
+"""Scheduling: traces and profiles from the runtime, preload never changes results, the simulator
+agrees with the runtime, queued predictions are cancelled when the real routing is known."""
+
+import json
+import sys
+import threading
+
+import pytest
+import torch
+
+import edgemoe
+from edgemoe.cli import main
+from edgemoe.generate import GenerationOptions, generate_batch
+from edgemoe.preload import Preloader
+from edgemoe.profiling import profile_store, trace_text
+from edgemoe.store import convert, open_store, read_manifest
+from edgemoe.store.profile import RoutingProfile, TraceRecorder, read_trace, tokens_from_trace
+
+
+TEXT = ("Now is the winter of our discontent made glorious summer by this sun of York; and all the clouds "
+        "that lour'd upon our house in the deep bosom of the ocean buried. ") * 4
+
+
+@pytest.fixture(scope="module")
+def store(tiny_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sched") / "store"
+    convert(tiny_model("qwen3_moe", num_hidden_layers=4, num_experts=6), out, bits=4)
+    profile_store(out, text=TEXT)
+    return out
+
+
+def expert_size(store):
+    return max(e.length for e in read_manifest(store).experts.values())
+
+
+def simulator():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "tools" / "simulate_cache.py"
+    spec = importlib.util.spec_from_file_location("simulate_cache", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_trace_has_one_record_per_token_and_moe_layer(store):
+    model = edgemoe.load(store, preload="none")
+    records = trace_text(model, TEXT, context=32)
+    n_tokens = len(model.tokenizer.encode(TEXT, add_special_tokens=False))
+    assert len(records) == n_tokens * len(model.spec.moe_layer_ids)
+    assert all(len(r.experts) == model.spec.top_k for r in records)
+    assert {r.seq for r in records} == set(range(-(-n_tokens // 32)))
+
+
+def test_profile_is_saved_in_the_store_and_drives_placement(store):
+    profile = RoutingProfile.load(store)
+    assert profile.moe_layers == [0, 1, 2, 3] and sum(profile.counts[0]) > 0
+    data = json.loads((store / "profile.json").read_text())
+    assert set(data) >= {"routing", "popularity"}
+    size = expert_size(store)
+    with open_store(store, ram=3 * size) as s:     # initial placement: the 3 most popular experts
+        ranked = sorted(((p, (int(l), e)) for l, row in data["popularity"].items() for e, p in enumerate(row)),
+                        reverse=True)
+        assert set(s.resident()) == {key for _, key in ranked[:3]}
+    assert edgemoe.load(store).preloader.predictor == "correlation"
+
+
+def greedy(model):
+    prompts = [model.tokenizer.encode("Now is the winter"), model.tokenizer.encode("all the clouds")]
+    return generate_batch(model, prompts, GenerationOptions(max_new_tokens=10, stop_token_ids=[]))
+
+
+def test_greedy_output_is_unchanged_by_preload_and_policy(store):
+    size = expert_size(store)
+    expected = greedy(edgemoe.load(store, preload="none"))
+    for preload in ("none", "lookahead", "correlation"):
+        for policy in ("lru", "lfu", "edgemoe"):
+            model = edgemoe.load(store, ram=4 * size, policy=policy, preload=preload)
+            assert greedy(model) == expected, (preload, policy)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "edgemoe"])
+def test_runtime_hit_rate_equals_the_simulators_on_the_same_trace(store, policy):
+    n = 5
+    model = edgemoe.load(store, ram=n * expert_size(store), policy=policy, preload="none", place_popular=False)
+    ids = model.tokenizer.encode(TEXT, add_special_tokens=False)[:60]
+    cache = model.new_cache()
+    with TraceRecorder(model) as recorder:
+        for token in ids:                             # decode token by token, as the simulator replays
+            model.logits([token], cache)
+    stats = model.experts.store.stats
+    simulated = simulator().simulate(tokens_from_trace(recorder.records), n, policy,
+                                     prior=RoutingProfile.load(store))
+    assert simulated["requests"] == stats.requests
+    assert simulated["hits"] == stats.ram.hits and simulated["evictions"] == stats.ram.evictions
+
+
+def test_queued_predictions_for_a_layer_are_cancelled_when_it_routes(store):
+    with open_store(store, place_popular=False) as s:
+        gate, original = threading.Event(), s._read
+
+        def slow_read(key):
+            gate.wait(5)
+            return original(key)
+
+        s._read = slow_read
+        s.prefetch([(0, 0)])                          # the loader takes this one and blocks in it
+        while s._queue.qsize():
+            threading.Event().wait(0.001)
+        s.prefetch([(1, 0), (1, 1), (2, 0)])
+        s.prefetch([(1, 2)], urgent=True)
+        s.cancel_preloads(1)                          # layer 1 routed: its predictions are moot
+        assert s.stats.preloads_cancelled == 2
+        gate.set()
+        s.drain()
+        assert set(s.resident()) == {(0, 0), (1, 2), (2, 0)}
+
+
+def test_preload_budget_is_what_fits_under_a_layers_compute(store):
+    model = edgemoe.load(store, preload="lookahead")
+    preloader, disk = model.preloader, model.experts.store.disk
+    assert preloader.budget(tokens=1) == model.spec.top_k          # nothing measured yet
+    disk.reads, disk.read_seconds = 10, 10 * 0.004                 # 4 ms per expert read
+    preloader.layer_seconds = 0.009                                # 9 ms per layer: 2 reads fit
+    assert preloader.budget(tokens=3) == 2
+    preloader.layer_seconds = 0.001                                # less than one read: still one
+    assert preloader.budget(tokens=3) == 1
+    with pytest.raises(ValueError, match="preload='nope'"):
+        Preloader(model, model.experts.store, "nope")
+
+
+def test_trace_and_profile_commands(store, tmp_path, monkeypatch, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    trace = tmp_path / "trace.jsonl"
+    monkeypatch.setattr(sys, "argv", ["edgemoe", "trace", str(store), "--text", str(text), "-o", str(trace)])
+    with pytest.raises(SystemExit) as info:
+        main()
+    assert info.value.code == 0 and len(read_trace(trace)) > 0
+    monkeypatch.setattr(sys, "argv", ["edgemoe", "profile", str(store), "--trace", str(trace)])
+    with pytest.raises(SystemExit) as info:
+        main()
+    assert info.value.code == 0 and "profiled" in capsys.readouterr().out
