@@ -95,3 +95,12 @@ def test_eval_of_a_missing_text_file_is_one_error_line(tiny_model, tmp_path, mon
         main()
     err = capsys.readouterr().err.strip()
     assert info.value.code == 2 and "no.txt: text file not found" in err and "\n" not in err
+
+
+def test_eval_defaults_to_the_bundled_model_and_its_held_out_text(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["edgemoe", "eval", "--context", "128", "--json"])
+    with pytest.raises(SystemExit) as info:
+        main()
+    record = json.loads(capsys.readouterr().out)
+    assert info.value.code == 0 and record["context"] == 128 and record["tokens"] > 10000
+    assert record["perplexity"] < 200       # a trained model: far below its 4096-token vocabulary

@@ -93,3 +93,17 @@ def test_bfloat16_checkpoint_matches_transformers_in_float32(tiny_model):
     with torch.no_grad():
         expected = ref(tokens[None]).logits[0]
     assert (ours.logits(tokens) - expected).abs().max() <= TOL
+
+
+def test_bundled_model_matches_transformers():
+    from edgemoe.bundled import bundled_model_path, bundled_text
+
+    path = bundled_model_path()
+    ref, ours = reference(path), edgemoe.load(path)
+    text = bundled_text("eval.txt").read_text()[:3000]
+    tokens = torch.tensor(ours.tokenizer.encode(text))[:160]
+    with torch.no_grad():
+        expected = ref(tokens[None]).logits[0]
+    cache = ours.new_cache()
+    got = torch.cat([ours.logits(tokens[:150], cache)] + [ours.logits(tokens[t:t + 1], cache) for t in range(150, 160)])
+    assert (got - expected).abs().max() <= TOL
