@@ -78,7 +78,9 @@ class ExpertProvider(ABC):
         out = torch.zeros_like(x)
         for e, tokens, weights in batches:
             y = self.expert(layer, e)(x[tokens])                  # [S, D]
-            out.index_add_(0, tokens, y * weights[:, None].to(y.dtype))
+            # A token appears once per expert, so this scatter has no collisions; index_put_ with
+            # accumulate is ~100x faster than index_add_ on CPU for S in the tens (measured).
+            out.index_put_((tokens,), y * weights[:, None].to(y.dtype), accumulate=True)
         return out
 
 

@@ -94,9 +94,31 @@ class MoEModel:
         t = self.timings
         start = time.perf_counter()
         positions = torch.cat([torch.arange(s.cache.length, s.cache.length + s.num_tokens) for s in segments])
+        x = self.run_layers(self.embed[tokens], positions, segments)   # [T, D]
+        for s in segments:
+            s.cache.advance(s.num_tokens)
+        if last_only:
+            ends = torch.tensor([s.num_tokens for s in segments]).cumsum(0) - 1
+            x = x[ends]
+        logits = self.head(x)
+        elapsed = time.perf_counter() - start
+        t.steps += 1
+        t.tokens += tokens.numel()
+        t.total += elapsed
+        t.per_step.append((tokens.numel(), elapsed))
+        return logits
+
+    @torch.inference_mode()
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, segments: Sequence[Segment], start: int = 0,
+                   on_layer_input=None) -> torch.Tensor:
+        """Decoder layers start.. on hidden states x [T, D] (the caches are not advanced).
+        on_layer_input(l, x) sees each layer's input (the budget search caches them)."""
+        t = self.timings
         cos, sin = rope_tables(positions, self.spec.head_dim, self.spec.rope_theta)
-        x = self.embed[tokens]                                          # [T, D]
-        for l, w in enumerate(self.layers):
+        for l in range(start, self.spec.num_layers):
+            if on_layer_input is not None:
+                on_layer_input(l, x)
+            w = self.layers[l]
             t0 = time.perf_counter()
             x = x + self._attention(l, w, rms_norm(x, w["attn_norm"], self.spec.rms_norm_eps),
                                     positions, cos, sin, segments)
@@ -104,19 +126,11 @@ class MoEModel:
             x = x + self._mlp(l, w, rms_norm(x, w["mlp_norm"], self.spec.rms_norm_eps), positions, segments)
             t.attention += t1 - t0
             t.experts += time.perf_counter() - t1
-        for s in segments:
-            s.cache.advance(s.num_tokens)
-        if last_only:
-            ends = torch.tensor([s.num_tokens for s in segments]).cumsum(0) - 1
-            x = x[ends]
-        x = rms_norm(x, self.final_norm, self.spec.rms_norm_eps)
-        logits = torch.nn.functional.linear(x, self.lm_head).float()
-        elapsed = time.perf_counter() - start
-        t.steps += 1
-        t.tokens += tokens.numel()
-        t.total += elapsed
-        t.per_step.append((tokens.numel(), elapsed))
-        return logits
+        return x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: hidden [T, D] -> float32 logits [T, V]."""
+        return torch.nn.functional.linear(rms_norm(x, self.final_norm, self.spec.rms_norm_eps), self.lm_head).float()
 
     # ---- layers -----------------------------------------------------------------------------------
     def _qkv(self, w: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
