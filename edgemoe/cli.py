@@ -91,7 +91,18 @@ def convert(
     force: bool = typer.Option(False, "--force", help="Replace an existing store."),
     workers: Optional[int] = typer.Option(None, "--workers", help="Quantization threads (default: all cores)."),
     calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration text: profile the store's routing "
-                                         "on it (default for the bundled model: its calib.txt)."),
+                                         "on it, and search widths on it with --budget (default for the "
+                                         "bundled model: its calib.txt)."),
+    budget: Optional[str] = typer.Option(None, "--budget", help="Quality loss allowed, e.g. 5%: per-expert "
+                                         "widths from 2/4/8, the store as small as possible within it."),
+    metric: str = typer.Option("ppl", "--metric", help="Loss for --budget: ppl (relative perplexity increase), "
+                               "top1 (1 - top-1 agreement) or kl (mean KL, nats/token)."),
+    heldout: Optional[Path] = typer.Option(None, "--heldout", help="Held-out text to confirm the budget on "
+                                           "(default for the bundled model: its eval.txt)."),
+    calib_tokens: Optional[int] = typer.Option(None, "--calib-tokens", help="Use at most this many "
+                                               "calibration tokens for --budget."),
+    confidence: float = typer.Option(0.95, "--confidence", help="--budget must hold for this one-sided "
+                                     "upper confidence bound of the calibration loss (0.5: the estimate)."),
 ):
     """Quantize a checkpoint's experts into a tiered store (and profile its routing on --calib)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -100,6 +111,16 @@ def convert(
     from edgemoe.store import convert as convert_store, read_widths
     from .loader import read_spec
 
+    calib = calib or _bundled_text(model, "calib.txt")
+    if budget is not None:
+        if widths is not None:
+            raise typer.BadParameter("--budget chooses the widths: give it or --widths, not both", param_hint="--budget")
+        if calib is None:
+            raise typer.BadParameter("--budget needs calibration text: --calib FILE (the bundled model uses its "
+                                     "calib.txt)", param_hint="--calib")
+        _convert_with_budget(model, out, budget, metric, calib, heldout or _bundled_text(model, "eval.txt"),
+                             calib_tokens, group_size, method, force, confidence)
+        return
     width_map = read_widths(widths, read_spec(Checkpoint(model))) if widths else None
     with Progress(TextColumn("quantizing experts"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   transient=True) as progress:
@@ -107,7 +128,6 @@ def convert(
         report = convert_store(model, out, bits=bits, widths=width_map, group_size=group_size, method=method,
                                compress=compress, force=force, workers=workers,
                                on_progress=lambda done, total: progress.update(task, completed=done, total=total))
-    calib = calib or _bundled_calibration(model)
     if calib is not None:
         from .profiling import profile_store
         profile_store(out, text=_read_text(calib))
@@ -150,10 +170,45 @@ def inspect(
     console.print(table)
 
 
-def _bundled_calibration(model: Path) -> Optional[Path]:
+def _convert_with_budget(model, out, budget, metric, calib, heldout, calib_tokens, group_size, method, force,
+                         confidence):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .budget import convert_with_budget, parse_budget
+    from .profiling import profile_store
+
+    limit = parse_budget(budget)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  transient=True) as progress:
+        tasks: dict = {}
+
+        def show(stage, done, total):
+            if stage not in tasks:
+                tasks[stage] = progress.add_task(stage, total=total)
+            progress.update(tasks[stage], completed=done, total=total)
+
+        done = convert_with_budget(model, out, limit, metric, _read_text(calib),
+                                   _read_text(heldout) if heldout else None, calib_tokens=calib_tokens,
+                                   group_size=group_size, method=method, force=force, confidence=confidence,
+                                   progress=show)
+        profile_store(out, text=_read_text(calib))
+    r, s = done.report, done.search
+    widths_text = ", ".join(f"INT{b}: {n}" for b, n in r.widths.items())
+    uniform = ", ".join(f"INT{b} {v:+.4f}" for b, v in s.uniform_loss.items())
+    print(f"wrote {r.store}: {r.experts} experts ({widths_text}), expert bytes {_size(r.expert_bytes)} "
+          f"({r.bits_per_weight:.3f} bits/weight), {r.seconds + sum(v for k, v in s.seconds.items() if k != 'total'):.1f} s")
+    print(f"budget {metric} <= {limit:.4f}: calibration loss {s.loss:.4f} (bound {s.loss_bound:.4f})"
+          + (f", held-out loss {done.heldout_loss:.4f}" if done.heldout_loss is not None else "")
+          + f" (uniform: {uniform}; floor INT{s.floor}, ceiling INT{s.ceiling}, {s.moved_down} experts at the floor)")
+    if not s.feasible:
+        print(f"warning: even INT8 everywhere exceeds the budget on the calibration text; wrote all INT8")
+
+
+def _bundled_text(model: Path, name: str) -> Optional[Path]:
+    """The bundled model's calib.txt / eval.txt when `model` is the bundled checkpoint."""
     from .bundled import BUNDLED_DIR
 
-    return BUNDLED_DIR / "calib.txt" if model.resolve() == BUNDLED_DIR and (BUNDLED_DIR / "calib.txt").exists() else None
+    return BUNDLED_DIR / name if model.resolve() == BUNDLED_DIR and (BUNDLED_DIR / name).exists() else None
 
 
 def _size(n: int) -> str:

@@ -171,3 +171,11 @@ def _check_files(store: Path, data: dict, sizes: dict[str, int], experts: dict) 
     for entry in experts.values():
         if entry.file not in sizes or entry.offset + entry.stored_length > sizes[entry.file]:
             raise StoreError(f"{store / MANIFEST}: {entry.where()} lies outside its data file")
+
+
+def update_manifest(store: Path, section: str, value) -> None:
+    """Set one top-level section of a complete store's manifest (atomically, like every manifest write)."""
+    path = Path(store) / MANIFEST
+    data = json.loads(path.read_text(encoding="utf-8"))
+    data[section] = value
+    write_json_atomic(path, data)

@@ -93,8 +93,9 @@ def _quantize_expert(ckpt: Checkpoint, source, bits: int, group_size: int | None
 def convert(model_dir: str | os.PathLike, out: str | os.PathLike, bits: int = 4,
             widths: dict[tuple[int, int], int] | None = None, group_size: int | None = None,
             method: str = "rtn", compress: str | None = None, force: bool = False, workers: int | None = None,
-            on_progress: Callable[[int, int], None] | None = None) -> ConvertReport:
-    """Convert a checkpoint directory into a store at `out`. `widths` overrides `bits` per (layer, expert)."""
+            on_progress: Callable[[int, int], None] | None = None, extra: dict | None = None) -> ConvertReport:
+    """Convert a checkpoint directory into a store at `out`. `widths` overrides `bits` per (layer, expert);
+    `extra` adds top-level manifest sections (e.g. the budget search's record)."""
     if compress not in (None, "zstd"):
         raise StoreError(f"--compress {compress!r}: expected zstd or nothing")
     start = time.perf_counter()
@@ -125,6 +126,7 @@ def convert(model_dir: str | os.PathLike, out: str | os.PathLike, bits: int = 4,
             "quantization": {"method": method, "group_size": group_size, "array_alignment": ARRAY_ALIGNMENT},
             "data_files": [{"name": DATA_FILE, "size": (partial / DATA_FILE).stat().st_size}],
             "experts": [e.to_json() for e in entries],
+            **(extra or {}),
         }
         write_json_atomic(partial / MANIFEST, manifest)
         _fsync_path(partial)

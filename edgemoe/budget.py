@@ -1,0 +1,328 @@
+"""Per-expert bit widths under a measured quality budget (EdgeMoE's expert bit-width adaptation).
+
+Quality loss of a width assignment, against the unquantized model on calibration text, by metric:
+    ppl   relative perplexity increase, ppl_quantized / ppl_reference - 1   (default)
+    top1  1 - top-1 next-token agreement with the reference
+    kl    mean KL(reference || quantized), nats per token
+Search (widths from {2, 4, 8}):
+ 0. "Within the budget" means the loss's upper confidence bound (default 95%, one-sided, from the
+    spread over calibration windows) is at most the budget: the text is a sample.
+ 1. Uniform stores: the loss of all-2, all-4, all-8. The ceiling is the smallest width whose uniform
+    loss is within the budget (8 if none is: the budget cannot be met, reported); the floor is the
+    next lower width. If the ceiling is 2, every expert is at 2.
+ 2. Importance: each expert alone at the floor, every other at the ceiling. Cheap: each calibration
+    window's input to every layer is cached for the all-ceiling model, so an expert's effect is
+    measured by re-running the model from its own layer only (exact, not an approximation).
+ 3. The least important experts go down first: binary search for the largest K whose K least
+    important experts at the floor keep the loss within the budget.
+The caller confirms the result end to end on held-out text the search never saw.
+
+Inputs: the checkpoint's model loaded in float32 (edgemoe.load), token ids of the calibration
+text. Memory: the packed experts at every width (about 1.75 bytes per expert weight) plus a bounded
+cache of dequantized experts, and per window the reference's log-probabilities (kl) or top-1 ids.
+
+Shapes: T tokens per window, V vocab, D hidden; a key is (layer, expert).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from edgemoe import kernels
+from edgemoe.quant import quantize
+
+from .cache import KVCache
+from .experts import DenseExpert, ExpertProvider, InMemoryExperts
+from .model import MoEModel, Segment
+
+WIDTHS = (2, 4, 8)
+METRICS = ("ppl", "top1", "kl")
+Key = tuple[int, int]
+
+
+class MixedWidthExperts(ExpertProvider):
+    """Every expert quantized at every width; `widths` says which one each expert uses now.
+    Dequantized weights are cached up to `cache_bytes` (least recently used first out)."""
+
+    def __init__(self, dense: InMemoryExperts, group_size: int | None, method: str, cache_bytes: int = 2 << 30):
+        self.packed = {(key, bits): {role: quantize(getattr(e, role), bits, group_size, method)
+                                     for role in ("gate", "up", "down")}
+                       for key, e in dense.experts.items() for bits in WIDTHS}
+        self.widths: dict[Key, int] = {key: 8 for key in dense.experts}
+        self._cache: OrderedDict = OrderedDict()
+        self._cache_bytes, self._cached = cache_bytes, 0
+
+    def expert(self, layer: int, expert: int) -> DenseExpert:
+        item = (layer, expert), self.widths[layer, expert]
+        if item in self._cache:
+            self._cache.move_to_end(item)
+            return self._cache[item]
+        dense = DenseExpert(**{role: kernels.dequantize(qt) for role, qt in self.packed[item].items()})
+        self._cache[item] = dense
+        self._cached += dense.nbytes
+        while self._cached > self._cache_bytes and len(self._cache) > 1:
+            self._cached -= self._cache.popitem(last=False)[1].nbytes
+        return dense
+
+
+class Calibration:
+    """Calibration windows with what the loss needs from the reference model.
+
+    The loss is estimated from a sample of text, so the search judges it by an upper confidence
+    bound: per window, the quantized-minus-reference difference (nats per token for ppl, disagreements
+    or KL per token otherwise) is a paired sample; bound = mean + z * standard error, z from
+    `confidence` (one-sided; 0.5 gives the plain estimate)."""
+
+    def __init__(self, reference: MoEModel, ids: torch.Tensor, context: int, metric: str, confidence: float = 0.95):
+        if metric not in METRICS:
+            raise ValueError(f"--metric {metric!r}: expected one of {METRICS}")
+        if not 0.5 <= confidence < 1:
+            raise ValueError(f"--confidence {confidence}: expected a value in [0.5, 1)")
+        self.metric = metric
+        self.z = statistics.NormalDist().inv_cdf(confidence)
+        self.windows = [ids[i:i + context] for i in range(0, ids.numel(), context) if ids.numel() - i >= 2]
+        if not self.windows:
+            raise ValueError("calibration text: fewer than 2 tokens")
+        self.sizes = [w.numel() - 1 for w in self.windows]
+        self.tokens = sum(self.sizes)
+        self.reference: list[torch.Tensor] = []
+        self.reference_nll: list[float] = []     # per window, summed over its tokens
+        for window in self.windows:
+            logp = torch.log_softmax(reference.logits(window)[:-1], dim=-1)    # [T-1, V]
+            self.reference_nll.append(-logp.gather(1, window[1:, None]).sum().item())
+            self.reference.append(logp if metric == "kl" else logp.argmax(-1))
+
+    def window_loss(self, i: int, logits: torch.Tensor) -> float:
+        """This window's loss, summed over its tokens (for ppl: NLL minus the reference's NLL)."""
+        window = self.windows[i]
+        logp = torch.log_softmax(logits[:-1], dim=-1)
+        if self.metric == "ppl":
+            return -logp.gather(1, window[1:, None]).sum().item() - self.reference_nll[i]
+        if self.metric == "top1":
+            return (logp.argmax(-1) != self.reference[i]).sum().item()
+        ref = self.reference[i]
+        return (ref.exp() * (ref - logp)).sum().item()
+
+    def loss(self, per_window: list[float]) -> tuple[float, float]:
+        """(estimate, upper confidence bound) of the metric from per-window sums."""
+        mean = sum(per_window) / self.tokens
+        rates = [v / n for v, n in zip(per_window, self.sizes)]
+        se = statistics.stdev(rates) / math.sqrt(len(rates)) if len(rates) > 1 else 0.0
+        bound = mean + self.z * se
+        if self.metric == "ppl":
+            return math.exp(mean) - 1, math.exp(bound) - 1
+        return mean, bound
+
+
+@dataclass
+class BudgetResult:
+    metric: str
+    budget: float
+    widths: dict[Key, int]
+    floor: int
+    ceiling: int
+    uniform_loss: dict[int, float]
+    importance: dict[Key, float]
+    loss: float                       # calibration loss of the chosen widths (estimate)
+    loss_bound: float                 # its upper confidence bound, which the budget constrains
+    moved_down: int                   # experts at the floor
+    feasible: bool                    # False: even all-8 exceeds the budget
+    evaluations: int
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"metric": self.metric, "budget": self.budget, "floor": self.floor, "ceiling": self.ceiling,
+                "feasible": self.feasible, "calibration_loss": self.loss, "calibration_loss_bound": self.loss_bound,
+                "moved_down": self.moved_down,
+                "uniform_loss": {str(b): v for b, v in self.uniform_loss.items()},
+                "importance": _by_layer(self.importance), "widths": _by_layer(self.widths),
+                "evaluations": self.evaluations, "seconds": self.seconds}
+
+
+def _by_layer(values: dict[Key, float]) -> dict[str, list]:
+    layers = sorted({l for l, _ in values})
+    return {str(l): [values[l, e] for e in sorted(e for ll, e in values if ll == l)] for l in layers}
+
+
+class BudgetSearch:
+    def __init__(self, model: MoEModel, calibration: Calibration, group_size: int | None = None,
+                 method: str = "rtn", progress: Callable[[str, int, int], None] | None = None):
+        if not isinstance(model.experts, InMemoryExperts):
+            raise ValueError("budget search: load the checkpoint directory, not a store")
+        self.model, self.calib = model, calibration
+        self.experts = MixedWidthExperts(model.experts, group_size, method)
+        self.progress = progress or (lambda stage, done, total: None)
+        self.keys = sorted(model.experts.experts)
+        self.evaluations = 0
+        self._layer_inputs: list[dict[int, torch.Tensor]] = []
+        self._quantized = MoEModel(model.spec, _dense_of(model), self.experts)
+
+    def loss(self, widths: dict[Key, int], start_layer: int = 0) -> tuple[float, float]:
+        """(estimate, upper bound) of the calibration loss with these widths; computed from
+        `start_layer` on the cached layer inputs when > 0."""
+        self.experts.widths = widths
+        self.evaluations += 1
+        per_window = []
+        for i, window in enumerate(self.calib.windows):
+            logits = self._quantized.logits(window) if start_layer == 0 else self._from_layer(i, start_layer)
+            per_window.append(self.calib.window_loss(i, logits))
+        return self.calib.loss(per_window)
+
+    def _from_layer(self, i: int, layer: int) -> torch.Tensor:
+        window = self.calib.windows[i]
+        m = self._quantized
+        cache = KVCache(m.spec.num_layers, m.spec.num_kv_heads, m.spec.head_dim, m.dtype)
+        with torch.inference_mode():
+            x = m.run_layers(self._layer_inputs[i][layer], torch.arange(window.numel()),
+                             [Segment(cache, window.numel())], start=layer)
+            return m.head(x)
+
+    def _cache_layer_inputs(self, widths: dict[Key, int]) -> None:
+        """Record every window's input to every layer under `widths` (the all-ceiling model)."""
+        self.experts.widths = widths
+        self._layer_inputs = []
+        for window in self.calib.windows:
+            inputs: dict[int, torch.Tensor] = {}
+            cache = self._quantized.new_cache()
+            with torch.inference_mode():
+                self._quantized.run_layers(self._quantized.embed[window], torch.arange(window.numel()),
+                                           [Segment(cache, window.numel())],
+                                           on_layer_input=lambda l, x: inputs.__setitem__(l, x))
+            self._layer_inputs.append(inputs)
+
+    def importance(self, floor: int, ceiling: int) -> dict[Key, float]:
+        base = {key: ceiling for key in self.keys}
+        self._cache_layer_inputs(base)
+        base_loss = self.loss(base, start_layer=0)[0]
+        scores = {}
+        for i, key in enumerate(self.keys):
+            scores[key] = self.loss({**base, key: floor}, start_layer=key[0])[0] - base_loss
+            self.progress("importance", i + 1, len(self.keys))
+        self._layer_inputs = []
+        return scores
+
+    def run(self, budget: float) -> BudgetResult:
+        if budget < 0:
+            raise ValueError(f"--budget {budget}: expected >= 0")
+        seconds: dict[str, float] = {}
+        start = time.perf_counter()
+        uniform = {}
+        for i, bits in enumerate(WIDTHS):
+            uniform[bits] = self.loss({key: bits for key in self.keys})
+            self.progress("uniform widths", i + 1, len(WIDTHS))
+        seconds["uniform"] = time.perf_counter() - start
+        within = [b for b in WIDTHS if uniform[b][1] <= budget]
+        ceiling = within[0] if within else WIDTHS[-1]
+        result = dict(metric=self.calib.metric, budget=budget, ceiling=ceiling,
+                      uniform_loss={b: v[0] for b, v in uniform.items()}, feasible=bool(within))
+        if ceiling == WIDTHS[0] or not within:
+            widths = {key: ceiling for key in self.keys}
+            return BudgetResult(widths=widths, floor=ceiling, importance={}, loss=uniform[ceiling][0],
+                                loss_bound=uniform[ceiling][1], moved_down=0, evaluations=self.evaluations,
+                                seconds=seconds, **result)
+        floor = WIDTHS[WIDTHS.index(ceiling) - 1]
+        t = time.perf_counter()
+        importance = self.importance(floor, ceiling)
+        seconds["importance"] = time.perf_counter() - t
+        t = time.perf_counter()
+        order = sorted(self.keys, key=lambda k: (importance[k], k))
+        k, (loss, bound) = self._largest_k(order, floor, ceiling, budget, uniform[ceiling])
+        seconds["search"] = time.perf_counter() - t
+        seconds["total"] = time.perf_counter() - start
+        widths = {key: (floor if i < k else ceiling) for i, key in enumerate(order)}
+        widths = {key: widths[key] for key in self.keys}
+        return BudgetResult(widths=widths, floor=floor, importance=importance, loss=loss, loss_bound=bound,
+                            moved_down=k, evaluations=self.evaluations, seconds=seconds, **result)
+
+    def _largest_k(self, order: list[Key], floor: int, ceiling: int, budget: float,
+                   ceiling_loss: tuple[float, float]) -> tuple[int, tuple[float, float]]:
+        """Binary search: the largest K with the K least important at the floor within the budget."""
+        def widths_for(k):
+            return {key: (floor if i < k else ceiling) for i, key in enumerate(order)}
+
+        lo, lo_loss, hi = 0, ceiling_loss, len(order)       # lo is within the budget; hi is unknown
+        steps, total = 0, max(1, math.ceil(math.log2(len(order) + 1)))
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            loss = self.loss(widths_for(mid))
+            if loss[1] <= budget:
+                lo, lo_loss = mid, loss
+            else:
+                hi = mid - 1
+            steps += 1
+            self.progress("search", min(steps, total), total)
+        return lo, lo_loss
+
+
+def _dense_of(model: MoEModel) -> dict[str, torch.Tensor]:
+    """The model's dense weights under canonical names (to build a twin with other experts)."""
+    dense = {"embed": model.embed, "norm": model.final_norm}
+    if not model.spec.tie_word_embeddings:
+        dense["lm_head"] = model.lm_head
+    for l, weights in enumerate(model.layers):
+        dense.update({f"layers.{l}.{name}": t for name, t in weights.items()})
+    return dense
+
+
+def parse_budget(text: str) -> float:
+    """'5%' -> 0.05, '0.05' -> 0.05 (a fraction), for --budget."""
+    value = text.strip()
+    try:
+        return float(value[:-1]) / 100 if value.endswith("%") else float(value)
+    except ValueError:
+        raise ValueError(f"--budget {text!r}: expected a percentage like 5% or a number like 0.05") from None
+
+
+def metric_loss(result, metric: str) -> float:
+    """The loss of an evaluate() result against its reference, for the metric."""
+    if metric == "ppl":
+        return result.perplexity / result.reference_perplexity - 1
+    if metric == "top1":
+        return 1 - result.top1_agreement
+    return result.kl
+
+
+@dataclass
+class BudgetedConvert:
+    report: object                    # store.ConvertReport
+    search: BudgetResult
+    heldout_loss: float | None
+
+
+def convert_with_budget(model_dir, out, budget: float, metric: str, calib_text: str, heldout_text: str | None = None,
+                        context: int = 256, calib_tokens: int | None = None, group_size: int | None = None,
+                        method: str = "rtn", force: bool = False, confidence: float = 0.95,
+                        progress: Callable[[str, int, int], None] | None = None) -> BudgetedConvert:
+    """Search per-expert widths on calib_text, write the store, confirm the loss on heldout_text."""
+    import edgemoe
+    from edgemoe.store import convert
+    from edgemoe.store.format import update_manifest
+
+    from .evaluate import evaluate
+
+    reference = edgemoe.load(model_dir)
+    ids = torch.tensor(reference.tokenizer.encode(calib_text, add_special_tokens=False))
+    if calib_tokens is not None:
+        ids = ids[:calib_tokens]
+    calibration = Calibration(reference, ids, context, metric, confidence)
+    search = BudgetSearch(reference, calibration, group_size, method, progress)
+    result = search.run(budget)
+    record = result.to_json()
+    report = convert(model_dir, out, widths=result.widths, group_size=group_size, method=method, force=force,
+                     extra={"budget": record},
+                     on_progress=lambda done, total: progress and progress("writing the store", done, total))
+    heldout = None
+    if heldout_text is not None:
+        store_model = edgemoe.load(out, preload="none")
+        held_ids = reference.tokenizer.encode(heldout_text, add_special_tokens=False)
+        heldout = metric_loss(evaluate(store_model, held_ids, context=context, reference=reference), metric)
+        store_model.experts.store.close()
+        update_manifest(out, "budget", {**record, "heldout_loss": heldout})
+    return BudgetedConvert(report, result, heldout)

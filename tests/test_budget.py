@@ -1,0 +1,95 @@
+"""The bit-width budget search: its logic on a tiny model, the exactness of the layer-input cache,
+and the store it writes."""
+
+import json
+
+import pytest
+import torch
+
+import edgemoe
+from edgemoe.budget import BudgetSearch, Calibration, convert_with_budget, parse_budget
+from edgemoe.store import read_manifest
+
+TEXT = ("Friends, Romans, countrymen, lend me your ears; I come to bury Caesar, not to praise him. "
+        "The evil that men do lives after them; the good is oft interred with their bones. ") * 3
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_model):
+    return tiny_model("mixtral", num_hidden_layers=3, num_local_experts=4)
+
+
+@pytest.fixture(scope="module")
+def search(checkpoint):
+    model = edgemoe.load(checkpoint)
+    ids = torch.tensor(model.tokenizer.encode(TEXT, add_special_tokens=False))
+    # KL, not perplexity: a random model predicts nearly uniformly, so its perplexity barely moves
+    # under quantization, while the KL to the unquantized model grows with every bit taken away.
+    return BudgetSearch(model, Calibration(model, ids, context=48, metric="kl"))
+
+
+def test_rerunning_from_a_layer_on_cached_inputs_is_exact(search):
+    base = {key: 4 for key in search.keys}
+    search._cache_layer_inputs(base)
+    for key in [(1, 2), (2, 0)]:
+        partial = search.loss({**base, key: 2}, start_layer=key[0])
+        full = search.loss({**base, key: 2}, start_layer=0)
+        assert partial == pytest.approx(full, rel=1e-6, abs=1e-9)
+    search._layer_inputs = []
+
+
+def test_budget_zero_keeps_every_expert_at_the_top(search):
+    result = search.run(0.0)
+    assert set(result.widths.values()) == {8} and result.moved_down == 0
+
+
+def test_a_huge_budget_puts_every_expert_at_the_floor(search):
+    result = search.run(1e6)
+    assert set(result.widths.values()) == {2} and result.feasible
+
+
+def test_a_larger_budget_never_gives_a_larger_store(search):
+    def bits(result):
+        return sum(result.widths.values())
+    uniform = search.run(1e6).uniform_loss
+    budgets = sorted({0.0, *(v * f for v in uniform.values() if v > 0 for f in (0.5, 1.0, 1.5)), 1e6})
+    sizes = [bits(search.run(b)) for b in budgets]
+    assert sizes == sorted(sizes, reverse=True)
+    assert len(set(sizes)) >= 3                     # the budgets do span different stores
+
+
+def test_moved_experts_are_the_least_important_and_the_loss_is_within_budget(search):
+    uniform = search.run(1e6).uniform_loss
+    assert uniform[2] > uniform[4] > uniform[8] > 0
+    budget = (uniform[2] + uniform[4]) / 2
+    result = search.run(budget)
+    assert (result.floor, result.ceiling) == (2, 4) and 0 < result.moved_down < len(search.keys)
+    floor = sorted(k for k, b in result.widths.items() if b == result.floor)
+    ceiling = [k for k, b in result.widths.items() if b == result.ceiling]
+    assert max(result.importance[k] for k in floor) <= min(result.importance[k] for k in ceiling)
+    assert result.loss_bound <= budget
+
+
+def test_convert_with_budget_records_widths_importance_and_losses(checkpoint, tmp_path):
+    done = convert_with_budget(checkpoint, tmp_path / "s", budget=1e6, metric="top1", calib_text=TEXT,
+                               heldout_text=TEXT[::-1], context=48)
+    manifest = read_manifest(tmp_path / "s")
+    record = manifest.data["budget"]
+    assert record["metric"] == "top1" and record["heldout_loss"] == done.heldout_loss
+    assert {e.bits for e in manifest.experts.values()} == {2}
+    assert record["widths"] == {str(l): [2] * 4 for l in range(3)}
+
+
+@pytest.mark.parametrize("text,value", [("5%", 0.05), ("0.5%", 0.005), ("0.1", 0.1)])
+def test_parse_budget(text, value):
+    assert parse_budget(text) == pytest.approx(value)
+
+
+def test_bad_budget_options_are_named(checkpoint):
+    with pytest.raises(ValueError, match="--budget 'five'"):
+        parse_budget("five")
+    model = edgemoe.load(checkpoint)
+    with pytest.raises(ValueError, match="--metric 'bleu'"):
+        Calibration(model, torch.arange(10), 8, "bleu")
+    with pytest.raises(ValueError, match="--confidence 1.2"):
+        Calibration(model, torch.arange(10), 8, "ppl", confidence=1.2)
