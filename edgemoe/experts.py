@@ -73,6 +73,9 @@ class ExpertProvider(ABC):
     @abstractmethod
     def expert(self, layer: int, expert: int) -> Expert: ...
 
+    def prepare(self, layer: int, batches: "ExpertBatches") -> None:
+        """The layer's routing is known (called before routing hooks, e.g. preloaders, run)."""
+
     def run(self, layer: int, x: torch.Tensor, batches: ExpertBatches) -> torch.Tensor:
         """Weighted sum of the active experts' outputs per token: x [T, D] -> [T, D]."""
         out = torch.zeros_like(x)

@@ -170,9 +170,11 @@ class MoEModel:
         for hook in self.moe_input_hooks:
             hook(l, x)
         weights, experts = route(x, w["router"], self.spec.top_k, self.spec.norm_topk_prob)
+        batches = ExpertBatches.from_routing(weights, experts)
+        self.experts.prepare(l, batches)
         for hook in self.routing_hooks:
             hook(l, experts, weights, positions, segments)
-        out = self.experts.run(l, x, ExpertBatches.from_routing(weights, experts))
+        out = self.experts.run(l, x, batches)
         if self.spec.shared_expert_hidden:
             shared = swiglu(x, w["shared.gate"], w["shared.up"], w["shared.down"])
             out = out + torch.sigmoid(torch.nn.functional.linear(x, w["shared_gate"])) * shared

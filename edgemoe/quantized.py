@@ -75,8 +75,10 @@ class StoreExperts(ExpertProvider):
         self.io_wait_seconds += time.perf_counter() - start
         return QuantizedExpert(resident, self.choose)
 
+    def prepare(self, layer: int, batches: ExpertBatches) -> None:
+        self.store.begin_layer(layer, needed=((layer, e) for e in batches.experts))
+
     def run(self, layer: int, x: torch.Tensor, batches: ExpertBatches) -> torch.Tensor:
-        self.store.begin_layer(layer)
         if self.overlap:
             self.store.prefetch(((layer, e) for e in batches.experts[1:]), urgent=True)
         return super().run(layer, x, batches)

@@ -117,11 +117,15 @@ class _Tier:
     def fits(self, nbytes: int) -> bool:
         return nbytes <= self.budget
 
-    def put(self, item: ResidentExpert) -> list[ResidentExpert]:
-        """Insert, evicting by policy until it fits; returns the evicted items."""
+    def put(self, item: ResidentExpert, protect: set[Key] = frozenset()) -> tuple[bool, list[ResidentExpert]]:
+        """Insert, evicting by policy (never a protected key) until it fits. Returns whether it was
+        inserted (not if only protected experts could make room) and the evicted items."""
         evicted = []
-        while self.stats.bytes + item.nbytes > self.budget and self.items:
-            victim = self.items.pop(self.policy.victim(self.items.keys()))
+        while self.stats.bytes + item.nbytes > self.budget:
+            candidates = [k for k in self.items if k not in protect]
+            if not candidates:
+                return False, evicted
+            victim = self.items.pop(self.policy.victim(candidates))
             self.policy.remove(victim.key)
             self.stats.bytes -= victim.nbytes
             self.stats.evictions += 1
@@ -130,7 +134,7 @@ class _Tier:
         self.policy.insert(item.key)
         self.stats.bytes += item.nbytes
         self.stats.peak_bytes = max(self.stats.peak_bytes, self.stats.bytes)
-        return evicted
+        return True, evicted
 
     def pop(self, key: Key) -> ResidentExpert:
         item = self.items.pop(key)
@@ -180,6 +184,7 @@ class TieredStore:
         self._in_flight: dict[Key, threading.Event] = {}
         self._preloaded: set[Key] = set()   # loaded on a prediction, not yet asked for
         self._urgent: set[Key] = set()      # loaded by prefetch(urgent=True), not yet asked for
+        self._pinned: set[Key] = set()      # needed by the running layer (begin_layer)
         # (priority, sequence, key): 0 = needed by the running layer, 1 = predicted; -1 stops the loader.
         self._queue: queue.PriorityQueue = queue.PriorityQueue(maxsize=preload_queue)
         self._sequence = itertools.count()
@@ -251,9 +256,11 @@ class TieredStore:
                     self.stats.preloads_issued -= 1
                 return  # preloading is best effort: never stall the compute
 
-    def begin_layer(self, layer: int) -> None:
-        """The model is about to run `layer` (eviction policies weigh layer distance)."""
+    def begin_layer(self, layer: int, needed=()) -> None:
+        """The model is about to run `layer`, which needs `needed` experts: eviction policies weigh
+        layer distance, and nothing placed until the next begin_layer evicts a needed expert."""
         with self._lock:
+            self._pinned = {(int(l), int(e)) for l, e in needed}
             for tier in (self.vram, self.ram):
                 if tier:
                     tier.policy.set_layer(layer)
@@ -341,13 +348,18 @@ class TieredStore:
     def _place(self, item: ResidentExpert, kind: str) -> ResidentExpert:
         """Cache a freshly read expert in the fastest tier it fits; returns what the caller should use.
         kind: "demand" (asked for now: counts as a use), "preload", "urgent" or "placement"."""
+        protect = self._protected(item.key)
+        placed = False
         if self.vram and self.vram.fits(item.nbytes):
-            item = self._to_device(item)
-            for demoted in self.vram.put(item):
-                self._put_ram(self._to_host(demoted))
-        elif self.ram.fits(item.nbytes):
-            self._put_ram(item)
-        else:
+            on_device = self._to_device(item)
+            placed, demoted = self.vram.put(on_device, protect)
+            for d in demoted:
+                self._put_ram(self._to_host(d), protect)
+            if placed:
+                item = on_device
+        if not placed and self.ram.fits(item.nbytes):
+            placed = self._put_ram(item, protect)
+        if not placed:
             self.stats.streamed += 1
             return item
         if kind == "preload":
@@ -359,12 +371,18 @@ class TieredStore:
             tier.policy.touch(item.key)
         return item
 
-    def _put_ram(self, item: ResidentExpert) -> None:
-        if not self.ram.fits(item.nbytes):
+    def _protected(self, key: Key) -> set[Key]:
+        """What placing `key` may not evict: the running layer's experts, and the unused preloads
+        of key's own layer (a layer's preloads do not push each other out)."""
+        return (self._pinned | {k for k in self._preloaded if k[0] == key[0]}) - {key}
+
+    def _put_ram(self, item: ResidentExpert, protect: set[Key]) -> bool:
+        placed, dropped = self.ram.put(item, protect) if self.ram.fits(item.nbytes) else (False, [])
+        for d in dropped:
+            self._forget(d.key)
+        if not placed:
             self._forget(item.key)
-            return
-        for dropped in self.ram.put(item):
-            self._forget(dropped.key)
+        return placed
 
     def _forget(self, key: Key) -> None:
         self._urgent.discard(key)

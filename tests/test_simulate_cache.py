@@ -144,7 +144,7 @@ def test_agrees_with_tiered_store(store_dir, policy):
     with open_store(store_dir, ram=3 * size, policy=policy, place_popular=False) as store:
         for routing in tokens:
             for layer, experts in routing.items():
-                store.begin_layer(layer)
+                store.begin_layer(layer, needed=[(layer, e) for e in experts])
                 for e in sorted(experts):          # the runtime runs experts in ascending order
                     store.get(layer, e)
         runtime = store.stats

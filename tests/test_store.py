@@ -149,11 +149,28 @@ def test_prefetch_loads_in_background_and_counts_use_and_waste(store):
         assert (s.stats.misses, s.stats.ram.hits, s.stats.preloads_loaded, s.stats.preloads_used) == (0, 2, 2, 2)
         s.prefetch([(2, 0), (2, 1)])
         s.drain()                                      # they evicted the used (0, 2), (0, 3)
-        s.prefetch([(2, 2), (2, 3)])
+        s.prefetch([(0, 0), (0, 1)])
         s.drain()                                      # these evict (2, 0), (2, 1), never used
-        assert s.stats.preloads_wasted == 2 and sorted(s.resident()) == [(2, 2), (2, 3)]
-        s.prefetch([(2, 2)])                           # already resident: not issued again
+        assert s.stats.preloads_wasted == 2 and sorted(s.resident()) == [(0, 0), (0, 1)]
+        s.prefetch([(0, 0)])                           # already resident: not issued again
         assert s.stats.preloads_issued == 6
+        s.prefetch([(0, 4)])                           # a layer's unused preloads do not push each other out
+        s.drain()
+        assert sorted(s.resident()) == [(0, 0), (0, 1)] and s.stats.streamed == 1
+
+
+def test_the_running_layers_experts_are_never_evicted_to_place_others(store):
+    size = max(e.length for e in read_manifest(store).experts.values())
+    with open_store(store, ram=2 * size) as s:
+        s.begin_layer(0, needed=[(0, 0), (0, 1)])
+        s.get(0, 0)
+        s.get(0, 1)
+        s.prefetch([(2, 0)])                           # the next layer's prediction: no room, no eviction
+        s.drain()
+        assert sorted(s.resident()) == [(0, 0), (0, 1)]
+        s.begin_layer(2, needed=[(2, 0)])
+        s.get(2, 0)                                    # layer 0 is done: now it may go
+        assert (2, 0) in s.resident()
 
 
 def test_many_threads_share_a_store(store):

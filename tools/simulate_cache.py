@@ -101,33 +101,41 @@ def _replay(tokens, capacity: int, name: str, profile: RoutingProfile | None, pr
     # EdgeMoE's layer distance wraps at num_layers: the model's layer count, at least 1 + the last MoE layer.
     cache = _Cache(capacity, make_policy(name, max(layers, default=0) + 1, popularity))
     hits = total = preloads = preload_hits = 0
+    pending: set[Key] = set()     # preloaded for the next layer, not yet scored
     for routing in tokens:
         history: dict[int, tuple[int, ...]] = {}
-        for layer in sorted(routing):
+        order = sorted(routing)
+        for i, layer in enumerate(order):
             cache.policy.set_layer(layer)
-            preloaded = _preload(cache, profile, layer, history, k) if profile else set()
+            needed = {(layer, e) for e in routing[layer]}
+            preload_hits += len(pending & needed)
+            pending = set()
+            history[layer] = tuple(routing[layer])
+            if profile and i + 1 < len(order):
+                # As the runtime: the next layer's predictions are placed while this layer runs,
+                # never evicting this layer's experts.
+                pending = _preload(cache, profile, order[i + 1], history, k, needed)
+                preloads += len(pending)
             for e in sorted(routing[layer]):   # the runtime runs a layer's experts in ascending order
                 key = (layer, e)
                 total += 1
                 if key in cache.resident:
                     hits += 1
-                else:
-                    cache.insert(key)
+                elif not cache.insert(key, keep=needed - {key}):
+                    continue           # no room beside the running layer's experts: served uncached
                 cache.policy.touch(key)
-            preloads += len(preloaded)
-            preload_hits += len(preloaded & {(layer, e) for e in routing[layer]})
-            history[layer] = tuple(routing[layer])
     return _result(hits, total, preloads, preload_hits, cache.evictions, preload=profile is not None)
 
 
-def _preload(cache: _Cache, profile: RoutingProfile, layer: int, history, k: int) -> set[Key]:
-    """Insert those of the k most probable experts of `layer` that are not resident; returns them."""
+def _preload(cache: _Cache, profile: RoutingProfile, layer: int, history, k: int, running: set[Key]) -> set[Key]:
+    """Insert those of the k most probable experts of `layer` that are not resident, evicting neither
+    the running layer's experts nor each other; returns them."""
     loaded: set[Key] = set()
     for e, _ in profile.predict(layer, history)[:k]:
         key = (layer, e)
         if key in cache.resident:
             continue
-        if not cache.insert(key, keep=loaded):
+        if not cache.insert(key, keep=loaded | running):
             break   # the cache holds only this layer's preloads: no room for more
         loaded.add(key)
     return loaded
