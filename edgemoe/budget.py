@@ -322,7 +322,8 @@ def convert_with_budget(model_dir, out, budget: float, metric: str, calib_text: 
     if heldout_text is not None:
         store_model = edgemoe.load(out, preload="none")
         held_ids = reference.tokenizer.encode(heldout_text, add_special_tokens=False)
-        heldout = metric_loss(evaluate(store_model, held_ids, context=context, reference=reference), metric)
+        heldout = metric_loss(evaluate(store_model, held_ids, context=context, stride=context, reference=reference),
+                              metric)  # windows as the calibration's: consecutive, context tokens each
         store_model.experts.store.close()
         update_manifest(out, "budget", {**record, "heldout_loss": heldout})
     return BudgetedConvert(report, result, heldout)

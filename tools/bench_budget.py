@@ -1,0 +1,77 @@
+#!/usr/bin/env python
+"""Adaptive (per-expert width) stores against uniform ones, on calibration and held-out text.
+
+    python tools/bench_budget.py [MODEL_DIR] --out-dir /tmp/budget [--budgets 1% 2% 5% 10%] [--json]
+
+For each budget, `edgemoe convert --budget` (the search on the calibration text, the store written,
+the loss confirmed on the held-out text); for each uniform width, a uniform store evaluated on both
+texts with the same metric. Defaults: the bundled model, its calib.txt and eval.txt, metric ppl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import edgemoe
+from edgemoe.bundled import BUNDLED_DIR
+from edgemoe.budget import convert_with_budget, metric_loss, parse_budget
+from edgemoe.evaluate import evaluate
+from edgemoe.store import convert, inspect_store
+
+
+def store_row(store: Path, name: str, calib_loss: float, heldout_loss: float, seconds: float) -> dict:
+    summary = inspect_store(store)
+    counts = {}
+    for row in summary["widths"].values():
+        for b in row:
+            counts[b] = counts.get(b, 0) + 1
+    return {"store": name, "expert_bytes": summary["expert_bytes"], "bits_per_weight": summary["bits_per_weight"],
+            "widths": counts, "calib_loss": calib_loss, "heldout_loss": heldout_loss, "seconds": seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", nargs="?", type=Path, default=BUNDLED_DIR)
+    parser.add_argument("--out-dir", type=Path, required=True)
+    parser.add_argument("--calib", type=Path, default=BUNDLED_DIR / "calib.txt")
+    parser.add_argument("--heldout", type=Path, default=BUNDLED_DIR / "eval.txt")
+    parser.add_argument("--budgets", nargs="+", default=["1%", "2%", "5%", "10%"])
+    parser.add_argument("--metric", default="ppl")
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    calib, heldout = args.calib.read_text(), args.heldout.read_text()
+    reference = edgemoe.load(args.model)
+    rows = []
+    for bits in (2, 4, 8):
+        start = time.perf_counter()
+        out = args.out_dir / f"uniform-int{bits}"
+        convert(args.model, out, bits=bits, force=True)
+        model = edgemoe.load(out, preload="none")
+        losses = [metric_loss(evaluate(model, reference.tokenizer.encode(text, add_special_tokens=False),
+                                       context=args.context, stride=args.context, reference=reference), args.metric)
+                  for text in (calib, heldout)]
+        rows.append(store_row(out, f"uniform INT{bits}", *losses, time.perf_counter() - start))
+    for budget in args.budgets:
+        start = time.perf_counter()
+        out = args.out_dir / f"budget-{budget.rstrip('%')}"
+        done = convert_with_budget(args.model, out, parse_budget(budget), args.metric, calib, heldout,
+                                   context=args.context, force=True)
+        row = store_row(out, f"budget {budget}", done.search.loss, done.heldout_loss, time.perf_counter() - start)
+        rows.append({**row, "budget": parse_budget(budget), "calib_bound": done.search.loss_bound,
+                     "search_seconds": done.search.seconds, "evaluations": done.search.evaluations})
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    print(f"{'store':14} {'expert KiB':>10} {'bits/w':>7} {'INT2/4/8':>10} {'calib loss':>10} {'held-out':>9} {'s':>6}")
+    for r in rows:
+        w = "/".join(str(r["widths"].get(b, 0)) for b in (2, 4, 8))
+        print(f"{r['store']:14} {r['expert_bytes'] / 1024:10.1f} {r['bits_per_weight']:7.3f} {w:>10} "
+              f"{r['calib_loss']:10.4f} {r['heldout_loss']:9.4f} {r['seconds']:6.1f}")
+
+
+if __name__ == "__main__":
+    main()
