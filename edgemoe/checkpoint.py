@@ -3,8 +3,10 @@
 A checkpoint is config.json plus one safetensors file (model.safetensors) or several with an index
 (model.safetensors.index.json). Every file's header is parsed and checked against the file size when
 the directory is opened, so a truncated download fails at once, naming the file, instead of midway
-through a load. Tensors are then read one at a time (safetensors memory-maps the file), so the whole
-checkpoint is never in memory twice.
+through a load. Tensors are then read one at a time with pread into memory the caller owns, and
+their pages are dropped from the page cache (Linux): a converter's memory stays bounded by the
+tensors it holds, however large the checkpoint (a memory map would leave every page it touched
+resident and counted against the process).
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-
 from .errors import CheckpointError
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                 "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,8 @@ class TensorInfo:
     file: Path
     dtype: str
     shape: tuple[int, ...]
+    offset: int = 0       # absolute byte offset of the data in the file
+    nbytes: int = 0
 
 
 def read_json(path: Path) -> dict:
@@ -69,7 +74,7 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
             raise CheckpointError(f"{path}: tensor {name!r} has {end - begin} bytes for shape {shape} "
                                   f"{entry['dtype']}")
         data_end = max(data_end, end)
-        infos[name] = TensorInfo(path, entry["dtype"], shape)
+        infos[name] = TensorInfo(path, entry["dtype"], shape, 8 + header_len + begin, end - begin)
     if 8 + header_len + data_end > size:
         raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, header promises "
                               f"{8 + header_len + data_end})")
@@ -86,7 +91,7 @@ class Checkpoint:
         self.config = read_json(self.path / "config.json")
         self.tensors = self._index_tensors()
         self.used: set[str] = set()
-        self._handles: dict[Path, object] = {}
+        self._handles: dict[Path, int] = {}   # open file descriptors
 
     def _index_tensors(self) -> dict[str, TensorInfo]:
         index_path = self.path / "model.safetensors.index.json"
@@ -121,32 +126,41 @@ class Checkpoint:
         info = self.tensors.get(name)
         if info is None:
             raise CheckpointError(f"{self.path}: tensor {name!r} not found")
-        handle = self._handles.get(info.file)
-        if handle is None:
-            handle = self._handles[info.file] = safe_open(str(info.file), framework="pt")
-        tensor = handle.get_tensor(name)
+        tensor = self._read(info, info.offset, info.nbytes, info.shape)
         self.used.add(name)
         return tensor if dtype is None else tensor.to(dtype)
+
+    def _read(self, info: TensorInfo, offset: int, nbytes: int, shape) -> torch.Tensor:
+        if info.dtype not in TORCH_DTYPES:
+            raise CheckpointError(f"{info.file}: dtype {info.dtype} is not supported (F32, BF16, F16)")
+        fd = self._handles.get(info.file)
+        if fd is None:
+            fd = self._handles[info.file] = os.open(info.file, os.O_RDONLY)
+        buf = bytearray(nbytes)
+        if os.preadv(fd, [buf], offset) != nbytes:
+            raise CheckpointError(f"{info.file}: short read (file changed or truncated)")
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+        if nbytes == 0:
+            return torch.empty(shape, dtype=TORCH_DTYPES[info.dtype])
+        return torch.frombuffer(buf, dtype=TORCH_DTYPES[info.dtype]).reshape(shape)
 
     def unused(self) -> list[str]:
         return sorted(set(self.tensors) - self.used)
 
     def close(self) -> None:
+        for fd in self._handles.values():
+            os.close(fd)
         self._handles.clear()
 
 
 def read_slice(ckpt: Checkpoint, name: str, index: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Read tensor[index] of a stacked tensor without reading the rest (fused expert layouts)."""
     info = ckpt.tensors[name]
-    handle = ckpt._handles.get(info.file)
-    if handle is None:
-        handle = ckpt._handles[info.file] = safe_open(str(info.file), framework="pt")
-    tensor = handle.get_slice(name)[index]
+    row = info.nbytes // info.shape[0]
+    tensor = ckpt._read(info, info.offset + index * row, row, info.shape[1:])
     ckpt.used.add(name)
     return tensor if dtype is None else tensor.to(dtype)
-
-
-TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
 def write_safetensors(path: Path, items: list[tuple[str, str, tuple[int, ...], "callable"]]) -> int:
