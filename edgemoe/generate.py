@@ -24,6 +24,7 @@ class GenerationOptions:
     seed: int | None = None
     stop_token_ids: Sequence[int] | None = None  # None: the model's eos tokens
     stop_strings: Sequence[str] = field(default_factory=tuple)
+    prefill_chunk: int = 512          # prompt tokens per step: each expert is read once per chunk
 
     def __post_init__(self):
         if self.max_new_tokens < 0:
@@ -34,6 +35,8 @@ class GenerationOptions:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
 
 
 def defaults_from(generation_config: dict) -> dict:
@@ -79,26 +82,32 @@ def _generator(seed: int | None) -> torch.Generator:
 
 
 def generate_batch(model: MoEModel, prompts: Sequence[Sequence[int]], opts: GenerationOptions) -> list[list[int]]:
-    """Generate for several prompts together: one prefill step for all, then one decode step per token
-    for every unfinished sequence. Returns the new token ids of each (stop token excluded)."""
+    """Generate for several prompts together. Every step feeds each unfinished sequence its next
+    tokens: up to prefill_chunk prompt tokens while it is prefilling (long prompts in chunks), then
+    one new token; all in one forward step. Returns the new token ids of each (stop token excluded)."""
     if any(len(p) == 0 for p in prompts):
         raise ValueError("generate: a prompt is empty")
     stops = set(opts.stop_token_ids if opts.stop_token_ids is not None else eos_token_ids(model))
     generator = _generator(opts.seed)
     caches = [model.new_cache() for _ in prompts]
     outputs: list[list[int]] = [[] for _ in prompts]
+    pending = [list(p) for p in prompts]            # tokens each sequence still has to feed
     live = list(range(len(prompts))) if opts.max_new_tokens else []
-    step_tokens = [list(p) for p in prompts]
     while live:
-        tokens = torch.tensor([t for i in live for t in step_tokens[i]])
-        logits = model.forward(tokens, [Segment(caches[i], len(step_tokens[i])) for i in live], last_only=True)
+        feed = {i: pending[i][:opts.prefill_chunk] for i in live}
+        tokens = torch.tensor([t for i in live for t in feed[i]])
+        logits = model.forward(tokens, [Segment(caches[i], len(feed[i])) for i in live], last_only=True)
         still_live = []
         for row, i in enumerate(live):
+            pending[i] = pending[i][len(feed[i]):]
+            if pending[i]:                          # still prefilling: its logits are not used yet
+                still_live.append(i)
+                continue
             token = next_token(logits[row], opts, generator)
             if token in stops:
                 continue
             outputs[i].append(token)
-            step_tokens[i] = [token]
+            pending[i] = [token]
             if len(outputs[i]) < opts.max_new_tokens:
                 still_live.append(i)
         live = still_live
@@ -106,13 +115,17 @@ def generate_batch(model: MoEModel, prompts: Sequence[Sequence[int]], opts: Gene
 
 
 def stream_tokens(model: MoEModel, prompt_ids: Sequence[int], opts: GenerationOptions) -> Iterator[int]:
-    """New token ids for one prompt, yielded as soon as each is chosen."""
+    """New token ids for one prompt, yielded as soon as each is chosen (prompt fed in chunks)."""
     if len(prompt_ids) == 0:
         raise ValueError("generate: the prompt is empty")
     stops = set(opts.stop_token_ids if opts.stop_token_ids is not None else eos_token_ids(model))
     generator = _generator(opts.seed)
     cache = model.new_cache()
-    step = list(prompt_ids)
+    prompt = list(prompt_ids)
+    chunks = [prompt[i:i + opts.prefill_chunk] for i in range(0, len(prompt), opts.prefill_chunk)]
+    step = chunks.pop()
+    for chunk in chunks:
+        model.logits(chunk, cache)
     for _ in range(opts.max_new_tokens):
         logits = model.logits(step, cache)[-1]
         token = next_token(logits, opts, generator)

@@ -71,3 +71,24 @@ def test_cache_fork_and_truncate(tiny_model):
     assert (model.logits(tokens[3:], twin) - expected).abs().max() <= TOL
     cache.truncate(3)                                      # drop two tokens, as a rejected draft would
     assert (model.logits(tokens[3:], cache) - expected).abs().max() <= TOL
+
+
+def test_chunked_prefill_gives_the_same_text_and_reads_each_expert_once_per_chunk(tiny_model, tmp_path):
+    from edgemoe.generate import stream_tokens
+    from edgemoe.store import convert
+
+    convert(tiny_model("mixtral"), tmp_path / "s", bits=8)
+    model = edgemoe.load(tmp_path / "s", preload="none")
+    prompt = model.tokenizer.encode("All the world's a stage, and all the men and women merely players; " * 3)
+    whole = GenerationOptions(max_new_tokens=6, stop_token_ids=[], prefill_chunk=10_000)
+    chunked = GenerationOptions(max_new_tokens=6, stop_token_ids=[], prefill_chunk=16)
+    assert generate_batch(model, [prompt, prompt[:20]], chunked) == generate_batch(model, [prompt, prompt[:20]], whole)
+    store = model.experts.store
+    before = store.stats.requests
+    model.timings.reset()
+    assert list(stream_tokens(model, prompt, chunked)) == generate_batch(model, [prompt], whole)[0]
+    chunks = -(-len(prompt) // 16)
+    prefill_steps = model.timings.per_step[:chunks]
+    assert [n for n, _ in prefill_steps] == [16] * (chunks - 1) + [len(prompt) - 16 * (chunks - 1)]
+    layers, experts = model.spec.num_layers, model.spec.num_experts
+    assert store.stats.requests - before <= (chunks + 6) * layers * experts   # at most once per step
