@@ -10,11 +10,13 @@ Search (widths from {2, 4, 8}):
  1. Uniform stores: the loss of all-2, all-4, all-8. The ceiling is the smallest width whose uniform
     loss is within the budget (8 if none is: the budget cannot be met, reported); the floor is the
     next lower width. If the ceiling is 2, every expert is at 2.
- 2. Importance: each expert alone at the floor, every other at the ceiling. Cheap: each calibration
-    window's input to every layer is cached for the all-ceiling model, so an expert's effect is
-    measured by re-running the model from its own layer only (exact, not an approximation).
- 3. The least important experts go down first: binary search for the largest K whose K least
-    important experts at the floor keep the loss within the budget.
+ 2. Importance: each expert alone at the floor, every other at the ceiling, on one half of the
+    calibration windows. Cheap: each window's input to every layer is cached for the all-ceiling
+    model, so an expert's effect is measured by re-running the model from its own layer only (exact).
+ 3. The least important experts go down first: binary search, on the other half of the windows,
+    for the largest K whose K least important experts at the floor keep the loss within the budget.
+    Ranking and choosing on the same text would favour experts whose measured importance was low by
+    chance, and the mix would then exceed the budget on new text (measured: docs/budget.md).
 The caller confirms the result end to end on held-out text the search never saw.
 
 Inputs: the checkpoint's model loaded in float32 (edgemoe.load), token ids of the calibration
@@ -110,10 +112,19 @@ class Calibration:
         ref = self.reference[i]
         return (ref.exp() * (ref - logp)).sum().item()
 
-    def loss(self, per_window: list[float]) -> tuple[float, float]:
-        """(estimate, upper confidence bound) of the metric from per-window sums."""
-        mean = sum(per_window) / self.tokens
-        rates = [v / n for v, n in zip(per_window, self.sizes)]
+    def halves(self) -> tuple[list[int], list[int]]:
+        """Window indices split in two interleaved halves: one ranks the experts, the other chooses
+        how many go down, so the choice is not biased by the ranking's own noise."""
+        every = list(range(len(self.windows)))
+        if len(every) < 2:
+            return every, every
+        return every[0::2], every[1::2]
+
+    def loss(self, per_window: dict[int, float]) -> tuple[float, float]:
+        """(estimate, upper confidence bound) of the metric from per-window sums (window -> sum)."""
+        sizes = [self.sizes[i] for i in per_window]
+        mean = sum(per_window.values()) / sum(sizes)
+        rates = [v / n for v, n in zip(per_window.values(), sizes)]
         se = statistics.stdev(rates) / math.sqrt(len(rates)) if len(rates) > 1 else 0.0
         bound = mean + self.z * se
         if self.metric == "ppl":
@@ -164,15 +175,16 @@ class BudgetSearch:
         self._layer_inputs: list[dict[int, torch.Tensor]] = []
         self._quantized = MoEModel(model.spec, _dense_of(model), self.experts)
 
-    def loss(self, widths: dict[Key, int], start_layer: int = 0) -> tuple[float, float]:
-        """(estimate, upper bound) of the calibration loss with these widths; computed from
-        `start_layer` on the cached layer inputs when > 0."""
+    def loss(self, widths: dict[Key, int], start_layer: int = 0, windows=None) -> tuple[float, float]:
+        """(estimate, upper bound) of the calibration loss with these widths over `windows` (default
+        all); computed from `start_layer` on the cached layer inputs when > 0."""
         self.experts.widths = widths
         self.evaluations += 1
-        per_window = []
-        for i, window in enumerate(self.calib.windows):
-            logits = self._quantized.logits(window) if start_layer == 0 else self._from_layer(i, start_layer)
-            per_window.append(self.calib.window_loss(i, logits))
+        per_window = {}
+        for i in (range(len(self.calib.windows)) if windows is None else windows):
+            logits = (self._quantized.logits(self.calib.windows[i]) if start_layer == 0
+                      else self._from_layer(i, start_layer))
+            per_window[i] = self.calib.window_loss(i, logits)
         return self.calib.loss(per_window)
 
     def _from_layer(self, i: int, layer: int) -> torch.Tensor:
@@ -197,13 +209,13 @@ class BudgetSearch:
                                            on_layer_input=lambda l, x: inputs.__setitem__(l, x))
             self._layer_inputs.append(inputs)
 
-    def importance(self, floor: int, ceiling: int) -> dict[Key, float]:
+    def importance(self, floor: int, ceiling: int, windows=None) -> dict[Key, float]:
         base = {key: ceiling for key in self.keys}
         self._cache_layer_inputs(base)
-        base_loss = self.loss(base, start_layer=0)[0]
+        base_loss = self.loss(base, start_layer=0, windows=windows)[0]
         scores = {}
         for i, key in enumerate(self.keys):
-            scores[key] = self.loss({**base, key: floor}, start_layer=key[0])[0] - base_loss
+            scores[key] = self.loss({**base, key: floor}, start_layer=key[0], windows=windows)[0] - base_loss
             self.progress("importance", i + 1, len(self.keys))
         self._layer_inputs = []
         return scores
@@ -229,36 +241,37 @@ class BudgetSearch:
                                 seconds=seconds, **result)
         floor = WIDTHS[WIDTHS.index(ceiling) - 1]
         t = time.perf_counter()
-        importance = self.importance(floor, ceiling)
+        ranking, choosing = self.calib.halves()
+        importance = self.importance(floor, ceiling, ranking)
         seconds["importance"] = time.perf_counter() - t
         t = time.perf_counter()
         order = sorted(self.keys, key=lambda k: (importance[k], k))
-        k, (loss, bound) = self._largest_k(order, floor, ceiling, budget, uniform[ceiling])
+        k = self._largest_k(order, floor, ceiling, budget, choosing)
+        widths = {key: (floor if i < k else ceiling) for i, key in enumerate(order)}
+        loss, bound = self.loss(widths)              # the chosen mix on the whole calibration text
         seconds["search"] = time.perf_counter() - t
         seconds["total"] = time.perf_counter() - start
-        widths = {key: (floor if i < k else ceiling) for i, key in enumerate(order)}
         widths = {key: widths[key] for key in self.keys}
         return BudgetResult(widths=widths, floor=floor, importance=importance, loss=loss, loss_bound=bound,
                             moved_down=k, evaluations=self.evaluations, seconds=seconds, **result)
 
-    def _largest_k(self, order: list[Key], floor: int, ceiling: int, budget: float,
-                   ceiling_loss: tuple[float, float]) -> tuple[int, tuple[float, float]]:
-        """Binary search: the largest K with the K least important at the floor within the budget."""
+    def _largest_k(self, order: list[Key], floor: int, ceiling: int, budget: float, windows) -> int:
+        """Binary search on `windows`: the largest K with the K least important at the floor within
+        the budget (K = 0 is the uniform ceiling, within it by construction)."""
         def widths_for(k):
             return {key: (floor if i < k else ceiling) for i, key in enumerate(order)}
 
-        lo, lo_loss, hi = 0, ceiling_loss, len(order)       # lo is within the budget; hi is unknown
+        lo, hi = 0, len(order)       # lo is within the budget; hi is unknown
         steps, total = 0, max(1, math.ceil(math.log2(len(order) + 1)))
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            loss = self.loss(widths_for(mid))
-            if loss[1] <= budget:
-                lo, lo_loss = mid, loss
+            if self.loss(widths_for(mid), windows=windows)[1] <= budget:
+                lo = mid
             else:
                 hi = mid - 1
             steps += 1
             self.progress("search", min(steps, total), total)
-        return lo, lo_loss
+        return lo
 
 
 def _dense_of(model: MoEModel) -> dict[str, torch.Tensor]:
