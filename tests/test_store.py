@@ -314,3 +314,18 @@ def test_budget_strings_and_errors():
     assert parse_bytes("1.5k") == 1500
     with pytest.raises(StoreError, match="--ram 'lots'"):
         parse_bytes("lots", "ram")
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+def test_convert_run_and_inspect_every_architecture(tiny_model, tmp_path, arch):
+    path = tiny_model(arch, fused_experts=arch == "olmoe")
+    convert(path, tmp_path / "s", bits=4)
+    model = edgemoe.load(tmp_path / "s", ram=30_000, policy="edgemoe")
+    reference = dequantized_reference(path, lambda key: 4)
+    ids = tokens(model)
+    assert (model.logits(ids) - reference.logits(ids)).abs().max() <= 1e-4
+    assert model.generate("To be", max_new_tokens=5, stop_token_ids=[]) == \
+        reference.generate("To be", max_new_tokens=5, stop_token_ids=[])
+    summary = inspect_store(tmp_path / "s")
+    assert summary["model"]["model_type"] == arch
+    assert sum(row["widths"]["4"] for row in summary["layers"]) == len(model.spec.moe_layer_ids) * model.spec.num_experts
