@@ -44,15 +44,12 @@ class LRUPolicy:
         return min(candidates, key=lambda k: self.last_use.get(k, -1))
 
 
-class EdgeMoEPolicy(LRUPolicy):
-    name = "edgemoe"
+class LFUPolicy(LRUPolicy):
+    name = "lfu"
 
-    def __init__(self, num_layers: int, popularity: dict[Key, float] | None = None):
+    def __init__(self, num_layers: int = 1, popularity: dict[Key, float] | None = None):
         super().__init__(num_layers)
-        self.num_layers = num_layers
-        self.current_layer = 0
-        self.prior = popularity or {}
-        self.accesses: dict[Key, int] = {}
+        self.accesses: dict[Key, int] = {}   # kept across evictions: frequency is the expert's, not the copy's
 
     def touch(self, key: Key) -> None:
         super().touch(key)
@@ -60,6 +57,19 @@ class EdgeMoEPolicy(LRUPolicy):
 
     def insert(self, key: Key) -> None:
         LRUPolicy.touch(self, key)  # residency is not an access: only the model's use counts
+
+    def victim(self, candidates: Iterable[Key]) -> Key:
+        return min(candidates, key=lambda k: (self.accesses.get(k, 0), self.last_use.get(k, -1)))
+
+
+class EdgeMoEPolicy(LFUPolicy):
+    name = "edgemoe"
+
+    def __init__(self, num_layers: int, popularity: dict[Key, float] | None = None):
+        super().__init__(num_layers)
+        self.num_layers = num_layers
+        self.current_layer = 0
+        self.prior = popularity or {}
 
     def set_layer(self, layer: int) -> None:
         self.current_layer = layer
@@ -71,24 +81,6 @@ class EdgeMoEPolicy(LRUPolicy):
 
     def victim(self, candidates: Iterable[Key]) -> Key:
         return min(candidates, key=lambda k: (self.score(k), self.last_use.get(k, -1)))
-
-
-class LFUPolicy(LRUPolicy):
-    name = "lfu"
-
-    def __init__(self, num_layers: int = 1, popularity: dict[Key, float] | None = None):
-        super().__init__(num_layers)
-        self.accesses: dict[Key, int] = {}
-
-    def touch(self, key: Key) -> None:
-        super().touch(key)
-        self.accesses[key] = self.accesses.get(key, 0) + 1
-
-    def insert(self, key: Key) -> None:
-        LRUPolicy.touch(self, key)  # residency is not an access: only the model's use counts
-
-    def victim(self, candidates: Iterable[Key]) -> Key:
-        return min(candidates, key=lambda k: (self.accesses.get(k, 0), self.last_use.get(k, -1)))
 
 
 POLICIES = {p.name: p for p in (LRUPolicy, LFUPolicy, EdgeMoEPolicy)}
