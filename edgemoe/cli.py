@@ -142,14 +142,19 @@ def convert(
 def inspect(
     store: Path = typer.Argument(..., help="Store directory."),
     ram: Optional[str] = typer.Option(None, "--ram", help="Show where experts would be placed with this RAM budget."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Draw the width map (layer x expert) to this PNG "
+                                        "(needs matplotlib: pip install 'edgemoe[plot]')."),
     as_json: bool = typer.Option(False, "--json"),
 ):
-    """Summarise a store: model, sizes per layer and width, bits per weight, initial placement."""
+    """Summarise a store: model, sizes per layer and width, bits per weight, the width map, placement."""
     import json
 
     from edgemoe.store import inspect_store
 
     summary = inspect_store(store, ram=ram)
+    if plot is not None:
+        from .plots import plot_width_map
+        plot_width_map(summary, plot)
     if as_json:
         print(json.dumps(summary, indent=1))
         return
@@ -168,6 +173,12 @@ def inspect(
         table.add_row(str(row["layer"]), *[str(row["widths"].get(str(b), 0)) for b in (2, 4, 8)],
                       _size(row["bytes"]), *([str(row["resident"])] if ram else []))
     console.print(table)
+    width_map = Table("layer", *[f"e{e}" for e in range(m["experts"])], title="bits per expert")
+    for layer, bits in summary["widths"].items():
+        width_map.add_row(layer, *[str(b) for b in bits])
+    console.print(width_map)
+    if plot is not None:
+        console.print(f"width map drawn to {plot}")
 
 
 def _convert_with_budget(model, out, budget, metric, calib, heldout, calib_tokens, group_size, method, force,

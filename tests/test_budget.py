@@ -93,3 +93,24 @@ def test_bad_budget_options_are_named(checkpoint):
         Calibration(model, torch.arange(10), 8, "bleu")
     with pytest.raises(ValueError, match="--confidence 1.2"):
         Calibration(model, torch.arange(10), 8, "ppl", confidence=1.2)
+
+
+def test_inspect_prints_the_width_map_and_draws_it(checkpoint, tmp_path, monkeypatch, capsys):
+    import sys
+
+    from edgemoe.cli import main
+    from edgemoe.store import convert
+
+    spec = edgemoe.load(checkpoint).spec
+    widths = {(l, e): (2, 4, 8)[(l + e) % 3] for l in range(spec.num_layers) for e in range(spec.num_experts)}
+    convert(checkpoint, tmp_path / "s", widths=widths)
+    png = tmp_path / "widths.png"
+    monkeypatch.setattr(sys, "argv", ["edgemoe", "inspect", str(tmp_path / "s"), "--plot", str(png)])
+    with pytest.raises(SystemExit) as info:
+        main()
+    out = capsys.readouterr().out
+    assert info.value.code == 0 and "bits per expert" in out
+    width_table = out.split("bits per expert", 1)[1].splitlines()
+    row = next(line for line in width_table if line.strip("│ ").startswith("1 "))
+    assert [int(c) for c in row.replace("│", " ").split()[1:]] == [widths[1, e] for e in range(spec.num_experts)]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
