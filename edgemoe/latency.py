@@ -8,8 +8,11 @@ A short calibration times both at a few token counts on this machine and fits t 
 and width; the choice for S is the cheaper prediction. Results are cached per machine and shape in
 the user cache directory ($EDGEMOE_CACHE_DIR, else ~/.cache/edgemoe/latency.json), so a machine
 calibrates once and every later run (and every tier) makes the same choice for the same S.
-(With a GPU, a device path adds the measured host->device copy of the packed bytes; edgemoe has no
-GPU here: that path is not calibrated and an expert resident on a device computes there.)
+With a VRAM tier on a torch device, a third path is calibrated for experts held in RAM: "device",
+copy the packed arrays to the device (measured seconds per byte) and dequantize + multiply there;
+its cost is t = a + b*S plus the copy of the expert's bytes (Fiddler's CPU-vs-GPU rule). Experts
+already resident on the device compute there. No GPU was available to this project: the device path
+is exercised with the CPU as a stand-in device only.
 """
 
 from __future__ import annotations
@@ -55,29 +58,33 @@ class LatencyModel:
     fits: dict[str, dict[int, tuple[float, float]]]   # path -> bits -> (a, b)
     shape: tuple[int, int]                             # (I, D)
     machine: str
+    device: str | None = None                          # the device path's torch device, if calibrated
+    copy_seconds_per_byte: float = 0.0                 # host -> device
 
-    def predict(self, path: str, bits: int, tokens: int) -> float:
+    def predict(self, path: str, bits: int, tokens: int, nbytes: int = 0) -> float:
         a, b = self.fits[path][bits]
-        return a + b * tokens
+        return a + b * tokens + (nbytes * self.copy_seconds_per_byte if path == "device" else 0.0)
 
-    def choose(self, bits: int, tokens: int) -> str:
-        """"fused" or "dequant": the cheaper for this many tokens."""
+    def choose(self, bits: int, tokens: int, nbytes: int = 0) -> str:
+        """"fused", "dequant" or (when calibrated) "device": the cheapest for this many tokens, for an
+        expert of `nbytes` packed bytes held in RAM."""
         if bits not in self.fits["fused"]:
             raise KeyError(f"latency model has no calibration for INT{bits}")
-        return min(PATHS, key=lambda p: self.predict(p, bits, tokens))
+        return min(self.fits, key=lambda p: self.predict(p, bits, tokens, nbytes))
 
     def crossover(self, bits: int) -> int | None:
         """The smallest token count for which dequantize + matmul wins, or None below 4096 tokens."""
         return next((s for s in range(1, 4097) if self.choose(bits, s) == "dequant"), None)
 
     def to_json(self) -> dict:
-        return {"shape": list(self.shape), "machine": self.machine,
+        return {"shape": list(self.shape), "machine": self.machine, "device": self.device,
+                "copy_seconds_per_byte": self.copy_seconds_per_byte,
                 "fits": {p: {str(b): list(ab) for b, ab in per_bits.items()} for p, per_bits in self.fits.items()}}
 
     @classmethod
     def from_json(cls, d: dict) -> "LatencyModel":
         fits = {p: {int(b): tuple(ab) for b, ab in per_bits.items()} for p, per_bits in d["fits"].items()}
-        return cls(fits, tuple(d["shape"]), d["machine"])
+        return cls(fits, tuple(d["shape"]), d["machine"], d.get("device"), d.get("copy_seconds_per_byte", 0.0))
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -98,40 +105,62 @@ def _fit(tokens, seconds) -> tuple[float, float]:
     return a, b
 
 
-def calibrate(shape: tuple[int, int], widths, repeats: int = 3, tokens=CALIBRATION_TOKENS) -> LatencyModel:
-    """Time both paths on random weights of `shape` (I, D) at each width; fit a line per path."""
+def calibrate(shape: tuple[int, int], widths, repeats: int = 3, tokens=CALIBRATION_TOKENS,
+              device: str | None = None) -> LatencyModel:
+    """Time the paths on random weights of `shape` (I, D) at each width (and the device path when
+    `device` is given); fit a line per path."""
     from edgemoe import kernels
     from edgemoe.quant import quantize
+    from edgemoe.store.tiers import device_swiglu, to_device
 
     from .layers import swiglu
 
     inner, dim = shape
     g = torch.Generator().manual_seed(0)
-    fits: dict[str, dict[int, tuple[float, float]]] = {p: {} for p in PATHS}
+    paths = PATHS + (("device",) if device else ())
+    fits: dict[str, dict[int, tuple[float, float]]] = {p: {} for p in paths}
+    copy_per_byte = 0.0
     for bits in sorted(set(widths)):
-        gate, up = (quantize(torch.randn(inner, dim, generator=g), bits) for _ in range(2))
-        down = quantize(torch.randn(dim, inner, generator=g), bits)
-        measured = {p: [] for p in PATHS}
+        qts = {"gate": quantize(torch.randn(inner, dim, generator=g), bits),
+               "up": quantize(torch.randn(inner, dim, generator=g), bits),
+               "down": quantize(torch.randn(dim, inner, generator=g), bits)}
+        measured = {p: [] for p in paths}
         for s in tokens:
             x = torch.randn(s, dim, generator=g)
             xn = x.numpy()
-            measured["fused"].append(_median_time(lambda: kernels.swiglu_expert(xn, gate, up, down), repeats))
+            measured["fused"].append(_median_time(lambda: kernels.swiglu_expert(xn, *qts.values()), repeats))
             measured["dequant"].append(_median_time(
-                lambda: swiglu(x, kernels.dequantize(gate), kernels.dequantize(up), kernels.dequantize(down)), repeats))
-        for p in PATHS:
+                lambda: swiglu(x, *(kernels.dequantize(q) for q in qts.values())), repeats))
+            if device:
+                on_device = to_device(qts, torch.device(device))
+                measured["device"].append(_median_time(
+                    lambda: _synced(device_swiglu(x, qts, on_device)), repeats))
+        for p in paths:
             fits[p][bits] = _fit(tokens, measured[p])
-    return LatencyModel(fits, (inner, dim), machine_fingerprint())
+        if device:
+            nbytes = sum(q.nbytes for q in qts.values())
+            copy_per_byte = _median_time(lambda: _synced(to_device(qts, torch.device(device))), repeats) / nbytes
+    return LatencyModel(fits, (inner, dim), machine_fingerprint(), device, copy_per_byte)
 
 
-def _cache_key(shape, machine: str) -> str:
-    return f"{machine}|{shape[0]}x{shape[1]}"
+def _synced(result):
+    """Wait for the device's queued work (timings of asynchronous CUDA calls would stop early)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return result
 
 
-def load_or_calibrate(shape: tuple[int, int], widths, path: Path | None = None) -> LatencyModel:
-    """The cached model for this machine and shape if it covers `widths`, else a fresh calibration (cached)."""
+def _cache_key(shape, machine: str, device: str | None) -> str:
+    return f"{machine}|{shape[0]}x{shape[1]}|{device or 'cpu only'}"
+
+
+def load_or_calibrate(shape: tuple[int, int], widths, path: Path | None = None,
+                      device: str | None = None) -> LatencyModel:
+    """The cached model for this machine, shape and device if it covers `widths`, else a fresh
+    calibration (cached)."""
     path = path or cache_file()
     machine = machine_fingerprint()
-    key = _cache_key(shape, machine)
+    key = _cache_key(shape, machine, device)
     try:
         cached = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
@@ -141,7 +170,7 @@ def load_or_calibrate(shape: tuple[int, int], widths, path: Path | None = None) 
         if set(widths) <= set(model.fits["fused"]):
             return model
         widths = set(widths) | set(model.fits["fused"])
-    model = calibrate(shape, widths)
+    model = calibrate(shape, widths, device=device)
     cached[key] = model.to_json()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -2,9 +2,10 @@
 
 Where an expert in RAM computes is decided by its width and token count S alone (so that tiering
 never changes results): "fused", the numba SwiGLU kernel on the packed weights, or "dequant",
-dequantize once (numba) then torch matmuls. `compute="auto"` picks the cheaper by this machine's
-measured latency model (edgemoe.latency); "fused" or "dequant" force one. An expert resident on a
-torch device (the VRAM tier) is dequantized and multiplied there.
+dequantize once (numba) then torch matmuls, or, with a VRAM tier, "device": copy the packed bytes
+to the device and compute there. `compute="auto"` picks the cheapest by this machine's measured
+latency model (edgemoe.latency); the others force one. An expert resident on the device (the VRAM
+tier) is dequantized and multiplied there.
 
 Shapes: T tokens, D hidden, S tokens of one expert.
 """
@@ -18,17 +19,20 @@ import torch
 
 from edgemoe import kernels
 from edgemoe.store import ResidentExpert, TieredStore
+from edgemoe.store.tiers import device_swiglu, to_device
 
 from .experts import ExpertBatches, ExpertProvider
 from .layers import swiglu
 
-COMPUTE_CHOICES = ("auto", "fused", "dequant")
+COMPUTE_CHOICES = ("auto", "fused", "dequant", "device")
 
 
 class QuantizedExpert:
-    def __init__(self, resident: ResidentExpert, choose: Callable[[int, int], str]):
+    def __init__(self, resident: ResidentExpert, choose: Callable[[int, int, int], str],
+                 device: torch.device | None = None):
         self.resident = resident
-        self.choose = choose          # (bits, tokens) -> "fused" | "dequant"
+        self.choose = choose          # (bits, tokens, nbytes) -> "fused" | "dequant" | "device"
+        self.device = device          # the VRAM tier's device, for the "device" path
         self.nbytes = resident.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -36,7 +40,10 @@ class QuantizedExpert:
         if r.device is not None:
             w = r.dequantize(torch.float32)
             return swiglu(x.to(r.device, torch.float32), w["gate"], w["up"], w["down"]).to(x.device, x.dtype)
-        if self.choose(r.bits, x.shape[0]) == "fused":
+        path = self.choose(r.bits, x.shape[0], r.nbytes)
+        if path == "device":   # copy this RAM expert's packed bytes over and compute there (Fiddler)
+            return device_swiglu(x, r.tensors, to_device(r.tensors, self.device))
+        if path == "fused":
             t = r.tensors
             y = kernels.swiglu_expert(x.float().contiguous().numpy(), t["gate"], t["up"], t["down"])
             return torch.from_numpy(y).to(x.dtype)
@@ -50,6 +57,8 @@ class StoreExperts(ExpertProvider):
     def __init__(self, store: TieredStore, compute: str = "auto", overlap: bool = True):
         if compute not in COMPUTE_CHOICES:
             raise ValueError(f"compute={compute!r}: expected one of {COMPUTE_CHOICES}")
+        if compute == "device" and store.device is None:
+            raise ValueError("compute='device' needs a VRAM tier: give vram= and device=")
         self.store = store
         self.compute = compute
         self.overlap = overlap       # read a layer's other experts in the background while one computes
@@ -63,17 +72,18 @@ class StoreExperts(ExpertProvider):
             from .latency import load_or_calibrate
             spec = self.store.spec
             widths = {e.bits for e in self.store.manifest.experts.values()}
-            self._latency = load_or_calibrate((spec.expert_hidden, spec.hidden_size), widths)
+            device = str(self.store.device) if self.store.device is not None else None
+            self._latency = load_or_calibrate((spec.expert_hidden, spec.hidden_size), widths, device=device)
         return self._latency
 
-    def choose(self, bits: int, tokens: int) -> str:
-        return self.compute if self.compute != "auto" else self.latency.choose(bits, tokens)
+    def choose(self, bits: int, tokens: int, nbytes: int = 0) -> str:
+        return self.compute if self.compute != "auto" else self.latency.choose(bits, tokens, nbytes)
 
     def expert(self, layer: int, expert: int) -> QuantizedExpert:
         start = time.perf_counter()
         resident = self.store.get(layer, expert)
         self.io_wait_seconds += time.perf_counter() - start
-        return QuantizedExpert(resident, self.choose)
+        return QuantizedExpert(resident, self.choose, self.store.device)
 
     def prepare(self, layer: int, batches: ExpertBatches) -> None:
         self.store.begin_layer(layer, needed=((layer, e) for e in batches.experts))

@@ -61,6 +61,26 @@ class ResidentExpert:
                 for role, t in self.device_tensors.items()}
 
 
+def to_device(tensors: dict[str, QuantizedTensor], device: torch.device) -> dict[str, dict[str, torch.Tensor]]:
+    """An expert's packed arrays copied to a torch device: role -> packed/scale/zero."""
+    return {role: {name: torch.from_numpy(np.array(getattr(qt, name))).to(device) for name in ARRAY_NAMES}
+            for role, qt in tensors.items()}
+
+
+def device_swiglu(x: torch.Tensor, tensors: dict[str, QuantizedTensor],
+                  on_device: dict[str, dict[str, torch.Tensor]]) -> torch.Tensor:
+    """The expert on x [S, D], dequantized and multiplied on the device holding `on_device`."""
+    from edgemoe.layers import swiglu
+
+    device = next(iter(on_device["gate"].values())).device
+    w = {role: _dequantize_on_device(_meta(qt), on_device[role], torch.float32) for role, qt in tensors.items()}
+    return swiglu(x.to(device, torch.float32), w["gate"], w["up"], w["down"]).to(x.device, x.dtype)
+
+
+def _meta(qt: QuantizedTensor) -> dict:
+    return {"shape": list(qt.shape), "bits": qt.bits, "group_size": qt.group_size}
+
+
 def _dequantize_on_device(meta: dict, t: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """The torch twin of the dequantize kernel, run wherever the tensors are. meta: the manifest's record."""
     rows, cols = meta["shape"]
@@ -391,9 +411,7 @@ class TieredStore:
             self.stats.preloads_wasted += 1
 
     def _to_device(self, item: ResidentExpert) -> ResidentExpert:
-        tensors = {role: {name: torch.from_numpy(np.array(getattr(qt, name))).to(self.device)
-                          for name in ARRAY_NAMES} for role, qt in item.tensors.items()}
-        return ResidentExpert(item.entry, None, item.nbytes, tensors, self.device)
+        return ResidentExpert(item.entry, None, item.nbytes, to_device(item.tensors, self.device), self.device)
 
     def _to_host(self, item: ResidentExpert) -> ResidentExpert:
         tensors = {}

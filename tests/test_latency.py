@@ -15,7 +15,7 @@ def fake_timings(monkeypatch, fused_slope=1e-3, dequant_base=5e-3):
     """fused: t = S * fused_slope; dequant: t = dequant_base + 1e-5 * S (as on a real CPU, roughly)."""
     calls = []
 
-    def fake_calibrate(shape, widths, repeats=3, tokens=latency.CALIBRATION_TOKENS):
+    def fake_calibrate(shape, widths, repeats=3, tokens=latency.CALIBRATION_TOKENS, device=None):
         calls.append(tuple(sorted(widths)))
         fits = {"fused": {b: latency._fit(tokens, [s * fused_slope * b / 4 for s in tokens]) for b in widths},
                 "dequant": {b: latency._fit(tokens, [dequant_base + 1e-5 * s for s in tokens]) for b in widths}}
@@ -73,3 +73,29 @@ def test_unknown_compute_choice_is_named(tiny_model, tmp_path):
     convert(tiny_model("olmoe"), tmp_path / "s", bits=4)
     with pytest.raises(ValueError, match="compute='gpu'"):
         edgemoe.load(tmp_path / "s", compute="gpu")
+
+
+def test_device_path_wins_for_many_tokens_when_the_copy_is_cheap():
+    fits = {"fused": {4: (0.0, 1e-3)}, "dequant": {4: (5e-3, 1e-4)}, "device": {4: (1e-3, 1e-6)}}
+    model = LatencyModel(fits, (96, 64), "m", device="cuda", copy_seconds_per_byte=1e-9)
+    assert model.choose(4, 1, nbytes=10_000) == "fused"          # 1 ms vs 1.01 ms on the device
+    assert model.choose(4, 64, nbytes=10_000) == "device"        # 64 ms, 11.4 ms, 1.07 ms
+    assert model.choose(4, 64, nbytes=10**8) == "dequant"        # a 0.1 s copy loses to 11.4 ms
+    assert LatencyModel.from_json(model.to_json()) == model
+
+
+def test_real_calibration_with_a_stand_in_device():
+    model = latency.calibrate((32, 64), [4], repeats=1, tokens=(1, 8), device="cpu")
+    assert set(model.fits) == {"fused", "dequant", "device"} and model.copy_seconds_per_byte > 0
+    assert model.choose(4, 8, nbytes=1000) in model.fits
+
+
+def test_device_compute_on_a_cpu_stand_in_gives_the_same_logits(tiny_model, tmp_path):
+    convert(tiny_model("qwen2_moe"), tmp_path / "s", bits=4)
+    fused = edgemoe.load(tmp_path / "s", compute="fused")
+    on_device = edgemoe.load(tmp_path / "s", compute="device", ram="1GB", vram=1, device="cpu")
+    ids = torch.tensor(fused.tokenizer.encode("All the world's a stage, and all the men"))
+    assert (on_device.logits(ids) - fused.logits(ids)).abs().max() <= 1e-4
+    assert on_device.experts.store.resident() and set(on_device.experts.store.resident().values()) == {"ram"}
+    with pytest.raises(ValueError, match="needs a VRAM tier"):
+        edgemoe.load(tmp_path / "s", compute="device")
