@@ -26,6 +26,13 @@ def read_spec(ckpt: Checkpoint) -> ModelSpec:
         raise CheckpointError(f"{ckpt.path / 'config.json'}: {e}") from None
 
 
+def read_text_config(directory: Path) -> tuple[Tokenizer | None, dict]:
+    """The tokenizer (if tokenizer.json is there) and generation_config.json (or {}) of a directory."""
+    tokenizer = Tokenizer(directory) if (directory / "tokenizer.json").exists() else None
+    gen_path = directory / "generation_config.json"
+    return tokenizer, read_json(gen_path) if gen_path.exists() else {}
+
+
 def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> MoEModel:
     """Load a checkpoint directory; every weight cast to `dtype` (float32 by default: exact on CPU)."""
     ckpt = Checkpoint(path)
@@ -34,11 +41,8 @@ def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32)
     dense = read_dense(ckpt, plan, dtype)
     experts = {key: DenseExpert(**weights) for key, weights in iter_experts(ckpt, plan, dtype)}
     ckpt.close()
-    directory = Path(path)
-    tokenizer = Tokenizer(directory) if (directory / "tokenizer.json").exists() else None
-    gen_path = directory / "generation_config.json"
-    generation_config = read_json(gen_path) if gen_path.exists() else {}
-    return MoEModel(spec, dense, InMemoryExperts(experts), tokenizer, generation_config, name=directory.name)
+    tokenizer, generation_config = read_text_config(Path(path))
+    return MoEModel(spec, dense, InMemoryExperts(experts), tokenizer, generation_config, name=Path(path).name)
 
 
 
@@ -73,9 +77,7 @@ def load_store(path: str | os.PathLike, ram=None, vram=0, device=None, policy: s
         store.close()
         raise StoreError(f"{dense_path}: missing dense tensors {missing[:5]}")
     directory = Path(path)
-    tokenizer = Tokenizer(directory) if (directory / "tokenizer.json").exists() else None
-    gen_path = directory / "generation_config.json"
-    generation_config = read_json(gen_path) if gen_path.exists() else {}
+    tokenizer, generation_config = read_text_config(directory)
     # preload="none" is pure on-demand loading (the baseline): no background reads of any kind.
     model = MoEModel(store.spec, dense, StoreExperts(store, compute, overlap=preload != "none"), tokenizer,
                      generation_config,
