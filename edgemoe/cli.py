@@ -47,6 +47,8 @@ def run(
     preload: str = typer.Option("auto", "--preload", help="Store only: auto (correlation if the store has a "
                                 "profile, else lookahead), correlation, lookahead or none."),
     stats: bool = typer.Option(False, "--stats", help="Print speed and cache figures after the text."),
+    replay: Optional[Path] = typer.Option(None, "--replay", help="Route by this trace instead of the routers "
+                                          "(a random-weight model routed as a real one was)."),
 ):
     """Generate text, streamed as it is produced, from a checkpoint directory or a store."""
     import edgemoe
@@ -57,6 +59,11 @@ def run(
     if not store_options and (ram or vram or device):
         raise EdgeMoEError(f"{path}: --ram/--vram/--device apply to stores; this is a checkpoint directory")
     m = edgemoe.load(path, **store_options)
+    if replay is not None:
+        from edgemoe.store.profile import read_trace
+        from .replay import RoutingReplay
+        RoutingReplay(read_trace(replay), m.spec.moe_layer_ids, m.spec.num_experts, m.spec.top_k,
+                      str(replay)).attach(m)
     if m.tokenizer is None:
         raise EdgeMoEError(f"{model}: no tokenizer.json, cannot generate text")
     text = m.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt

@@ -67,6 +67,8 @@ class MoEModel:
         self.routing_hooks: list = []
         # Called with (layer, hidden [T, D]) just before a MoE layer routes (gate look-ahead preloading).
         self.moe_input_hooks: list = []
+        # (layer, positions [T]) -> (weights, experts) replacing the routers (edgemoe.replay).
+        self.routing_override = None
         self.timings = Timings()
 
     # ---- public API -------------------------------------------------------------------------------
@@ -169,7 +171,10 @@ class MoEModel:
             return swiglu(x, w["mlp.gate"], w["mlp.up"], w["mlp.down"])
         for hook in self.moe_input_hooks:
             hook(l, x)
-        weights, experts = route(x, w["router"], self.spec.top_k, self.spec.norm_topk_prob)
+        if self.routing_override is not None:
+            weights, experts = self.routing_override(l, positions)
+        else:
+            weights, experts = route(x, w["router"], self.spec.top_k, self.spec.norm_topk_prob)
         batches = ExpertBatches.from_routing(weights, experts)
         self.experts.prepare(l, batches)
         for hook in self.routing_hooks:

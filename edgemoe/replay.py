@@ -1,0 +1,48 @@
+"""Routing replay: a model's routers replaced by a recorded trace (docs/trace-format.md), so that a
+random-weight model (tools/make_synthetic_model.py) routes as a real model did, while attention,
+kernels, I/O, preload and eviction run for real (`edgemoe bench --replay`).
+
+The trace's tokens form one stream, in order. The token at position p of any sequence takes the
+stream's token p (wrapping around). MoE layer i of the model takes the trace's i-th MoE layer,
+wrapping around when the model has more MoE layers than the trace (e.g. a 6-layer trace driving a
+32-layer model). The trace's experts and top-k must fit the model.
+
+Shapes: T tokens in the step, A experts per token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from edgemoe.store.profile import TraceRecord
+
+
+class RoutingReplay:
+    def __init__(self, records: list[TraceRecord], moe_layers: list[int], num_experts: int, top_k: int,
+                 source: str = "trace"):
+        if not records:
+            raise ValueError(f"{source}: the trace is empty")
+        trace_layers = sorted({r.layer for r in records})
+        tokens: dict[tuple, dict[int, TraceRecord]] = {}
+        for r in records:
+            tokens.setdefault((r.seq, r.token), {})[r.layer] = r
+        biggest = max(max(r.experts) for r in records)
+        if biggest >= num_experts or any(len(r.experts) != top_k for r in records):
+            raise ValueError(f"{source}: its routing (experts up to {biggest}, top-k "
+                             f"{sorted({len(r.experts) for r in records})}) does not fit a model with "
+                             f"{num_experts} experts, top-{top_k}")
+        self.layer_of = {layer: trace_layers[i % len(trace_layers)] for i, layer in enumerate(moe_layers)}
+        self.stream = [routing for routing in tokens.values() if set(routing) == set(trace_layers)]
+        if not self.stream:
+            raise ValueError(f"{source}: no token has a record for every layer {trace_layers}")
+
+    def route(self, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, A] float32, experts [T, A] int64) for the step's token positions [T]."""
+        trace_layer = self.layer_of[layer]
+        picked = [self.stream[p % len(self.stream)][trace_layer] for p in positions.tolist()]
+        return (torch.tensor([r.weights for r in picked], dtype=torch.float32),
+                torch.tensor([r.experts for r in picked], dtype=torch.long))
+
+    def attach(self, model) -> "RoutingReplay":
+        model.routing_override = self.route
+        return self

@@ -1,0 +1,38 @@
+"""Routing replay: a model routed by a recorded trace chooses exactly the trace's experts."""
+
+import pytest
+import torch
+
+import edgemoe
+from edgemoe.replay import RoutingReplay
+from edgemoe.store.profile import TraceRecord, TraceRecorder
+
+
+def test_a_model_replaying_a_trace_routes_as_the_trace_says(tiny_model):
+    source = edgemoe.load(tiny_model("mixtral"))                  # 2 MoE layers
+    ids = torch.tensor(source.tokenizer.encode("Now is the winter of our discontent"))
+    with TraceRecorder(source) as original:
+        source.logits(ids)
+    target = edgemoe.load(tiny_model("mixtral", num_hidden_layers=4, seed=3))   # other weights, 4 layers
+    RoutingReplay(original.records, target.spec.moe_layer_ids, target.spec.num_experts,
+                  target.spec.top_k).attach(target)
+    cache = target.new_cache()
+    with TraceRecorder(target) as replayed:
+        target.logits(ids[:5], cache)                              # prefill, then decode
+        for t in range(5, len(ids)):
+            target.logits(ids[t:t + 1], cache)
+    by_token = {(r.token, r.layer): r for r in original.records}
+    for r in replayed.records:
+        source_layer = r.layer % 2                                 # 4 model layers wrap over 2 trace layers
+        assert r.experts == by_token[r.token, source_layer].experts
+        assert r.weights == pytest.approx(by_token[r.token, source_layer].weights)
+    assert len(replayed.records) == 4 * len(ids)
+
+
+def test_a_trace_that_does_not_fit_the_model_is_refused(tiny_model):
+    model = edgemoe.load(tiny_model("mixtral"))
+    records = [TraceRecord(0, 0, 0, [7, 1], [0.5, 0.5])]
+    with pytest.raises(ValueError, match="t.jsonl: its routing .* does not fit a model with 4 experts"):
+        RoutingReplay(records, model.spec.moe_layer_ids, model.spec.num_experts, model.spec.top_k, "t.jsonl")
+    with pytest.raises(ValueError, match="empty"):
+        RoutingReplay([], model.spec.moe_layer_ids, 4, 2)
