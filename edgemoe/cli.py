@@ -219,7 +219,7 @@ def _convert_with_budget(model, out, budget, metric, calib, heldout, calib_token
           + (f", held-out loss {done.heldout_loss:.4f}" if done.heldout_loss is not None else "")
           + f" (uniform: {uniform}; floor INT{s.floor}, ceiling INT{s.ceiling}, {s.moved_down} experts at the floor)")
     if not s.feasible:
-        print(f"warning: even INT8 everywhere exceeds the budget on the calibration text; wrote all INT8")
+        print("warning: even INT8 everywhere exceeds the budget on the calibration text; wrote all INT8")
 
 
 def _bundled_text(model: Path, name: str) -> Optional[Path]:

@@ -1,7 +1,6 @@
 """The bit-width budget search: its logic on a tiny model, the exactness of the layer-input cache,
 and the store it writes."""
 
-import json
 
 import pytest
 import torch

@@ -6,7 +6,6 @@ import sys
 import threading
 
 import pytest
-import torch
 
 import edgemoe
 from edgemoe.cli import main
