@@ -145,14 +145,18 @@ def generate(model: MoEModel, prompt: str | Sequence[int], on_text: Callable[[st
     prompt_ids = model.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     emit = on_text or (lambda piece: None)
     decoder = StreamDecoder(model.tokenizer)
+    longest_stop = max((len(x) for x in opts.stop_strings), default=0)
     text, emitted = "", 0
     for token in stream_tokens(model, prompt_ids, opts):
-        text += decoder.push(token)
-        stop_at = _first_stop(text, opts.stop_strings)
+        piece = decoder.push(token)
+        text += piece
+        # A stop string can only end in the new piece: search just the tail (linear, not quadratic).
+        tail_start = max(0, len(text) - len(piece) - longest_stop)
+        stop_at = _first_stop(text[tail_start:], opts.stop_strings)
         if stop_at is not None:
-            text = text[:stop_at]
+            text = text[:tail_start + stop_at]
             break
-        safe = len(text) - _stop_prefix_length(text, opts.stop_strings)
+        safe = len(text) - _stop_prefix_length(text[-longest_stop:] if longest_stop else "", opts.stop_strings)
         if safe > emitted:
             emit(text[emitted:safe])
             emitted = safe

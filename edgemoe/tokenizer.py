@@ -71,22 +71,29 @@ class Tokenizer:
 
 
 class StreamDecoder:
-    """Turns generated ids into text pieces as they come, never splitting a character."""
+    """Turns generated ids into text pieces as they come, never splitting a character.
+
+    Each push decodes only the ids since the last emitted piece, with the few ids before them as
+    context (a byte-level BPE token's text can depend on its neighbour), so a long generation costs
+    linear time, not quadratic."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.emitted = 0  # characters of the decoded text already returned
+        self.prefix = 0   # ids[prefix:read] decode to text already returned (the context)
+        self.read = 0     # ids before this index have been returned as text
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-            return ""
-        piece, self.emitted = text[self.emitted:], len(text)
-        return piece
+        return self._advance(final=False)
 
     def flush(self) -> str:
-        text = self.tokenizer.decode(self.ids)
-        piece, self.emitted = text[self.emitted:], len(text)
-        return piece
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        done = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        text = self.tokenizer.decode(self.ids[self.prefix:])
+        if len(text) <= len(done) or (text.endswith("\ufffd") and not final):
+            return ""  # nothing new, or an incomplete UTF-8 sequence: wait for the next token
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(done):]

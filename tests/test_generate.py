@@ -78,3 +78,12 @@ def test_chat_template_renders_messages(model):
 def test_bad_options_are_rejected_by_name(option):
     with pytest.raises(ValueError, match=next(iter(option))):
         GenerationOptions(**option)
+
+
+def test_stream_decoder_pieces_equal_the_whole_decode_for_any_ids(model):
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        ids = torch.randint(3, model.tokenizer.vocab_size, (40,), generator=g).tolist()
+        decoder = StreamDecoder(model.tokenizer)
+        text = "".join(decoder.push(i) for i in ids) + decoder.flush()
+        assert text == model.tokenizer.decode(ids)
