@@ -111,7 +111,7 @@ def calibrate(shape: tuple[int, int], widths, repeats: int = 3, tokens=CALIBRATI
     `device` is given); fit a line per path."""
     from edgemoe import kernels
     from edgemoe.quant import quantize
-    from edgemoe.store.tiers import device_swiglu, to_device
+    from edgemoe.store.tiers import device_swiglu, quantized_meta, to_device
 
     from .layers import swiglu
 
@@ -134,7 +134,7 @@ def calibrate(shape: tuple[int, int], widths, repeats: int = 3, tokens=CALIBRATI
             if device:
                 on_device = to_device(qts, torch.device(device))
                 measured["device"].append(_median_time(
-                    lambda: _synced(device_swiglu(x, qts, on_device)), repeats))
+                    lambda: _synced(device_swiglu(x, quantized_meta(qts), on_device)), repeats))
         for p in paths:
             fits[p][bits] = _fit(tokens, measured[p])
         if device:

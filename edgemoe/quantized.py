@@ -37,12 +37,11 @@ class QuantizedExpert:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         r = self.resident
-        if r.device is not None:
-            w = r.dequantize(torch.float32)
-            return swiglu(x.to(r.device, torch.float32), w["gate"], w["up"], w["down"]).to(x.device, x.dtype)
+        if r.device is not None:   # resident on the device: compute there
+            return device_swiglu(x, r.entry.tensors, r.device_tensors)
         path = self.choose(r.bits, x.shape[0], r.nbytes)
         if path == "device":   # copy this RAM expert's packed bytes over and compute there (Fiddler)
-            return device_swiglu(x, r.tensors, to_device(r.tensors, self.device))
+            return device_swiglu(x, r.entry.tensors, to_device(r.tensors, self.device))
         if path == "fused":
             t = r.tensors
             y = kernels.swiglu_expert(x.float().contiguous().numpy(), t["gate"], t["up"], t["down"])

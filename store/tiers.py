@@ -67,18 +67,19 @@ def to_device(tensors: dict[str, QuantizedTensor], device: torch.device) -> dict
             for role, qt in tensors.items()}
 
 
-def device_swiglu(x: torch.Tensor, tensors: dict[str, QuantizedTensor],
-                  on_device: dict[str, dict[str, torch.Tensor]]) -> torch.Tensor:
-    """The expert on x [S, D], dequantized and multiplied on the device holding `on_device`."""
+def device_swiglu(x: torch.Tensor, meta: dict[str, dict], on_device: dict[str, dict[str, torch.Tensor]]) -> torch.Tensor:
+    """The expert on x [S, D], dequantized and multiplied on the device holding `on_device`
+    (meta: role -> {"shape", "bits", "group_size"}, as in the manifest)."""
     from edgemoe.layers import swiglu
 
     device = next(iter(on_device["gate"].values())).device
-    w = {role: _dequantize_on_device(_meta(qt), on_device[role], torch.float32) for role, qt in tensors.items()}
+    w = {role: _dequantize_on_device(meta[role], t, torch.float32) for role, t in on_device.items()}
     return swiglu(x.to(device, torch.float32), w["gate"], w["up"], w["down"]).to(x.device, x.dtype)
 
 
-def _meta(qt: QuantizedTensor) -> dict:
-    return {"shape": list(qt.shape), "bits": qt.bits, "group_size": qt.group_size}
+def quantized_meta(tensors: dict[str, QuantizedTensor]) -> dict[str, dict]:
+    return {role: {"shape": list(qt.shape), "bits": qt.bits, "group_size": qt.group_size}
+            for role, qt in tensors.items()}
 
 
 def _dequantize_on_device(meta: dict, t: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
