@@ -14,6 +14,7 @@ import torch
 from edgemoe.store.profile import RoutingProfile, TraceRecord, TraceRecorder, read_trace
 
 from .evaluate import default_context
+from .replay import records_for_model
 
 
 def trace_text(model, text: str, context: int | None = None) -> list[TraceRecord]:
@@ -46,7 +47,10 @@ def profile_store(store: str | Path, text: str | None = None, trace: str | Path 
         raise ValueError("profile: give a text or a trace (exactly one)")
     model = edgemoe.load(store, preload="none")
     try:
-        records = read_trace(trace) if trace is not None else trace_text(model, text, context)
+        if trace is not None:   # a trace of a shallower model is laid over this one's layers, as replayed
+            records = records_for_model(read_trace(trace), model.spec.moe_layer_ids)
+        else:
+            records = trace_text(model, text, context)
         profile = build_profile(model, records, min_count)
         profile.save(store)
     finally:

@@ -17,6 +17,27 @@ import torch
 from edgemoe.store.profile import TraceRecord
 
 
+def layer_map(trace_layers: list[int], moe_layers: list[int]) -> dict[int, int]:
+    """Model MoE layer -> the trace layer that drives it: the i-th MoE layer takes the i-th trace
+    layer, wrapping around when the model has more MoE layers than the trace."""
+    return {layer: trace_layers[i % len(trace_layers)] for i, layer in enumerate(moe_layers)}
+
+
+def records_for_model(records: list[TraceRecord], moe_layers: list[int]) -> list[TraceRecord]:
+    """The trace as the model replays it: one record per token and model MoE layer (so that a
+    routing profile built from it covers every layer of a model deeper than the trace's)."""
+    trace_layers = sorted({r.layer for r in records})
+    if trace_layers == list(moe_layers):
+        return list(records)
+    by_token: dict[tuple, dict[int, TraceRecord]] = {}
+    for r in records:
+        by_token.setdefault((r.seq, r.token), {})[r.layer] = r
+    mapping = layer_map(trace_layers, moe_layers)
+    return [TraceRecord(seq, token, layer, routing[source].experts, routing[source].weights)
+            for (seq, token), routing in by_token.items() if set(routing) == set(trace_layers)
+            for layer, source in mapping.items()]
+
+
 class RoutingReplay:
     def __init__(self, records: list[TraceRecord], moe_layers: list[int], num_experts: int, top_k: int,
                  source: str = "trace"):
@@ -31,7 +52,7 @@ class RoutingReplay:
             raise ValueError(f"{source}: its routing (experts up to {biggest}, top-k "
                              f"{sorted({len(r.experts) for r in records})}) does not fit a model with "
                              f"{num_experts} experts, top-{top_k}")
-        self.layer_of = {layer: trace_layers[i % len(trace_layers)] for i, layer in enumerate(moe_layers)}
+        self.layer_of = layer_map(trace_layers, moe_layers)
         self.stream = [routing for routing in tokens.values() if set(routing) == set(trace_layers)]
         if not self.stream:
             raise ValueError(f"{source}: no token has a record for every layer {trace_layers}")

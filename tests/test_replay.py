@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import edgemoe
-from edgemoe.replay import RoutingReplay
+from edgemoe.replay import RoutingReplay, records_for_model
 from edgemoe.store.profile import TraceRecord, TraceRecorder
 
 
@@ -27,6 +27,9 @@ def test_a_model_replaying_a_trace_routes_as_the_trace_says(tiny_model):
         assert r.experts == by_token[r.token, source_layer].experts
         assert r.weights == pytest.approx(by_token[r.token, source_layer].weights)
     assert len(replayed.records) == 4 * len(ids)
+    # The trace laid over the model's layers (what a routing profile is built from) is what it replays.
+    laid_over = {(r.token, r.layer): r.experts for r in records_for_model(original.records, [0, 1, 2, 3])}
+    assert laid_over == {(r.token, r.layer): r.experts for r in replayed.records}
 
 
 def test_a_trace_that_does_not_fit_the_model_is_refused(tiny_model):
