@@ -106,6 +106,7 @@ class StoreStats:
     misses: int = 0               # demand loads from disk
     streamed: int = 0             # served without caching (larger than a tier)
     disk_bytes_read: int = 0
+    requested_bytes: int = 0      # bytes of the experts asked for (get), wherever they were served from
     preloads_issued: int = 0
     preloads_cancelled: int = 0   # still queued when the real routing was known
     preloads_loaded: int = 0
@@ -123,7 +124,8 @@ class StoreStats:
     def to_dict(self) -> dict:
         return {"requests": self.requests, "hit_rate": self.hit_rate, "vram": self.vram.__dict__,
                 "ram": self.ram.__dict__, "misses": self.misses, "streamed": self.streamed,
-                "disk_bytes_read": self.disk_bytes_read, "preloads_issued": self.preloads_issued,
+                "disk_bytes_read": self.disk_bytes_read, "requested_bytes": self.requested_bytes,
+                "preloads_issued": self.preloads_issued,
                 "preloads_cancelled": self.preloads_cancelled, "preloads_loaded": self.preloads_loaded, "preloads_used": self.preloads_used,
                 "preloads_wasted": self.preloads_wasted}
 
@@ -240,6 +242,8 @@ class TieredStore:
         key = (layer, expert)
         if key not in self.manifest.experts:
             raise StoreError(f"{self.path}: no expert {expert} in layer {layer}")
+        with self._lock:
+            self.stats.requested_bytes += self.manifest.experts[key].length
         while True:
             with self._lock:
                 item = self._lookup(key)
