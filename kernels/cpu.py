@@ -276,3 +276,15 @@ def dequantize_bf16_kernel(bits, g, packed, scale, zero, out, nblocks):
             _decode_row(bits, g, packed[r], scale[r], zero[r], tmp)
             for c in range(cols):
                 out[r, c] = np.uint16((u[c] + np.uint32(0x7FFF) + ((u[c] >> 16) & np.uint32(1))) >> 16)
+
+
+@njit_parallel
+def parallel_sum(a):
+    """Sum of a float32 [R, C] array, rows split over threads: measures memory read bandwidth."""
+    part = np.zeros(a.shape[0], np.float32)
+    for i in numba.prange(a.shape[0]):
+        acc = np.float32(0)
+        for j in range(a.shape[1]):
+            acc += a[i, j]
+        part[i] = acc
+    return part.sum()

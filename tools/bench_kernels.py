@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from edgemoe.kernels import dequantize, qmatmul, set_threads, swiglu_expert
+from edgemoe.kernels.cpu import parallel_sum
 from edgemoe.quant import QuantizedTensor, quantize
 
 MIXTRAL = (14336, 4096)  # expert hidden I, hidden D
@@ -46,18 +47,6 @@ COLD_BYTES = 1 << 30  # working set of the rotated copies: 4x this machine's 260
 MAX_COPIES = 2048  # small (bundled) shapes: 2048 copies stay under the L3 size, so they run cached
 L2_ROWS = 256  # a weight of 256 x 4096 codes (<= 1 MiB) stays in one core's 2 MiB L2: decoding speed
 BUNDLED = Path(__file__).resolve().parent.parent / "edgemoe" / "bundled" / "shakespeare-moe"
-
-
-@numba.njit(parallel=True, fastmath=True, cache=True)
-def _parallel_sum(a):
-    rows = a.shape[0]
-    part = np.zeros(rows, np.float32)
-    for i in numba.prange(rows):
-        acc = np.float32(0)
-        for j in range(a.shape[1]):
-            acc += a[i, j]
-        part[i] = acc
-    return part.sum()
 
 
 def progress(*what):
@@ -78,7 +67,7 @@ def median_time(fn, repeats: int) -> float:
 def read_bandwidth(repeats: int) -> dict[str, float]:
     a = np.random.default_rng(0).random((COLD_BYTES // 4 // 4096, 4096), dtype=np.float32)
     t = torch.from_numpy(a)
-    return {"numba_sum_gbps": a.nbytes / median_time(lambda: _parallel_sum(a), repeats) / 1e9,
+    return {"numba_sum_gbps": a.nbytes / median_time(lambda: parallel_sum(a), repeats) / 1e9,
             "torch_sum_gbps": a.nbytes / median_time(lambda: t.sum(), repeats) / 1e9}
 
 
@@ -252,7 +241,7 @@ def main():
     args = ap.parse_args()
 
     set_threads()
-    _parallel_sum(np.ones((2, 16), np.float32))  # start numba's thread pool before machine() reads it
+    parallel_sum(np.ones((2, 16), np.float32))  # start numba's thread pool before machine() reads it
     info = machine() | {"cpu": cpu_model()}
     print("machine:", json.dumps(info))
     bw = read_bandwidth(args.repeats)
