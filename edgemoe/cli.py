@@ -274,6 +274,68 @@ def profile(
           f"{sum(len(t) for t in result.given_prev2.values())} correlation keys; saved to {store}/profile.json")
 
 
+@app.command()
+def bench(
+    store: Path = typer.Argument(..., help="Store directory."),
+    ram: str = typer.Option("25%", "--ram", help="RAM budget for experts: bytes (e.g. 1GiB) or a share of the "
+                            "store's expert bytes (e.g. 25%)."),
+    mode: List[str] = typer.Option([], "--mode", help="all-in-ram, on-demand-lru or edgemoe (repeatable; "
+                                   "default: all three)."),
+    prefill: List[int] = typer.Option([], "--prefill", help="Prompt length in tokens (repeatable; default 512 "
+                                      "and 2048)."),
+    decode_tokens: int = typer.Option(32, "--decode-tokens", help="Timed decode steps per run."),
+    warmup_tokens: int = typer.Option(4, "--warmup-tokens", help="Decode steps before the timed ones."),
+    repeats: int = typer.Option(3, "--repeats", help="Runs per mode and prompt length (medians reported)."),
+    cold: bool = typer.Option(False, "--cold", help="Drop the store's files from the page cache before each run."),
+    replay: Optional[Path] = typer.Option(None, "--replay", help="Route by this trace (a random-weight model "
+                                          "routed as a real one was)."),
+    memory_limit: Optional[str] = typer.Option(None, "--memory-limit", help="Run inside a cgroup v1 memory "
+                                               "limit of this size, page cache included (Linux, root)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the records as JSON."),
+):
+    """Time to first token and decode speed under a RAM budget, per mode, next to the physical limit."""
+    import json
+
+    from .bench import MODES, BenchConfig, bench as run_bench, confine_memory, machine_summary, parse_ram
+
+    config = BenchConfig(ram=parse_ram(ram, store), modes=tuple(mode) or MODES,
+                         prefill_tokens=tuple(prefill) or (512, 2048), decode_tokens=decode_tokens,
+                         warmup_tokens=warmup_tokens, repeats=repeats, cold=cold,
+                         replay=_read_replay(replay))
+    if memory_limit is not None:
+        confine_memory(memory_limit)
+    progress = None if as_json else lambda r: print(
+        f"  {r['mode']:<14} prefill {r['prefill_tokens']}: ttft {r['ttft_s']:.2f} s, "
+        f"decode {r['decode_tok_s']:.2f} tok/s, hit rate {r['hit_rate']:.3f}", file=sys.stderr, flush=True)
+    records, bandwidths = run_bench(store, config, on_run=progress)
+    if as_json:
+        print(json.dumps(records, indent=1))
+        return
+    print(machine_summary(bandwidths, memory_limit))
+    _print_bench_table(records)
+
+
+def _read_replay(path: Optional[Path]):
+    if path is None:
+        return None
+    from edgemoe.store.profile import read_trace
+    return read_trace(path)
+
+
+def _print_bench_table(records: list) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("mode", "RAM", "prompt", "TTFT s", "decode tok/s", "limit tok/s", "of limit", "hit rate",
+                  "disk MiB/token")
+    for r in records:
+        table.add_row(r["mode"], _size(r["ram_bytes"]), str(r["prefill_tokens"]), f"{r['ttft_s']:.2f}",
+                      f"{r['decode_tok_s']:.2f}", f"{r['limit_decode_tok_s']:.2f}",
+                      f"{r['decode_tok_s'] / r['limit_decode_tok_s']:.0%}", f"{r['hit_rate']:.3f}",
+                      f"{r['disk_bytes_per_token'] / 2**20:.1f}")
+    Console(width=max(120, Console().width)).print(table)
+
+
 @app.command("eval")
 def eval_(
     model: Optional[Path] = typer.Argument(None, help="Checkpoint directory (default: the bundled model)."),

@@ -1,0 +1,367 @@
+"""`edgemoe bench STORE`: time to first token and decode speed of a store under a RAM budget, in
+three modes run by one harness on the same store, next to the physical limit of each run
+(contract: docs/benchmarks.md, "edgemoe bench").
+
+Modes:
+- "all-in-ram": every expert read into RAM before timing; the no-I/O bound.
+- "on-demand-lru": the RAM budget, LRU eviction, no preload and no overlap of reads with compute
+  (EdgeMoE's IO-EXP baseline, Mixtral-offloading's scheme).
+- "edgemoe": the RAM budget, EdgeMoE eviction, popularity placement at load, correlation preload
+  from the store's routing profile, and reads overlapped with compute.
+
+A run: a fresh store (empty RAM tier; `cold` first drops the store's files from the page cache),
+a prompt of L tokens fed in chunks (time to first token: up to the first token chosen), then
+`warmup_tokens` greedy decode steps, then `decode_tokens` timed ones. Hit rate and disk bytes are
+counted over the timed decode steps only; a record holds the medians over `repeats` runs.
+
+The physical limit of a run: per decoded token the compute must read the dense weights and every
+expert it uses from memory, and whatever the disk tier read (preloads included) from disk, so
+limit_decode_tok_s = 1 / max(disk bytes / disk bandwidth, memory bytes / memory bandwidth), with
+both bandwidths measured by the same invocation. The max, not the sum: a scheme that overlaps
+reads with compute perfectly could reach it.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+MODES = ("all-in-ram", "on-demand-lru", "edgemoe")
+RECORD_FIELDS = ("mode", "ram_bytes", "prefill_tokens", "ttft_s", "decode_tok_s", "hit_rate",
+                 "disk_bytes_per_token", "limit_decode_tok_s")
+
+
+@dataclass
+class BenchConfig:
+    ram: int                                   # RAM budget for experts, bytes (all-in-ram ignores it)
+    modes: Sequence[str] = MODES
+    prefill_tokens: Sequence[int] = (512, 2048)
+    decode_tokens: int = 32
+    warmup_tokens: int = 4
+    repeats: int = 3
+    cold: bool = False
+    replay: list | None = None                 # TraceRecords routing the model (edgemoe.replay)
+    prefill_chunk: int = 512
+    seed: int = 0
+
+    def __post_init__(self):
+        unknown = [m for m in self.modes if m not in MODES]
+        if unknown:
+            raise ValueError(f"--mode {unknown[0]!r}: expected one of {MODES}")
+        if self.decode_tokens < 1 or self.repeats < 1 or self.warmup_tokens < 0:
+            raise ValueError("--decode-tokens and --repeats must be at least 1, --warmup-tokens at least 0")
+        if not self.prefill_tokens or min(self.prefill_tokens) < 1:
+            raise ValueError("--prefill: give prompt lengths of at least 1 token")
+
+
+@dataclass
+class Bandwidths:
+    memory: float                              # bytes/s, the best of a numba and a torch parallel sum
+    disk: float                                # bytes/s, cold reads of the store's blobs, best of 1 and 2 readers
+    detail: dict = field(default_factory=dict)
+
+
+# ---- the machine ------------------------------------------------------------------------------------
+
+def drop_page_cache(store_path: Path) -> None:
+    """Make the store's files cold: write back, then drop their pages from the page cache (Linux)."""
+    for path in sorted(Path(store_path).iterdir()):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    fn()   # first touch and compilation out of the timing
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 7) -> tuple[float, dict]:
+    """Read bandwidth (bytes/s): parallel sums over nbytes of float32, the better of numba and torch."""
+    from edgemoe.kernels.cpu import parallel_sum
+
+    a = np.ones((nbytes // 4 // 4096, 4096), dtype=np.float32)
+    t = torch.from_numpy(a)
+    detail = {"numba_sum": a.nbytes / _median_seconds(lambda: parallel_sum(a), repeats),
+              "torch_sum": a.nbytes / _median_seconds(lambda: t.sum(), repeats)}
+    return max(detail.values()), detail
+
+
+def disk_bandwidth(store_path: Path, sample_bytes: int = 512 << 20, seed: int = 0) -> tuple[float, dict]:
+    """Cold read bandwidth (bytes/s) of the store's expert blobs in random order, one blob per read
+    as the disk tier reads them, with 1 and 2 readers; the better of the two."""
+    from edgemoe.store import read_manifest
+
+    entries = list(read_manifest(Path(store_path)).experts.values())
+    random.Random(seed).shuffle(entries)
+    sample, total = [], 0
+    for e in entries:
+        if total >= sample_bytes:
+            break
+        sample.append(e)
+        total += e.stored_length
+    detail = {f"{readers}_readers": _cold_read(Path(store_path), sample, readers) for readers in (1, 2)}
+    return max(detail.values()), detail
+
+
+def _cold_read(store_path: Path, entries: list, readers: int) -> float:
+    drop_page_cache(store_path)
+    fds = {name: os.open(store_path / name, os.O_RDONLY) for name in {e.file for e in entries}}
+    pending = list(entries)
+    lock = threading.Lock()
+
+    def reader():
+        buf = np.empty(max(e.stored_length for e in entries), np.uint8)
+        while True:
+            with lock:
+                if not pending:
+                    return
+                e = pending.pop()
+            os.preadv(fds[e.file], [memoryview(buf)[:e.stored_length]], e.offset)
+            os.posix_fadvise(fds[e.file], e.offset, e.stored_length, os.POSIX_FADV_DONTNEED)
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=reader) for _ in range(readers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - start
+    for fd in fds.values():
+        os.close(fd)
+    return sum(e.stored_length for e in entries) / seconds
+
+
+def measure_bandwidths(store_path: Path) -> Bandwidths:
+    memory, memory_detail = memory_bandwidth()
+    disk, disk_detail = disk_bandwidth(store_path)
+    return Bandwidths(memory, disk, {"memory": memory_detail, "disk": disk_detail})
+
+
+def machine_summary(bw: Bandwidths, memory_limit: str | None = None) -> str:
+    import platform
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    return (f"machine: {cpu}, {os.cpu_count()} cores, torch {torch.__version__}; memory read "
+            f"{bw.memory / 1e9:.1f} GB/s, cold disk read {bw.disk / 1e9:.2f} GB/s"
+            + (f"; inside a memory limit of {memory_limit}" if memory_limit else ""))
+
+
+def parse_ram(value: str, store_path: Path) -> int:
+    """--ram: bytes ("1GiB", "800MB", "123456") or a share of the store's expert bytes ("25%")."""
+    from edgemoe.store import parse_bytes, read_manifest
+
+    if value.strip().endswith("%"):
+        try:
+            share = float(value.strip()[:-1]) / 100
+        except ValueError:
+            raise ValueError(f"--ram {value!r}: expected bytes (e.g. 1GiB) or a percentage (e.g. 25%)") from None
+        if not 0 < share <= 1:
+            raise ValueError(f"--ram {value!r}: a percentage must be in (0, 100]")
+        manifest = read_manifest(Path(store_path))
+        return int(share * sum(e.length for e in manifest.experts.values()))
+    return parse_bytes(value, "--ram")
+
+
+CGROUP_V1_MEMORY = Path("/sys/fs/cgroup/memory")
+
+
+def confine_memory(limit: str, root: Path = CGROUP_V1_MEMORY) -> Path:
+    """Move this process into a new cgroup v1 memory group limited to `limit` (page cache counts):
+    a RAM budget then holds for everything the process touches. Linux, root, cgroup v1 only."""
+    from edgemoe.store import parse_bytes
+
+    nbytes = parse_bytes(limit, "--memory-limit")
+    if not (root / "cgroup.procs").exists():
+        raise ValueError(f"--memory-limit: no cgroup v1 memory controller at {root}")
+    group = root / f"edgemoe-bench-{os.getpid()}"
+    try:
+        group.mkdir(exist_ok=True)
+        (group / "memory.limit_in_bytes").write_text(str(nbytes))
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+    except OSError as e:
+        raise ValueError(f"--memory-limit: cannot set up {group} ({e.strerror}); it needs root") from None
+    return group
+
+
+# ---- one run ----------------------------------------------------------------------------------------
+
+def store_options(mode: str, ram: int) -> dict:
+    if mode == "all-in-ram":
+        return dict(ram=None, policy="lru", preload="none", place_popular=False)
+    if mode == "on-demand-lru":
+        return dict(ram=ram, policy="lru", preload="none", place_popular=False)
+    return dict(ram=ram, policy="edgemoe", preload="correlation", place_popular=True)
+
+
+def open_model(store_path: Path, mode: str, config: BenchConfig):
+    import edgemoe
+    from .replay import RoutingReplay
+
+    model = edgemoe.load(store_path, **store_options(mode, config.ram))
+    if config.replay is not None:
+        spec = model.spec
+        RoutingReplay(config.replay, spec.moe_layer_ids, spec.num_experts, spec.top_k).attach(model)
+    if mode == "all-in-ram":
+        store = model.experts.store
+        for entry in store.experts():
+            store.get(*entry.key)
+    return model
+
+
+def expert_bytes(store) -> int:
+    return sum(e.length for e in store.experts())
+
+
+def dense_bytes_per_token(model) -> int:
+    """Bytes of dense weights every token reads: every layer's non-expert tensors, final norm, LM head."""
+    layers = sum(t.nbytes for w in model.layers for t in w.values())
+    return layers + model.final_norm.nbytes + model.lm_head.nbytes
+
+
+def _counters(model) -> dict:
+    store = model.experts.store
+    s, t = store.stats, model.timings
+    return {"requests": s.requests, "hits": s.vram.hits + s.ram.hits, "disk_bytes": s.disk_bytes_read,
+            "disk_reads": store.disk.reads, "requested_bytes": s.requested_bytes,
+            "io_wait": model.experts.io_wait_seconds, "attention": t.attention, "experts": t.experts}
+
+
+def _delta(after: dict, before: dict) -> dict:
+    return {k: after[k] - before[k] for k in after}
+
+
+def limit_tok_s(disk_bytes: float, memory_bytes: float, bw: Bandwidths) -> float:
+    """Decode tokens/s if moving a token's bytes were all it took (disk and memory overlapped)."""
+    return 1 / max(disk_bytes / bw.disk, memory_bytes / bw.memory)
+
+
+def run_once(store_path: Path, mode: str, prompt: list[int], config: BenchConfig, bw: Bandwidths) -> dict:
+    """One cold run of one mode: prefill `prompt`, then decode; the raw figures of the record."""
+    if config.cold:
+        drop_page_cache(store_path)
+    start = time.perf_counter()
+    model = open_model(store_path, mode, config)
+    load_s = time.perf_counter() - start
+    store = model.experts.store
+    try:
+        cache = model.new_cache()
+        chunk = config.prefill_chunk
+        before = _counters(model)
+        start = time.perf_counter()
+        chunk_reads = []
+        for i in range(0, len(prompt), chunk):
+            reads = store.disk.reads
+            logits = model.logits(prompt[i:i + chunk], cache)
+            chunk_reads.append(store.disk.reads - reads)
+        token = int(logits[-1].argmax())
+        ttft = time.perf_counter() - start
+        prefill = _delta(_counters(model), before)
+        for _ in range(config.warmup_tokens):
+            token = int(model.logits([token], cache)[-1].argmax())
+        before = _counters(model)
+        start = time.perf_counter()
+        for _ in range(config.decode_tokens):
+            token = int(model.logits([token], cache)[-1].argmax())
+        seconds = time.perf_counter() - start
+        decode = _delta(_counters(model), before)
+    finally:
+        store.close()
+    n = config.decode_tokens
+    disk_per_token = decode["disk_bytes"] / n
+    memory_per_token = dense_bytes_per_token(model) + decode["requested_bytes"] / n
+    return {
+        "mode": mode, "ram_bytes": store.ram.budget if mode != "all-in-ram" else expert_bytes(store),
+        "prefill_tokens": len(prompt), "ttft_s": ttft, "decode_tok_s": n / seconds,
+        "hit_rate": decode["hits"] / decode["requests"] if decode["requests"] else 1.0,
+        "disk_bytes_per_token": disk_per_token, "limit_decode_tok_s": limit_tok_s(disk_per_token, memory_per_token, bw),
+        "memory_bytes_per_token": memory_per_token, "load_s": load_s,
+        "prefill_disk_reads": prefill["disk_reads"], "prefill_expert_requests": prefill["requests"],
+        "prefill_max_reads_per_chunk": max(chunk_reads),
+        "decode_attention_s_per_token": decode["attention"] / n, "decode_experts_s_per_token": decode["experts"] / n,
+        "decode_io_wait_s_per_token": decode["io_wait"] / n,
+    }
+
+
+# ---- the harness ------------------------------------------------------------------------------------
+
+def prompt_tokens(vocab_size: int, length: int, seed: int) -> list[int]:
+    """A fixed pseudo-random prompt (the bench measures speed: token identity only drives routing,
+    which replay overrides)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (length,), generator=generator).tolist()
+
+
+def check_store(store_path: Path, config: BenchConfig) -> None:
+    from .loader import routing_profile
+
+    if "edgemoe" in config.modes and routing_profile(Path(store_path)) is None:
+        raise ValueError(f"{store_path}: mode 'edgemoe' preloads from the store's routing profile and this store "
+                         "has none: run `edgemoe profile STORE --text FILE` (or --trace TRACE) first")
+
+
+def warm_up(store_path: Path, config: BenchConfig) -> None:
+    """Compile the kernels and calibrate the latency model outside the timings: a short run that
+    takes both the few-token and the many-token expert paths."""
+    model = open_model(store_path, "on-demand-lru", config)
+    try:
+        vocab = model.spec.vocab_size
+        cache = model.new_cache()
+        token = int(model.logits(prompt_tokens(vocab, 64, config.seed), cache)[-1].argmax())
+        model.logits([token], cache)
+    finally:
+        model.experts.store.close()
+
+
+def median_record(runs: list[dict], bw: Bandwidths) -> dict:
+    """Medians over the runs; the limit is that of the median bytes (preloads make them vary)."""
+    record = dict(runs[0])
+    for key, value in runs[0].items():
+        if isinstance(value, (int, float)) and key not in ("ram_bytes", "prefill_tokens"):
+            record[key] = statistics.median(r[key] for r in runs)
+    record["limit_decode_tok_s"] = limit_tok_s(record["disk_bytes_per_token"], record["memory_bytes_per_token"], bw)
+    record["repeats"] = len(runs)
+    return record
+
+
+def bench(store_path: str | os.PathLike, config: BenchConfig, on_run: Callable[[dict], None] | None = None,
+          bandwidths: Bandwidths | None = None) -> tuple[list[dict], Bandwidths]:
+    """Records (medians over repeats) for every mode and prompt length, and the bandwidths they are
+    held against (measured now unless given)."""
+    from edgemoe.store import read_manifest
+
+    store_path = Path(store_path)
+    check_store(store_path, config)
+    vocab = read_manifest(store_path).spec.vocab_size
+    warm_up(store_path, config)
+    bw = bandwidths or measure_bandwidths(store_path)
+    records = []
+    for length in config.prefill_tokens:
+        prompt = prompt_tokens(vocab, length, config.seed)
+        runs: dict[str, list[dict]] = {mode: [] for mode in config.modes}
+        for _ in range(config.repeats):   # modes interleaved, so that drift in the machine hits all alike
+            for mode in config.modes:
+                runs[mode].append(run_once(store_path, mode, prompt, config, bw))
+                if on_run is not None:
+                    on_run(runs[mode][-1])
+        records += [median_record(runs[mode], bw) for mode in config.modes]
+    return records, bw

@@ -1,0 +1,140 @@
+"""edgemoe bench: every mode runs on one store, records carry the promised fields, limits follow
+from the bandwidths, prefill reads each expert at most once per chunk, bad options are named."""
+
+import json
+import sys
+
+import pytest
+
+import edgemoe
+from edgemoe.bench import (RECORD_FIELDS, BenchConfig, Bandwidths, bench, confine_memory, dense_bytes_per_token,
+                           disk_bandwidth, memory_bandwidth, parse_ram)
+from edgemoe.cli import main
+from edgemoe.profiling import profile_store, trace_text
+from edgemoe.store import convert, read_manifest
+
+TEXT = "Friends, Romans, countrymen, lend me your ears; I come to bury Caesar, not to praise him. " * 3
+FIXED = Bandwidths(memory=10e9, disk=1e9)
+
+
+@pytest.fixture(scope="module")
+def store(tiny_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "store"
+    convert(tiny_model("qwen3_moe", num_hidden_layers=4, num_experts=6), out, bits=4)
+    profile_store(out, text=TEXT)
+    return out
+
+
+def expert_bytes(store):
+    return sum(e.length for e in read_manifest(store).experts.values())
+
+
+def limit(record):
+    seconds = max(record["disk_bytes_per_token"] / FIXED.disk, record["memory_bytes_per_token"] / FIXED.memory)
+    return 1 / seconds
+
+
+def test_every_mode_gives_a_record_with_its_limit(store):
+    config = BenchConfig(ram=expert_bytes(store) // 4, prefill_tokens=(20,), decode_tokens=4, warmup_tokens=1,
+                         repeats=2, cold=True)
+    records, bandwidths = bench(store, config, bandwidths=FIXED)
+    assert bandwidths is FIXED
+    assert [r["mode"] for r in records] == ["all-in-ram", "on-demand-lru", "edgemoe"]
+    dense = dense_bytes_per_token(edgemoe.load(store, preload="none"))
+    for r in records:
+        assert set(RECORD_FIELDS) <= set(r) and r["repeats"] == 2 and r["prefill_tokens"] == 20
+        assert r["ttft_s"] > 0 and r["decode_tok_s"] > 0
+        assert r["limit_decode_tok_s"] == pytest.approx(limit(r))
+        assert r["memory_bytes_per_token"] > dense          # dense weights plus the experts used
+    in_ram, on_demand, scheme = records
+    assert in_ram["hit_rate"] == 1.0 and in_ram["disk_bytes_per_token"] == 0
+    assert in_ram["ram_bytes"] == expert_bytes(store)
+    assert on_demand["ram_bytes"] == scheme["ram_bytes"] == expert_bytes(store) // 4
+    assert on_demand["hit_rate"] < 1 and on_demand["disk_bytes_per_token"] > 0
+
+
+def test_prefill_reads_each_expert_at_most_once_per_chunk(store):
+    # A budget below one expert: nothing is cached, so every request is a read and the count of
+    # reads is exactly the count of (chunk, expert used in the chunk) pairs.
+    spec = read_manifest(store).spec
+    config = BenchConfig(ram=1, modes=("on-demand-lru",), prefill_tokens=(40,), prefill_chunk=16,
+                         decode_tokens=1, warmup_tokens=0, repeats=1)
+    (record,), _ = bench(store, config, bandwidths=FIXED)
+    assert record["prefill_disk_reads"] == record["prefill_expert_requests"]
+    assert record["prefill_max_reads_per_chunk"] <= len(spec.moe_layer_ids) * spec.num_experts
+    assert record["prefill_disk_reads"] <= 3 * len(spec.moe_layer_ids) * spec.num_experts   # 3 chunks
+
+
+def test_replay_drives_the_routing(store, tiny_model):
+    source = edgemoe.load(tiny_model("qwen3_moe", num_hidden_layers=2, num_experts=6, seed=5))
+    records = trace_text(source, TEXT, context=64)
+    config = BenchConfig(ram=expert_bytes(store), modes=("on-demand-lru",), prefill_tokens=(2,), decode_tokens=6,
+                         warmup_tokens=0, repeats=1, replay=records)
+    (record,), _ = bench(store, config, bandwidths=FIXED)
+    # Positions 0..7 take the trace's first tokens; 2 trace layers drive 4 model layers.
+    routing = {}
+    for r in records:
+        if r.seq == 0:
+            routing.setdefault(r.token, {})[r.layer] = r.experts
+    def used(positions):
+        return {(layer, e) for t in positions for layer in range(4) for e in routing[t][layer % 2]}
+    first_read_in_decode = used(range(8)) - used(range(2))
+    assert first_read_in_decode   # the check below is not vacuous
+    # The whole store fits in RAM: decode reads exactly the experts it uses that prefill did not.
+    lengths = read_manifest(store).experts
+    assert record["disk_bytes_per_token"] * 6 == sum(lengths[k].length for k in first_read_in_decode)
+
+
+def test_edgemoe_mode_needs_a_routing_profile(tiny_model, tmp_path):
+    out = tmp_path / "store"
+    convert(tiny_model("mixtral"), out, bits=4)
+    with pytest.raises(ValueError, match="has none: run `edgemoe profile"):
+        bench(out, BenchConfig(ram=1 << 20, prefill_tokens=(4,)), bandwidths=FIXED)
+
+
+def test_ram_budget_as_bytes_or_a_share_of_the_experts(store):
+    assert parse_ram("25%", store) == int(0.25 * expert_bytes(store))
+    assert parse_ram("1MiB", store) == 1 << 20
+    for bad in ("0%", "150%", "lots%"):
+        with pytest.raises(ValueError, match="--ram"):
+            parse_ram(bad, store)
+    with pytest.raises(ValueError, match="--mode 'fast'"):
+        BenchConfig(ram=1, modes=("fast",))
+
+
+def test_bandwidths_are_measured(store):
+    memory, detail = memory_bandwidth(nbytes=8 << 20, repeats=1)
+    assert memory == max(detail.values()) > 0
+    disk, detail = disk_bandwidth(store, sample_bytes=1 << 20)
+    assert disk == max(detail["1_readers"], detail["2_readers"]) > 0
+
+
+def test_confine_memory_writes_the_limit_and_this_process(tmp_path):
+    root = tmp_path / "memory"
+    with pytest.raises(ValueError, match="no cgroup v1 memory controller"):
+        confine_memory("1GiB", root)
+    root.mkdir()
+    (root / "cgroup.procs").write_text("")
+    group = confine_memory("1GiB", root)
+    assert (group / "memory.limit_in_bytes").read_text() == str(1 << 30)
+    assert (group / "cgroup.procs").read_text().strip().isdigit()
+
+
+def test_bench_command_prints_json_records(store, monkeypatch, capsys):
+    monkeypatch.setattr("edgemoe.bench.measure_bandwidths", lambda path: FIXED)
+    monkeypatch.setattr(sys, "argv", ["edgemoe", "bench", str(store), "--mode", "on-demand-lru", "--prefill", "6",
+                                      "--decode-tokens", "2", "--repeats", "1", "--json"])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    assert exit_info.value.code == 0
+    (record,) = json.loads(capsys.readouterr().out)
+    assert record["mode"] == "on-demand-lru" and record["prefill_tokens"] == 6
+    assert record["ram_bytes"] == int(0.25 * expert_bytes(store))
+
+
+def test_bench_command_names_a_bad_option(store, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["edgemoe", "bench", str(store), "--ram", "200%"])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    assert exit_info.value.code == 2
+    assert "--ram '200%'" in capsys.readouterr().err
