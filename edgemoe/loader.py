@@ -60,6 +60,7 @@ def load_store(path: str | os.PathLike, ram=None, vram=0, device=None, policy: s
     from safetensors import safe_open
 
     from edgemoe.store import TieredStore
+    from edgemoe.store.disk import drop_page_cache
     from edgemoe.store.format import StoreError, crc32
     from .preload import Preloader
     from .quantized import StoreExperts
@@ -72,6 +73,7 @@ def load_store(path: str | os.PathLike, ram=None, vram=0, device=None, policy: s
         raise StoreError(f"{dense_path}: checksum mismatch: the store is corrupt")
     with safe_open(str(dense_path), framework="pt") as f:
         dense = {name: f.get_tensor(name).to(dtype) for name in f.keys()}
+    drop_page_cache(dense_path)   # the tensors are copied out: the file's pages would only double them
     missing = sorted(set(store.spec.dense_shapes()) - set(dense))
     if missing:
         store.close()

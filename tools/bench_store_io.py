@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import time
 from pathlib import Path
@@ -26,24 +25,15 @@ from pathlib import Path
 import numpy as np
 
 from edgemoe.store import read_manifest
-from edgemoe.store.disk import DiskTier
+from edgemoe.store.disk import DiskTier, drop_page_cache
 from edgemoe.store.format import crc32
-
-
-def drop_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def read_pass(tier: DiskTier, entries, cold: bool) -> float:
     """GB/s reading `entries` once through `tier` (checksums verified on each expert's first read)."""
     if cold:
         for name in {e.file for e in entries}:
-            drop_cache(tier.manifest.path / name)
+            drop_page_cache(tier.manifest.path / name)
     start = time.perf_counter()
     for e in entries:
         tier.read(e)
