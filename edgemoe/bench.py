@@ -51,6 +51,7 @@ class BenchConfig:
     cold: bool = False
     replay: list | None = None                 # TraceRecords routing the model (edgemoe.replay)
     prefill_chunk: int = 512
+    io: str = "buffered"                       # the disk tier's reads (edgemoe.store.disk)
     seed: int = 0
 
     def __post_init__(self):
@@ -72,16 +73,13 @@ class Bandwidths:
 
 # ---- the machine ------------------------------------------------------------------------------------
 
-def drop_page_cache(store_path: Path) -> None:
-    """Make the store's files cold: write back, then drop their pages from the page cache (Linux)."""
+def drop_store_from_page_cache(store_path: Path) -> None:
+    """Make the store cold: every file of it out of the page cache."""
+    from edgemoe.store.disk import drop_page_cache
+
     for path in sorted(Path(store_path).iterdir()):
         if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            drop_page_cache(path)
 
 
 def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -123,7 +121,7 @@ def disk_bandwidth(store_path: Path, sample_bytes: int = 512 << 20, seed: int = 
 
 
 def _cold_read(store_path: Path, entries: list, readers: int) -> float:
-    drop_page_cache(store_path)
+    drop_store_from_page_cache(store_path)
     fds = {name: os.open(store_path / name, os.O_RDONLY) for name in {e.file for e in entries}}
     pending = list(entries)
     lock = threading.Lock()
@@ -197,10 +195,20 @@ def confine_memory(limit: str, root: Path = CGROUP_V1_MEMORY) -> Path:
     try:
         group.mkdir(exist_ok=True)
         (group / "memory.limit_in_bytes").write_text(str(nbytes))
+        _move_charges(group)
         (group / "cgroup.procs").write_text(str(os.getpid()))
     except OSError as e:
-        raise ValueError(f"--memory-limit: cannot set up {group} ({e.strerror}); it needs root") from None
+        raise ValueError(f"--memory-limit: cannot set up {group} ({e.strerror}; it needs root)") from None
     return group
+
+
+def _move_charges(group: Path) -> None:
+    """Charge the memory this process already uses to the group too, where the kernel still allows
+    it (cgroup v1 move_charge_at_immigrate; newer kernels refuse: then only later use counts)."""
+    try:
+        (group / "memory.move_charge_at_immigrate").write_text("3")
+    except OSError:
+        pass
 
 
 # ---- one run ----------------------------------------------------------------------------------------
@@ -217,7 +225,7 @@ def open_model(store_path: Path, mode: str, config: BenchConfig):
     import edgemoe
     from .replay import RoutingReplay
 
-    model = edgemoe.load(store_path, **store_options(mode, config.ram))
+    model = edgemoe.load(store_path, io=config.io, **store_options(mode, config.ram))
     if config.replay is not None:
         spec = model.spec
         RoutingReplay(config.replay, spec.moe_layer_ids, spec.num_experts, spec.top_k).attach(model)
@@ -243,7 +251,8 @@ def _counters(model) -> dict:
     s, t = store.stats, model.timings
     return {"requests": s.requests, "hits": s.vram.hits + s.ram.hits, "disk_bytes": s.disk_bytes_read,
             "disk_reads": store.disk.reads, "requested_bytes": s.requested_bytes,
-            "io_wait": model.experts.io_wait_seconds, "attention": t.attention, "experts": t.experts}
+            "io_wait": model.experts.io_wait_seconds, "attention": t.attention, "experts": t.experts,
+            "preloads_loaded": s.preloads_loaded, "preloads_used": s.preloads_used}
 
 
 def _delta(after: dict, before: dict) -> dict:
@@ -258,7 +267,7 @@ def limit_tok_s(disk_bytes: float, memory_bytes: float, bw: Bandwidths) -> float
 def run_once(store_path: Path, mode: str, prompt: list[int], config: BenchConfig, bw: Bandwidths) -> dict:
     """One cold run of one mode: prefill `prompt`, then decode; the raw figures of the record."""
     if config.cold:
-        drop_page_cache(store_path)
+        drop_store_from_page_cache(store_path)
     start = time.perf_counter()
     model = open_model(store_path, mode, config)
     load_s = time.perf_counter() - start
@@ -299,6 +308,9 @@ def run_once(store_path: Path, mode: str, prompt: list[int], config: BenchConfig
         "prefill_max_reads_per_chunk": max(chunk_reads),
         "decode_attention_s_per_token": decode["attention"] / n, "decode_experts_s_per_token": decode["experts"] / n,
         "decode_io_wait_s_per_token": decode["io_wait"] / n,
+        "decode_preloads_per_token": decode["preloads_loaded"] / n,
+        "decode_preloads_used_per_token": decode["preloads_used"] / n,
+        "memory_bandwidth": bw.memory, "disk_bandwidth": bw.disk,
     }
 
 
@@ -336,7 +348,8 @@ def median_record(runs: list[dict], bw: Bandwidths) -> dict:
     """Medians over the runs; the limit is that of the median bytes (preloads make them vary)."""
     record = dict(runs[0])
     for key, value in runs[0].items():
-        if isinstance(value, (int, float)) and key not in ("ram_bytes", "prefill_tokens"):
+        if isinstance(value, (int, float)) and key not in ("ram_bytes", "prefill_tokens", "memory_bandwidth",
+                                                           "disk_bandwidth"):
             record[key] = statistics.median(r[key] for r in runs)
     record["limit_decode_tok_s"] = limit_tok_s(record["disk_bytes_per_token"], record["memory_bytes_per_token"], bw)
     record["repeats"] = len(runs)

@@ -296,22 +296,27 @@ def bench(
     """Time to first token and decode speed under a RAM budget, per mode, next to the physical limit."""
     import json
 
-    from .bench import MODES, BenchConfig, bench as run_bench, confine_memory, machine_summary, parse_ram
+    from .bench import (MODES, BenchConfig, bench as run_bench, confine_memory, machine_summary,
+                        measure_bandwidths, parse_ram)
 
     config = BenchConfig(ram=parse_ram(ram, store), modes=tuple(mode) or MODES,
                          prefill_tokens=tuple(prefill) or (512, 2048), decode_tokens=decode_tokens,
                          warmup_tokens=warmup_tokens, repeats=repeats, cold=cold,
                          replay=_read_replay(replay))
-    if memory_limit is not None:
-        confine_memory(memory_limit)
+    # The bandwidths are measured first, outside the memory limit: their 1 GiB buffer is not the run's.
+    bandwidths = measure_bandwidths(store)
+    group = confine_memory(memory_limit) if memory_limit is not None else None
     progress = None if as_json else lambda r: print(
         f"  {r['mode']:<14} prefill {r['prefill_tokens']}: ttft {r['ttft_s']:.2f} s, "
         f"decode {r['decode_tok_s']:.2f} tok/s, hit rate {r['hit_rate']:.3f}", file=sys.stderr, flush=True)
-    records, bandwidths = run_bench(store, config, on_run=progress)
+    records, _ = run_bench(store, config, on_run=progress, bandwidths=bandwidths)
     if as_json:
         print(json.dumps(records, indent=1))
         return
     print(machine_summary(bandwidths, memory_limit))
+    if group is not None:
+        peak = int((group / "memory.max_usage_in_bytes").read_text())
+        print(f"peak memory of the run, page cache included: {_size(peak)}")
     _print_bench_table(records)
 
 
