@@ -23,6 +23,7 @@ reads with compute perfectly could reach it.
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import statistics
@@ -295,6 +296,7 @@ def run_once(store_path: Path, mode: str, prompt: list[int], config: BenchConfig
         decode = _delta(_counters(model), before)
     finally:
         store.close()
+        release(model)
     n = config.decode_tokens
     disk_per_token = decode["disk_bytes"] / n
     memory_per_token = dense_bytes_per_token(model) + decode["requested_bytes"] / n
@@ -342,6 +344,14 @@ def warm_up(store_path: Path, config: BenchConfig) -> None:
         model.logits([token], cache)
     finally:
         model.experts.store.close()
+        release(model)
+
+
+def release(model) -> None:
+    """Free a finished run's model now: it and its preloader refer to each other, so only the cycle
+    collector frees them, and two models' dense weights at once would break a memory limit."""
+    model.preloader = None
+    gc.collect()
 
 
 def median_record(runs: list[dict], bw: Bandwidths) -> dict:
