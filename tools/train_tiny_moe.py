@@ -30,11 +30,18 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "shakespeare"
 DEFAULT_OUT = REPO / "edgemoe" / "bundled" / "shakespeare-moe"
 
-# Whole plays never trained on. eval.txt comes from the first, calib.txt from the second; the
-# third is extra held-out text for a perplexity on complete plays.
+# Whole plays never trained on. eval.txt comes from the first only.
 HELD_OUT = ("julius_caesar", "twelfth_night", "macbeth")
-EVAL_PLAY, CALIB_PLAY = HELD_OUT[0], HELD_OUT[1]
-EVAL_CHARS, CALIB_CHARS = 48_000, 30_000
+EVAL_PLAY = HELD_OUT[0]
+EVAL_CHARS = 48_000
+# calib.txt (convert's routing profile and --budget search): excerpts of the other two held-out
+# plays and of training texts of every kind (comedy, tragedy, history, romance, poems). Experts
+# specialise by content, so calibrating on one play leaves the experts other texts lean on
+# unmeasured: a budget search calibrated on one play overshot its budget on eval.txt (docs/budget.md).
+CALIB_HELD_OUT, CALIB_HELD_CHARS = HELD_OUT[1:], 6_000
+CALIB_TRAIN = ("hamlet", "henry_v", "midsummer_nights_dream", "othello", "richard_iii", "tempest",
+               "winters_tale", "coriolanus", "merchant_of_venice", "sonnets")
+CALIB_TRAIN_CHARS = 3_600
 SPECIAL = ("<s>", "</s>", "<pad>")  # ids 0, 1, 2
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}{{ m['role'] | upper }}:\n{{ m['content'] }}\n\n{% endfor %}"
@@ -70,6 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--expert-hidden", type=int, default=224)
     p.add_argument("--max-positions", type=int, default=256)  # = the training context: no claim beyond it
     p.add_argument("--smoke", action="store_true", help="tiny model, few steps: checks the pipeline")
+    p.add_argument("--texts-only", action="store_true", help="keep the trained model in --out: rewrite "
+                   "eval.txt, calib.txt and CREDITS.md, re-measure, update training.json")
     args = p.parse_args(argv)
     if args.smoke:
         args.steps, args.warmup, args.eval_every, args.batch, args.ctx = 6, 2, 3, 2, 64
@@ -91,6 +100,11 @@ def load_texts(data: Path) -> tuple[dict[str, str], dict[str, str]]:
         raise ValueError(f"held-out plays not found in {data}: {missing}")
     held = {p: texts.pop(p) for p in HELD_OUT}
     return texts, held
+
+
+def calibration_text(train: dict[str, str], held: dict[str, str]) -> str:
+    parts = [excerpt(held[p], CALIB_HELD_CHARS) for p in CALIB_HELD_OUT]
+    return "\n".join(parts + [excerpt(train[p], CALIB_TRAIN_CHARS) for p in CALIB_TRAIN])
 
 
 def excerpt(text: str, n_chars: int) -> str:
@@ -305,7 +319,8 @@ content is licensed under a Creative Commons Attribution license v2.5"
 package; Project Gutenberg.
 
 Held out from training (never trained on): {plays}.
-`eval.txt` is an excerpt of `{EVAL_PLAY}`, `calib.txt` an excerpt of `{CALIB_PLAY}`.
+`eval.txt` is an excerpt of `{EVAL_PLAY}`. `calib.txt` holds excerpts of {", ".join(f"`{p}`" for p in CALIB_HELD_OUT)}
+(held out) and of training texts: {", ".join(f"`{p}`" for p in CALIB_TRAIN)}.
 """
 
 
@@ -444,6 +459,20 @@ def count_parameters(model) -> dict:
     return {"total": total, "experts": experts, "active_per_token": active}
 
 
+def rewrite_texts(args, train_texts: dict[str, str], held: dict[str, str]) -> None:
+    """--texts-only: new eval.txt / calib.txt for the shipped model, its measurements redone."""
+    out = args.out
+    (out / "eval.txt").write_text(excerpt(held[EVAL_PLAY], EVAL_CHARS), encoding="utf-8")
+    (out / "calib.txt").write_text(calibration_text(train_texts, held), encoding="utf-8")
+    (out / "CREDITS.md").write_text(credits(), encoding="utf-8")
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    report = json.loads((out / "training.json").read_text(encoding="utf-8"))
+    report["final"] = measure(out, training_stream(tok, list(train_texts.values())), held, args)
+    report["texts_command"] = "python tools/train_tiny_moe.py --texts-only"
+    (out / "training.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    print(json.dumps({k: v for k, v in report["final"].items() if k != "routing"}, indent=1), flush=True)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -451,8 +480,11 @@ def main(argv=None) -> None:
     torch.manual_seed(args.seed)
 
     train_texts, held = load_texts(args.data)
+    if args.texts_only:
+        rewrite_texts(args, train_texts, held)
+        return
     eval_text = excerpt(held[EVAL_PLAY], EVAL_CHARS)
-    calib_text = excerpt(held[CALIB_PLAY], CALIB_CHARS)
+    calib_text = calibration_text(train_texts, held)
     print(f"train: {len(train_texts)} texts, {sum(map(len, train_texts.values())):,} chars; "
           f"held out: {', '.join(HELD_OUT)}", flush=True)
 
