@@ -83,24 +83,15 @@ def drop_store_from_page_cache(store_path: Path) -> None:
             drop_page_cache(path)
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()   # first touch and compilation out of the timing
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 7) -> tuple[float, dict]:
     """Read bandwidth (bytes/s): parallel sums over nbytes of float32, the better of numba and torch."""
     from edgemoe.kernels.cpu import parallel_sum
+    from .latency import median_time
 
     a = np.ones((nbytes // 4 // 4096, 4096), dtype=np.float32)
     t = torch.from_numpy(a)
-    detail = {"numba_sum": a.nbytes / _median_seconds(lambda: parallel_sum(a), repeats),
-              "torch_sum": a.nbytes / _median_seconds(lambda: t.sum(), repeats)}
+    detail = {"numba_sum": a.nbytes / median_time(lambda: parallel_sum(a), repeats),
+              "torch_sum": a.nbytes / median_time(lambda: t.sum(), repeats)}
     return max(detail.values()), detail
 
 

@@ -87,7 +87,8 @@ class LatencyModel:
         return cls(fits, tuple(d["shape"]), d["machine"], d.get("device"), d.get("copy_seconds_per_byte", 0.0))
 
 
-def _median_time(fn, repeats: int) -> float:
+def median_time(fn, repeats: int) -> float:
+    """Median wall time of fn over `repeats` calls, after one untimed call."""
     fn()  # warm-up (and numba compilation on first use)
     times = []
     for _ in range(repeats):
@@ -128,18 +129,18 @@ def calibrate(shape: tuple[int, int], widths, repeats: int = 3, tokens=CALIBRATI
         for s in tokens:
             x = torch.randn(s, dim, generator=g)
             xn = x.numpy()
-            measured["fused"].append(_median_time(lambda: kernels.swiglu_expert(xn, *qts.values()), repeats))
-            measured["dequant"].append(_median_time(
+            measured["fused"].append(median_time(lambda: kernels.swiglu_expert(xn, *qts.values()), repeats))
+            measured["dequant"].append(median_time(
                 lambda: swiglu(x, *(kernels.dequantize(q) for q in qts.values())), repeats))
             if device:
                 on_device = to_device(qts, torch.device(device))
-                measured["device"].append(_median_time(
+                measured["device"].append(median_time(
                     lambda: _synced(device_swiglu(x, quantized_meta(qts), on_device)), repeats))
         for p in paths:
             fits[p][bits] = _fit(tokens, measured[p])
         if device:
             nbytes = sum(q.nbytes for q in qts.values())
-            copy_per_byte = _median_time(lambda: _synced(to_device(qts, torch.device(device))), repeats) / nbytes
+            copy_per_byte = median_time(lambda: _synced(to_device(qts, torch.device(device))), repeats) / nbytes
     return LatencyModel(fits, (inner, dim), machine_fingerprint(), device, copy_per_byte)
 
 
