@@ -50,7 +50,7 @@ class BenchConfig:
     warmup_tokens: int = 4
     repeats: int = 3
     cold: bool = False
-    replay: list | None = None                 # TraceRecords routing the model (edgemoe.replay)
+    replay: object | None = None               # an edgemoe.replay.RoutingReplay routing every run
     prefill_chunk: int = 512
     io: str = "buffered"                       # the disk tier's reads (edgemoe.store.disk)
     seed: int = 0
@@ -167,8 +167,7 @@ def parse_ram(value: str, store_path: Path) -> int:
             raise ValueError(f"--ram {value!r}: expected bytes (e.g. 1GiB) or a percentage (e.g. 25%)") from None
         if not 0 < share <= 1:
             raise ValueError(f"--ram {value!r}: a percentage must be in (0, 100]")
-        manifest = read_manifest(Path(store_path))
-        return int(share * sum(e.length for e in manifest.experts.values()))
+        return int(share * expert_bytes(read_manifest(Path(store_path))))
     return parse_bytes(value, "--ram")
 
 
@@ -215,12 +214,10 @@ def store_options(mode: str, ram: int) -> dict:
 
 def open_model(store_path: Path, mode: str, config: BenchConfig):
     import edgemoe
-    from .replay import RoutingReplay
 
     model = edgemoe.load(store_path, io=config.io, **store_options(mode, config.ram))
     if config.replay is not None:
-        spec = model.spec
-        RoutingReplay(config.replay, spec.moe_layer_ids, spec.num_experts, spec.top_k).attach(model)
+        config.replay.attach(model)
     if mode == "all-in-ram":
         store = model.experts.store
         for entry in store.experts():
@@ -228,8 +225,8 @@ def open_model(store_path: Path, mode: str, config: BenchConfig):
     return model
 
 
-def expert_bytes(store) -> int:
-    return sum(e.length for e in store.experts())
+def expert_bytes(manifest) -> int:
+    return sum(e.length for e in manifest.experts.values())
 
 
 def dense_bytes_per_token(model) -> int:
@@ -292,7 +289,7 @@ def run_once(store_path: Path, mode: str, prompt: list[int], config: BenchConfig
     disk_per_token = decode["disk_bytes"] / n
     memory_per_token = dense_bytes_per_token(model) + decode["requested_bytes"] / n
     return {
-        "mode": mode, "ram_bytes": store.ram.budget if mode != "all-in-ram" else expert_bytes(store),
+        "mode": mode, "ram_bytes": store.ram.budget if mode != "all-in-ram" else expert_bytes(store.manifest),
         "prefill_tokens": len(prompt), "ttft_s": ttft, "decode_tok_s": n / seconds,
         "hit_rate": decode["hits"] / decode["requests"] if decode["requests"] else 1.0,
         "disk_bytes_per_token": disk_per_token, "limit_decode_tok_s": limit_tok_s(disk_per_token, memory_per_token, bw),

@@ -302,7 +302,7 @@ def bench(
     config = BenchConfig(ram=parse_ram(ram, store), modes=tuple(mode) or MODES,
                          prefill_tokens=tuple(prefill) or (512, 2048), decode_tokens=decode_tokens,
                          warmup_tokens=warmup_tokens, repeats=repeats, cold=cold,
-                         replay=_read_replay(replay))
+                         replay=_replay_for(store, replay))
     # The bandwidths are measured first, outside the memory limit: their 1 GiB buffer is not the run's.
     bandwidths = measure_bandwidths(store)
     group = confine_memory(memory_limit) if memory_limit is not None else None
@@ -320,11 +320,16 @@ def bench(
     _print_bench_table(records)
 
 
-def _read_replay(path: Optional[Path]):
-    if path is None:
+def _replay_for(store: Path, trace: Optional[Path]):
+    """The trace's routing laid over the store's model (refused here, naming the file, if it does not fit)."""
+    if trace is None:
         return None
+    from edgemoe.store import read_manifest
     from edgemoe.store.profile import read_trace
-    return read_trace(path)
+    from .replay import RoutingReplay
+
+    spec = read_manifest(store).spec
+    return RoutingReplay(read_trace(trace), spec.moe_layer_ids, spec.num_experts, spec.top_k, str(trace))
 
 
 def _print_bench_table(records: list) -> None:

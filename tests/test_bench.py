@@ -11,7 +11,9 @@ from edgemoe.bench import (RECORD_FIELDS, BenchConfig, Bandwidths, bench, confin
                            disk_bandwidth, memory_bandwidth, parse_ram)
 from edgemoe.cli import main
 from edgemoe.profiling import profile_store, trace_text
+from edgemoe.replay import RoutingReplay
 from edgemoe.store import convert, read_manifest
+from edgemoe.store.profile import TraceRecord, write_trace
 
 TEXT = "Friends, Romans, countrymen, lend me your ears; I come to bury Caesar, not to praise him. " * 3
 FIXED = Bandwidths(memory=10e9, disk=1e9)
@@ -27,6 +29,11 @@ def store(tiny_model, tmp_path_factory):
 
 def expert_bytes(store):
     return sum(e.length for e in read_manifest(store).experts.values())
+
+
+def replay_of(records, store):
+    spec = read_manifest(store).spec
+    return RoutingReplay(records, spec.moe_layer_ids, spec.num_experts, spec.top_k)
 
 
 def limit(record):
@@ -69,7 +76,7 @@ def test_replay_drives_the_routing(store, tiny_model):
     source = edgemoe.load(tiny_model("qwen3_moe", num_hidden_layers=2, num_experts=6, seed=5))
     records = trace_text(source, TEXT, context=64)
     config = BenchConfig(ram=expert_bytes(store), modes=("on-demand-lru",), prefill_tokens=(2,), decode_tokens=6,
-                         warmup_tokens=0, repeats=1, replay=records)
+                         warmup_tokens=0, repeats=1, replay=replay_of(records, store))
     (record,), _ = bench(store, config, bandwidths=FIXED)
     # Positions 0..7 take the trace's first tokens; 2 trace layers drive 4 model layers.
     routing = {}
@@ -138,3 +145,13 @@ def test_bench_command_names_a_bad_option(store, monkeypatch, capsys):
         main()
     assert exit_info.value.code == 2
     assert "--ram '200%'" in capsys.readouterr().err
+
+
+def test_bench_command_names_a_trace_that_does_not_fit(store, tmp_path, monkeypatch, capsys):
+    trace = tmp_path / "wide.jsonl"
+    write_trace(trace, [TraceRecord(0, 0, 0, [9, 1], [0.5, 0.5])])   # expert 9 of a 6-expert store
+    monkeypatch.setattr(sys, "argv", ["edgemoe", "bench", str(store), "--replay", str(trace)])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    assert exit_info.value.code == 2
+    assert f"{trace}: its routing" in capsys.readouterr().err
