@@ -7,8 +7,10 @@ Tolerances (float32 kernels vs float32 torch twins on the same dequantized weigh
   worst ratio on these tests: 1.7e-8 (2 bits), 1.4e-8 (4), 1.6e-8 (8); TOL leaves a 10x margin.
 - dequantize: bit-identical (float32 and bfloat16), tolerance 0.
 - swiglu_expert: |y - y_twin| <= 1e-5 * max |y_twin| (measured <= 4e-7 relative).
-Exact reproducibility (no tolerance): qmatmul gives the same bits whatever the thread count and
-whatever batch a token comes in (groups up to kernels.cpu.CHUNK columns).
+Exact reproducibility (no tolerance): qmatmul gives the same bits whatever the thread count. A token
+alone and in a batch take different loops (one token decodes inline, several share a decoded scratch),
+whose vector reduction shapes LLVM picks per CPU: equal bits on the AVX-512 Xeon, not on AVX2 (Zen 3),
+so that comparison is held to the rounding bound of the parity tests.
 """
 
 import mmap
@@ -112,8 +114,9 @@ def test_swiglu_expert_parity(bits, down_bits, tokens):
 
 @pytest.mark.parametrize("bits", WIDTHS)
 @pytest.mark.parametrize("group_size", (None, 64))
-def test_results_do_not_depend_on_threads_or_batch(bits, group_size):
-    """Bit-identical: 1 or 2 threads; a token alone, in a pair, or in a batch of 9 (4 + 4 + 1)."""
+def test_results_do_not_depend_on_threads_and_batches_only_round(bits, group_size):
+    """Bit-identical with 1 or 2 threads; a token alone, in a pair, or in a batch of 9 (4 + 4 + 1)
+    within the kernel's rounding bound (the loops differ: see the module docstring)."""
     qt = quantize(weights(300, 700), bits, group_size)
     x = acts(9, 700)
     try:
@@ -124,9 +127,10 @@ def test_results_do_not_depend_on_threads_or_batch(bits, group_size):
     finally:
         set_threads()
     assert np.array_equal(one, two)
-    for t in range(9):
-        assert np.array_equal(qmatmul(x[t:t + 1].copy(), qt)[0], two[t]), t
-    assert np.array_equal(qmatmul(x[2:4].copy(), qt), two[2:4])
+    bound = TOL[bits] * (np.abs(x).astype(np.float64) @ code_magnitude(qt).T)
+    alone = np.concatenate([qmatmul(x[t:t + 1].copy(), qt) for t in range(9)])
+    assert (np.abs(alone - two) <= bound).all()
+    assert (np.abs(qmatmul(x[2:4].copy(), qt) - two[2:4]) <= bound[2:4]).all()
 
 
 def test_kernels_read_a_readonly_mmap(tmp_path):
