@@ -5,13 +5,22 @@ Predictors:
   with back-off (edgemoe.store.profile); issued as soon as layer l-1's routing is known.
 - "lookahead" (Mixtral-offloading): the next MoE layer's router applied to this layer's MoE input;
   issued just before this layer routes.
-For a step with several tokens the predicted probabilities are summed over tokens.
+For a step with several tokens, an expert's score is the probability that any token needs it,
+1 - prod_t (1 - p_t) (correlation), or the sum of the routers' weights (lookahead).
 
-How many experts to preload (SP-MoE's cutoff): as many as can be read while the model computes
-until the predicted layer runs: floor(layer time / read time per expert), both measured while
-running (moving averages of the time between consecutive MoE layers and of the disk tier's reads),
-at least 1 and at most top-k per token. When a layer's real routing is known, preloads still queued
-for it are dropped, so the loader never delays a read the compute needs.
+What to preload: the best-scored experts not already resident; with correlation only those more
+likely than not to be needed (p >= 0.5: the profile's probabilities are calibrated, and a preload
+is a disk read and a cache slot, so a wrong one costs a read and evicts an expert that may be hit).
+The lookahead's choices are the next router's own top-k on a nearby input: all are taken.
+
+How many (SP-MoE's cutoff, counted in the disk's idle time): each layer earns credit for the
+reads that fit in the time the disk was idle since the previous layer (time between consecutive
+MoE layers minus the disk tier's read time in it; moving averages), and each preload spends one.
+The credit is capped at top-k per token. When the compute waits for reads (disk-bound), the
+disk is never idle and nothing is preloaded: every preload would delay a read the compute needs.
+Before anything is measured, the budget is top-k per token. When a layer's real routing is
+known, preloads still queued for it are dropped; the store starts a preload only once the running
+layer has the experts it waits for (store/loads.py).
 
 Shapes: T tokens in the step, D hidden, A experts per token, E experts.
 """
@@ -25,6 +34,7 @@ import torch
 from .layers import route
 
 PREDICTORS = ("auto", "correlation", "lookahead", "none")
+MIN_PROBABILITY = 0.5
 
 
 class Preloader:
@@ -40,8 +50,11 @@ class Preloader:
         self.next_moe = {l: moe[i + 1] for i, l in enumerate(moe[:-1])}
         self.first_moe = moe[0]
         self.smoothing = smoothing
-        self.layer_seconds: float | None = None
+        self.layer_seconds: float | None = None   # between consecutive MoE layers (moving average)
+        self.idle_seconds: float | None = None    # of it, the disk's idle time (moving average)
+        self.credit = 0.0                         # reads the disk's idle time has paid for
         self._last_event: float | None = None
+        self._last_busy = 0.0
         self._history: list[dict[int, tuple[int, ...]]] = []
         self._predicted: dict[int, set[int]] = {}
         self.predicted = self.correct = self.actual = 0
@@ -61,7 +74,7 @@ class Preloader:
         spec = self.model.spec
         weights, experts = route(hidden, self.model.layers[nxt]["router"], spec.top_k, spec.norm_topk_prob)
         scores = torch.zeros(spec.num_experts).index_add_(0, experts.reshape(-1), weights.reshape(-1).float())
-        self._issue(nxt, scores, hidden.shape[0])
+        self._issue(nxt, scores, hidden.shape[0], least=1e-9)
 
     def on_routing(self, layer, experts, weights, positions, segments) -> None:
         self._time_layer()
@@ -74,36 +87,46 @@ class Preloader:
             history[layer] = token_experts
         nxt = self.next_moe.get(layer)
         if nxt is not None and self.predictor == "correlation":
-            scores = torch.zeros(self.model.spec.num_experts)
+            unneeded = torch.ones(self.model.spec.num_experts)   # P(no token needs e)
             for history in self._history:
                 for e, p in self.profile.predict(nxt, history):
-                    scores[e] += p
-            self._issue(nxt, scores, len(chosen))
+                    unneeded[e] *= 1 - p
+            self._issue(nxt, 1 - unneeded, len(chosen), least=MIN_PROBABILITY)
 
     # ---- internals --------------------------------------------------------------------------------
     def _time_layer(self) -> None:
-        now = time.perf_counter()
+        now, busy = time.perf_counter(), self.store.disk.read_seconds
         if self._last_event is not None:
             gap = now - self._last_event
             if gap < 1.0:  # a gap between steps (sampling, the user) is not a layer's compute
-                a = self.smoothing
-                self.layer_seconds = gap if self.layer_seconds is None else (1 - a) * self.layer_seconds + a * gap
-        self._last_event = now
+                # Reads overlapping each other are each counted: the idle time is an underestimate.
+                idle = max(0.0, gap - (busy - self._last_busy))
+                self.layer_seconds = self._average(self.layer_seconds, gap)
+                self.idle_seconds = self._average(self.idle_seconds, idle)
+        self._last_event, self._last_busy = now, busy
+
+    def _average(self, mean: float | None, value: float) -> float:
+        return value if mean is None else (1 - self.smoothing) * mean + self.smoothing * value
 
     def budget(self, tokens: int) -> int:
-        """Experts worth preloading for the next layer: what fits under one layer's compute."""
+        """Experts worth preloading for the next layer: the reads the disk's idle time pays for."""
         most = min(self.model.spec.num_experts, self.model.spec.top_k * tokens)
         disk = self.store.disk
-        if self.layer_seconds is None or disk.reads == 0:
+        if self.idle_seconds is None or disk.reads == 0:
             return most
         per_read = disk.read_seconds / disk.reads
-        return max(1, min(most, int(self.layer_seconds / per_read)))
+        self.credit = min(most, self.credit + self.idle_seconds / per_read)
+        return int(self.credit)
 
-    def _issue(self, layer: int, scores: torch.Tensor, tokens: int) -> None:
-        ranked = torch.argsort(scores, descending=True, stable=True)[:self.budget(tokens)].tolist()
-        ranked = [e for e in ranked if scores[e] > 0]
-        self._predicted[layer] = set(ranked)
-        self.store.prefetch((layer, e) for e in ranked)
+    def _issue(self, layer: int, scores: torch.Tensor, tokens: int, least: float) -> None:
+        """Preload the best-scored experts of `layer` scoring at least `least` and not yet resident
+        or being read, within the budget."""
+        likely = [(layer, e) for e in torch.argsort(scores, descending=True, stable=True).tolist()
+                  if scores[e] >= least]
+        chosen = self.store.missing(likely)[:self.budget(tokens)]
+        self.credit = max(0.0, self.credit - len(chosen))
+        self._predicted[layer] = {e for _, e in chosen}
+        self.store.prefetch(chosen)
 
     def _score(self, layer: int, chosen: list[tuple[int, ...]]) -> None:
         predicted = self._predicted.pop(layer, None)

@@ -14,9 +14,7 @@ flight is shared by every thread that asks for the same expert.
 
 from __future__ import annotations
 
-import itertools
 import json
-import queue
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -29,6 +27,7 @@ from edgemoe.quant import QuantizedTensor, dequantize_reference, get_format, gro
 
 from .disk import DiskTier
 from .format import ARRAY_NAMES, PROFILE, ExpertEntry, StoreError, decode_blob, read_manifest
+from .loads import LoadQueue
 from .policies import make_policy
 
 Key = tuple[int, int]
@@ -208,9 +207,7 @@ class TieredStore:
         self._preloaded: set[Key] = set()   # loaded on a prediction, not yet asked for
         self._urgent: set[Key] = set()      # loaded by prefetch(urgent=True), not yet asked for
         self._pinned: set[Key] = set()      # needed by the running layer (begin_layer)
-        # (priority, sequence, key): 0 = needed by the running layer, 1 = predicted; -1 stops the loader.
-        self._queue: queue.PriorityQueue = queue.PriorityQueue(maxsize=preload_queue)
-        self._sequence = itertools.count()
+        self._loads = LoadQueue(preload_queue)
         self._loader_error: BaseException | None = None
         self._closed = False
         self._loader = threading.Thread(target=self._load_loop, name="edgemoe-preload", daemon=True)
@@ -236,6 +233,11 @@ class TieredStore:
                 where.update({k: "vram" for k in self.vram.items})
             return where
 
+    def missing(self, keys) -> list[Key]:
+        """The keys neither resident in a tier nor being read, in the order given."""
+        with self._lock:
+            return [k for k in keys if not self._present(k)]
+
     def get(self, layer: int, expert: int) -> ResidentExpert:
         """The expert, from the fastest tier holding it, else loaded from disk (and cached if it fits)."""
         self._raise_loader_error()
@@ -248,6 +250,7 @@ class TieredStore:
             with self._lock:
                 item = self._lookup(key)
                 if item is not None:
+                    self._loads.arrived(key)
                     return item
                 event = self._in_flight.get(key)
                 if event is None:
@@ -263,23 +266,18 @@ class TieredStore:
         finally:
             with self._lock:
                 self._in_flight.pop(key).set()
+            self._loads.arrived(key)
 
     def prefetch(self, keys, urgent: bool = False) -> None:
         """Ask the background loader for these experts, most wanted first; never blocks on I/O.
-        urgent: needed by the layer running now (served before predictions)."""
+        urgent: needed by the layer running now (served before predictions, which wait until the
+        running layer has every expert it began without: store/loads.py)."""
         self._raise_loader_error()
-        for key in keys:
-            key = (int(key[0]), int(key[1]))
-            with self._lock:
-                if self._lookup(key, count=False) is not None or key in self._in_flight:
-                    continue
-                self.stats.preloads_issued += 1
-            try:
-                self._queue.put_nowait((0 if urgent else 1, next(self._sequence), key))
-            except queue.Full:
-                with self._lock:
-                    self.stats.preloads_issued -= 1
+        for key in self.missing((int(l), int(e)) for l, e in keys):
+            if not self._loads.put(key, urgent):
                 return  # preloading is best effort: never stall the compute
+            with self._lock:
+                self.stats.preloads_issued += 1
 
     def begin_layer(self, layer: int, needed=()) -> None:
         """The model is about to run `layer`, which needs `needed` experts: eviction policies weigh
@@ -289,34 +287,24 @@ class TieredStore:
             for tier in (self.vram, self.ram):
                 if tier:
                     tier.policy.set_layer(layer)
+            self._loads.await_layer(k for k in self._pinned if self._lookup(k, count=False) is None)
 
     def cancel_preloads(self, layer: int) -> None:
         """Drop the queued predictions for `layer` (not reads under way): its real routing is known now."""
-        kept = []
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            self._queue.task_done()
-            if item[0] == 1 and item[2][0] == layer:
-                with self._lock:
-                    self.stats.preloads_cancelled += 1
-            else:
-                kept.append(item)
-        for item in kept:
-            self._queue.put_nowait(item)
+        dropped = self._loads.cancel(layer)
+        with self._lock:
+            self.stats.preloads_cancelled += dropped
 
     def drain(self) -> None:
         """Wait until every queued preload is loaded (or failed); its error, if any, is raised."""
-        self._queue.join()
+        self._loads.join()
         self._raise_loader_error()
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._queue.put((-1, -1, None))
+        self._loads.close()
         self._loader.join(timeout=5)
         self.disk.close()
 
@@ -349,6 +337,10 @@ class TieredStore:
                     self._count_request(tier, key)
                 return tier.items[key]
         return None
+
+    def _present(self, key: Key) -> bool:
+        """Resident, or a read of it is under way (callers hold the lock)."""
+        return key in self._in_flight or self._lookup(key, count=False) is not None
 
     def _count_request(self, tier: _Tier, key: Key) -> None:
         """A request served by `tier`: a hit, unless the expert was fetched for this very request
@@ -427,18 +419,15 @@ class TieredStore:
         return ResidentExpert(item.entry, tensors, item.nbytes)
 
     def _load_loop(self) -> None:
-        while True:
-            priority, _, key = self._queue.get()
+        while (work := self._loads.get()) is not None:
             try:
-                if key is None:
-                    return
-                self._load_one(key, urgent=priority == 0)
+                self._load_one(*work)
             finally:
-                self._queue.task_done()
+                self._loads.task_done()
 
     def _load_one(self, key: Key, urgent: bool) -> None:
         with self._lock:
-            if self._lookup(key, count=False) is not None or key in self._in_flight:
+            if self._present(key):
                 return
             event = self._in_flight[key] = threading.Event()
         try:
@@ -453,6 +442,7 @@ class TieredStore:
             with self._lock:
                 self._in_flight.pop(key)
             event.set()
+            self._loads.arrived(key)
 
     def _raise_loader_error(self) -> None:
         if self._loader_error is not None:

@@ -6,6 +6,7 @@ import sys
 import threading
 
 import pytest
+import torch
 
 import edgemoe
 from edgemoe.cli import main
@@ -104,7 +105,7 @@ def test_queued_predictions_for_a_layer_are_cancelled_when_it_routes(store):
 
         s._read = slow_read
         s.prefetch([(0, 0)])                          # the loader takes this one and blocks in it
-        while s._queue.qsize():
+        while len(s._loads):
             threading.Event().wait(0.001)
         s.prefetch([(1, 0), (1, 1), (2, 0)])
         s.prefetch([(1, 2)], urgent=True)
@@ -115,15 +116,24 @@ def test_queued_predictions_for_a_layer_are_cancelled_when_it_routes(store):
         assert set(s.resident()) == {(0, 0), (1, 2), (2, 0)}
 
 
-def test_preload_budget_is_what_fits_under_a_layers_compute(store):
-    model = edgemoe.load(store, preload="lookahead")
+def test_preload_budget_is_paid_by_the_disks_idle_time(store):
+    model = edgemoe.load(store, preload="correlation", place_popular=False)
     preloader, disk = model.preloader, model.experts.store.disk
     assert preloader.budget(tokens=1) == model.spec.top_k          # nothing measured yet
     disk.reads, disk.read_seconds = 10, 10 * 0.004                 # 4 ms per expert read
-    preloader.layer_seconds = 0.009                                # 9 ms per layer: 2 reads fit
-    assert preloader.budget(tokens=3) == 2
-    preloader.layer_seconds = 0.001                                # less than one read: still one
-    assert preloader.budget(tokens=3) == 1
+    preloader.idle_seconds = 0.0                                   # disk-bound: never idle, no preload
+    assert [preloader.budget(tokens=3) for _ in range(3)] == [0, 0, 0]
+    preloader.idle_seconds = 0.003                                 # a read's worth every 4/3 layers
+    assert [preloader.budget(tokens=3) for _ in range(4)] == [0, 1, 2, 3]
+    assert [preloader.budget(tokens=1) for _ in range(2)] == [2, 2]  # the credit is capped at top-k
+    sure = torch.tensor([0.9, 0.8, 0.7, 0.4, 0.0, 0.0])
+    preloader._issue(1, sure, tokens=1, least=0.5)                 # spends the 2 it has: two reads
+    assert preloader._predicted[1] == {0, 1} and preloader.credit == pytest.approx(0.0)
+    model.experts.store.drain()
+    disk.reads, disk.read_seconds = 10, 10 * 0.004
+    preloader.credit = 3.0
+    preloader._issue(1, sure, tokens=3, least=0.5)                 # resident ones and p < 0.5 skipped
+    assert preloader._predicted[1] == {2} and preloader.credit == pytest.approx(2.0 + 0.75)
     with pytest.raises(ValueError, match="preload='nope'"):
         Preloader(model, model.experts.store, "nope")
 
@@ -140,3 +150,35 @@ def test_trace_and_profile_commands(store, tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as info:
         main()
     assert info.value.code == 0 and "profiled" in capsys.readouterr().out
+
+
+def test_predictions_wait_while_the_running_layer_waits_for_the_disk():
+    from edgemoe.store.loads import LoadQueue
+    q = LoadQueue(capacity=8)
+    q.put((2, 0), urgent=False)
+    q.await_layer([(0, 0), (0, 1)])                   # layer 0 began without two of its experts
+    q.put((0, 1), urgent=True)
+    assert q.get() == ((0, 1), True)                  # the running layer's reads go first
+    got = []
+    reader = threading.Thread(target=lambda: got.append(q.get()))
+    reader.start()
+    reader.join(0.1)
+    assert got == []                                  # (0, 0) is still awaited: the disk is not free
+    q.arrived((0, 1))
+    q.arrived((0, 0))
+    reader.join(5)
+    assert got == [((2, 0), False)]
+    for e in range(8):
+        assert q.put((3, e), urgent=False)
+    assert not q.put((4, 0), urgent=True) and len(q) == 8   # full: best effort, nothing queued
+
+
+def test_a_preload_starts_only_after_the_running_layers_reads(store):
+    with open_store(store, place_popular=False) as s:
+        s.begin_layer(0, needed=[(0, 0)])
+        s.prefetch([(2, 0)])
+        threading.Event().wait(0.1)
+        assert s.resident() == {}                     # held while layer 0 waits for (0, 0)
+        s.get(0, 0)
+        s.drain()
+        assert set(s.resident()) == {(0, 0), (2, 0)}

@@ -262,7 +262,7 @@ def test_flipped_byte_inside_a_blob_names_layer_expert_and_file(store, tmp_path)
             opened.get(2, 4)
     with open_store(s) as opened:                   # a corrupt preload surfaces in the caller
         opened.prefetch([(2, 4)])
-        opened._queue.join()
+        opened._loads.join()
         with pytest.raises(StoreError, match="checksum mismatch for layer 2 expert 4"):
             opened.get(0, 0)
 
@@ -329,3 +329,20 @@ def test_convert_run_and_inspect_every_architecture(tiny_model, tmp_path, arch):
     summary = inspect_store(tmp_path / "s")
     assert summary["model"]["model_type"] == arch
     assert sum(row["widths"]["4"] for row in summary["layers"]) == len(model.spec.moe_layer_ids) * model.spec.num_experts
+
+
+def test_missing_lists_experts_neither_resident_nor_being_read(store):
+    with open_store(store, place_popular=False) as s:
+        s.get(0, 0)
+        assert s.missing([(2, 3), (0, 0), (0, 1)]) == [(2, 3), (0, 1)]   # order kept, resident dropped
+        read = threading.Event()
+        s._read = lambda key, _read=s._read: (read.wait(5), _read(key))[1]
+        s.prefetch([(2, 3)])
+        for _ in range(5000):                         # until the loader has taken it: a read under way
+            if len(s._loads) == 0:
+                break
+            threading.Event().wait(0.001)
+        assert s.missing([(2, 3), (0, 1)]) == [(0, 1)]
+        read.set()
+        s.drain()
+        assert (2, 3) in s.resident()
