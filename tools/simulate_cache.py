@@ -2,7 +2,10 @@
 EdgeMoE's correlation preload, and Belady's optimal eviction as the ceiling.
 
     python tools/simulate_cache.py TRACE.jsonl --cache-experts N [N ...] [--profile-from OTHER.jsonl]
-                                   [--preload-k K] [--min-count C] [--json]
+                                   [--preload-k K] [--min-count C] [--model-layers L] [--json]
+
+--model-layers L lays the traces over L MoE layers as `edgemoe run --replay` does on a deeper model
+(edgemoe.replay.records_for_model), so that the simulation sees the routing a replayed run sees.
 
 Model of the cache: N experts of equal size, starting empty. Each token walks its MoE layers in
 order; each of a layer's experts is a request: a hit if resident, else a miss, and the expert is
@@ -31,6 +34,7 @@ import heapq
 import json
 import sys
 
+from edgemoe.replay import records_for_model
 from edgemoe.store.policies import POLICIES, make_policy
 from edgemoe.store.profile import RoutingProfile, read_trace, tokens_from_trace
 
@@ -194,6 +198,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-from", help="trace to build the profile from (default: first half of TRACE)")
     ap.add_argument("--preload-k", type=int, help="experts preloaded per layer (default: the trace's top-k)")
     ap.add_argument("--min-count", type=int, default=3, help="profile back-off threshold (default 3)")
+    ap.add_argument("--model-layers", type=int, help="replay the traces over this many MoE layers (a deeper model)")
     ap.add_argument("--json", action="store_true", help="print a JSON list of records instead of a table")
     args = ap.parse_args(argv)
     try:
@@ -204,18 +209,22 @@ def main(argv=None) -> int:
     return 0
 
 
-def _read_nonempty(path) -> list:
+def _read_nonempty(path, model_layers: int | None) -> list:
     records = read_trace(path)
     if not records:
         raise ValueError(f"{path}: the trace is empty")
+    if model_layers is not None:
+        if model_layers < 1:
+            raise ValueError(f"--model-layers {model_layers}: must be at least 1")
+        records = records_for_model(records, list(range(model_layers)))
     return records
 
 
 def _run_cli(args) -> tuple[list[dict], str]:
-    records = _read_nonempty(args.trace)
+    records = _read_nonempty(args.trace, args.model_layers)
     tokens = tokens_from_trace(records)
     if args.profile_from:
-        other = _read_nonempty(args.profile_from)
+        other = _read_nonempty(args.profile_from, args.model_layers)
         profile = _profile(other, records, args.min_count)
         note = f"profile: {args.profile_from}; scored: all {len(tokens)} tokens of {args.trace}"
     else:
