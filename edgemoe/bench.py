@@ -53,6 +53,7 @@ class BenchConfig:
     replay: object | None = None               # an edgemoe.replay.RoutingReplay routing every run
     prefill_chunk: int = 512
     io: str = "buffered"                       # the disk tier's reads (edgemoe.store.disk)
+    dtype: object | None = None                # dense weight matrices (None: as the store keeps them)
     seed: int = 0
 
     def __post_init__(self):
@@ -215,7 +216,7 @@ def store_options(mode: str, ram: int) -> dict:
 def open_model(store_path: Path, mode: str, config: BenchConfig):
     import edgemoe
 
-    model = edgemoe.load(store_path, io=config.io, **store_options(mode, config.ram))
+    model = edgemoe.load(store_path, config.dtype, io=config.io, **store_options(mode, config.ram))
     if config.replay is not None:
         config.replay.attach(model)
     if mode == "all-in-ram":

@@ -204,7 +204,7 @@ class BudgetSearch:
             inputs: dict[int, torch.Tensor] = {}
             cache = self._quantized.new_cache()
             with torch.inference_mode():
-                self._quantized.run_layers(self._quantized.embed[window], torch.arange(window.numel()),
+                self._quantized.run_layers(self._quantized.embeddings(window), torch.arange(window.numel()),
                                            [Segment(cache, window.numel())],
                                            on_layer_input=lambda l, x: inputs.__setitem__(l, x))
             self._layer_inputs.append(inputs)

@@ -20,6 +20,21 @@ def _group() -> None:
     """Run Mixture-of-Experts LLMs on machines too small to hold them."""
 
 
+DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def _dtype_option():
+    return typer.Option("auto", "--dtype", help="Dense weight matrices: auto (as the checkpoint stores "
+                        "them), float32, bfloat16 or float16. Activations are float32 in every case.")
+
+
+def _dtype(name: str):
+    import torch
+    if name not in DTYPES:
+        raise typer.BadParameter(f"{name!r}: expected one of {', '.join(DTYPES)}", param_hint="--dtype")
+    return None if DTYPES[name] is None else getattr(torch, DTYPES[name])
+
+
 def _model_path(model: Optional[Path]) -> Path:
     if model is not None:
         return model
@@ -49,6 +64,7 @@ def run(
     stats: bool = typer.Option(False, "--stats", help="Print speed and cache figures after the text."),
     replay: Optional[Path] = typer.Option(None, "--replay", help="Route by this trace instead of the routers "
                                           "(a random-weight model routed as a real one was)."),
+    dtype: str = _dtype_option(),
 ):
     """Generate text, streamed as it is produced, from a checkpoint directory or a store."""
     import edgemoe
@@ -58,7 +74,7 @@ def run(
     store_options = dict(ram=ram, vram=vram, device=device, policy=policy, preload=preload) if is_store(path) else {}
     if not store_options and (ram or vram or device):
         raise EdgeMoEError(f"{path}: --ram/--vram/--device apply to stores; this is a checkpoint directory")
-    m = edgemoe.load(path, **store_options)
+    m = edgemoe.load(path, _dtype(dtype), **store_options)
     if replay is not None:
         from edgemoe.store.profile import read_trace
         from .replay import RoutingReplay
@@ -292,6 +308,7 @@ def bench(
     memory_limit: Optional[str] = typer.Option(None, "--memory-limit", help="Run inside a cgroup v1 memory "
                                                "limit of this size, page cache included (Linux, root)."),
     as_json: bool = typer.Option(False, "--json", help="Print the records as JSON."),
+    dtype: str = _dtype_option(),
 ):
     """Time to first token and decode speed under a RAM budget, per mode, next to the physical limit."""
     import json
@@ -302,7 +319,7 @@ def bench(
     config = BenchConfig(ram=parse_ram(ram, store), modes=tuple(mode) or MODES,
                          prefill_tokens=tuple(prefill) or (512, 2048), decode_tokens=decode_tokens,
                          warmup_tokens=warmup_tokens, repeats=repeats, cold=cold,
-                         replay=_replay_for(store, replay))
+                         replay=_replay_for(store, replay), dtype=_dtype(dtype))
     # The bandwidths are measured first, outside the memory limit: their 1 GiB buffer is not the run's.
     bandwidths = measure_bandwidths(store)
     group = confine_memory(memory_limit) if memory_limit is not None else None
@@ -357,6 +374,7 @@ def eval_(
                                           "max_position_embeddings, at most 1024)."),
     stride: Optional[int] = typer.Option(None, help="Window step (default: context / 2)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    dtype: str = _dtype_option(),
 ):
     """Perplexity over a text (sliding window); with --reference, agreement and KL too."""
     import json
@@ -370,8 +388,8 @@ def eval_(
         from .bundled import bundled_text
         text = bundled_text("eval.txt")
     content = _read_text(text)
-    m = edgemoe.load(_model_path(model))
-    ref = edgemoe.load(reference) if reference is not None else None
+    m = edgemoe.load(_model_path(model), _dtype(dtype))
+    ref = edgemoe.load(reference, _dtype(dtype)) if reference is not None else None
     result = evaluate_text(m, content, context=context, stride=stride, reference=ref)
     if as_json:
         print(json.dumps(result.to_dict()))

@@ -11,6 +11,16 @@ import torch
 import torch.nn.functional as F
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, C] @ weight [R, C]^T (+ bias) -> [T, R] in x's dtype, multiplied in the weight's dtype:
+    weights stay as the checkpoint stores them (a bfloat16 matrix is read at half the bytes of a
+    float32 copy, and torch's bfloat16 GEMM accumulates in float32); activations stay float32."""
+    if x.dtype != weight.dtype:
+        y = F.linear(x.to(weight.dtype), weight).to(x.dtype)
+        return y if bias is None else y + bias
+    return F.linear(x, weight, bias)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
@@ -52,12 +62,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """x [T, D]; gate, up [F, D]; down [D, F] -> [T, D]."""
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax router, top-k. x [T, D], router [E, D] -> (weights [T, A] float32, experts [T, A] int64)."""
-    probs = torch.softmax(F.linear(x, router).float(), dim=-1)  # [T, E]
+    probs = torch.softmax(linear(x, router).float(), dim=-1)  # [T, E]
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)

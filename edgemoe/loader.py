@@ -33,12 +33,19 @@ def read_text_config(directory: Path) -> tuple[Tokenizer | None, dict]:
     return tokenizer, read_json(gen_path) if gen_path.exists() else {}
 
 
-def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> MoEModel:
-    """Load a checkpoint directory; every weight cast to `dtype` (float32 by default: exact on CPU)."""
+def weights_in(dense: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Dense weights as the model keeps them: matrices in `dtype` (None: as the checkpoint stores
+    them), vectors (norms, biases: a few KB, added to float32 activations) in float32."""
+    return {name: t.float() if t.dim() < 2 else t if dtype is None else t.to(dtype) for name, t in dense.items()}
+
+
+def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype | None = None) -> MoEModel:
+    """Load a checkpoint directory. Weight matrices in `dtype`, by default as stored (a bfloat16
+    checkpoint stays bfloat16: half the memory and bytes per token of float32); activations float32."""
     ckpt = Checkpoint(path)
     spec = read_spec(ckpt)
     plan = plan_weights(ckpt, spec, architecture(spec.model_type).tensor_names(spec))
-    dense = read_dense(ckpt, plan, dtype)
+    dense = weights_in(read_dense(ckpt, plan), dtype)
     experts = {key: DenseExpert(**weights) for key, weights in iter_experts(ckpt, plan, dtype)}
     ckpt.close()
     tokenizer, generation_config = read_text_config(Path(path))
@@ -54,7 +61,7 @@ def is_store(path: str | os.PathLike) -> bool:
 
 
 def load_store(path: str | os.PathLike, ram=None, vram=0, device=None, policy: str = "lru", io: str = "buffered",
-               dtype: torch.dtype = torch.float32, compute: str = "auto", preload: str = "auto",
+               dtype: torch.dtype | None = None, compute: str = "auto", preload: str = "auto",
                place_popular: bool = True) -> MoEModel:
     """A model whose experts stay in a tiered store (budgets: bytes or strings like "512MiB")."""
     from safetensors import safe_open
@@ -72,7 +79,7 @@ def load_store(path: str | os.PathLike, ram=None, vram=0, device=None, policy: s
         store.close()
         raise StoreError(f"{dense_path}: checksum mismatch: the store is corrupt")
     with safe_open(str(dense_path), framework="pt") as f:
-        dense = {name: f.get_tensor(name).to(dtype) for name in f.keys()}
+        dense = weights_in({name: f.get_tensor(name) for name in f.keys()}, dtype)
     drop_page_cache(dense_path)   # the tensors are copied out: the file's pages would only double them
     missing = sorted(set(store.spec.dense_shapes()) - set(dense))
     if missing:
@@ -99,9 +106,10 @@ def routing_profile(store_path: Path):
     return RoutingProfile.load(store_path)
 
 
-def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32, **store_options) -> MoEModel:
+def load(path: str | os.PathLike, dtype: torch.dtype | None = None, **store_options) -> MoEModel:
     """A model from a Hugging Face checkpoint directory (all in RAM) or from a store (experts tiered;
-    options ram=, vram=, device=, policy=, io=, compute=, preload=, place_popular=)."""
+    options ram=, vram=, device=, policy=, io=, compute=, preload=, place_popular=). Dense weight
+    matrices in `dtype`, by default as the checkpoint stores them; activations are float32."""
     if is_store(path):
         return load_store(path, dtype=dtype, **store_options)
     if store_options:

@@ -17,7 +17,7 @@ import torch
 
 from .cache import KVCache
 from .experts import ExpertBatches, ExpertProvider
-from .layers import apply_rope, attend, attention_mask, rms_norm, rope_tables, route, swiglu
+from .layers import apply_rope, attend, attention_mask, linear, rms_norm, rope_tables, route, swiglu
 from .models.spec import ModelSpec
 
 
@@ -56,7 +56,7 @@ class MoEModel:
         self.tokenizer = tokenizer
         self.generation_config = generation_config or {}
         self.name = name
-        self.dtype = dense["embed"].dtype
+        self.dtype = torch.float32   # activations, residual stream, KV cache; weights keep their own
         self.embed = dense["embed"]
         self.final_norm = dense["norm"]
         self.lm_head = dense["embed"] if spec.tie_word_embeddings else dense["lm_head"]
@@ -96,7 +96,7 @@ class MoEModel:
         t = self.timings
         start = time.perf_counter()
         positions = torch.cat([torch.arange(s.cache.length, s.cache.length + s.num_tokens) for s in segments])
-        x = self.run_layers(self.embed[tokens], positions, segments)   # [T, D]
+        x = self.run_layers(self.embeddings(tokens), positions, segments)   # [T, D]
         for s in segments:
             s.cache.advance(s.num_tokens)
         if last_only:
@@ -130,16 +130,20 @@ class MoEModel:
             t.experts += time.perf_counter() - t1
         return x
 
+    def embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids [T] -> hidden states [T, D] in the activation dtype."""
+        return self.embed[tokens].to(self.dtype)
+
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: hidden [T, D] -> float32 logits [T, V]."""
-        return torch.nn.functional.linear(rms_norm(x, self.final_norm, self.spec.rms_norm_eps), self.lm_head).float()
+        return linear(rms_norm(x, self.final_norm, self.spec.rms_norm_eps), self.lm_head).float()
 
     # ---- layers -----------------------------------------------------------------------------------
     def _qkv(self, w: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         s = self.spec
-        q = torch.nn.functional.linear(x, w["q"], w.get("q_bias"))      # [T, H*Dh]
-        k = torch.nn.functional.linear(x, w["k"], w.get("k_bias"))      # [T, K*Dh]
-        v = torch.nn.functional.linear(x, w["v"], w.get("v_bias"))
+        q = linear(x, w["q"], w.get("q_bias"))      # [T, H*Dh]
+        k = linear(x, w["k"], w.get("k_bias"))      # [T, K*Dh]
+        v = linear(x, w["v"], w.get("v_bias"))
         if s.qk_norm == "proj":
             q, k = rms_norm(q, w["q_norm"], s.rms_norm_eps), rms_norm(k, w["k_norm"], s.rms_norm_eps)
         if s.clip_qkv is not None:
@@ -164,7 +168,7 @@ class MoEModel:
             mask = attention_mask(positions[start:end], keys.shape[1], window)
             outputs.append(attend(q[start:end], keys, values, mask))   # [S, H*Dh]
             start = end
-        return torch.nn.functional.linear(torch.cat(outputs), w["o"])
+        return linear(torch.cat(outputs), w["o"])
 
     def _mlp(self, l: int, w: dict, x: torch.Tensor, positions: torch.Tensor, segments) -> torch.Tensor:
         if not self.spec.moe_layers[l]:
@@ -182,7 +186,7 @@ class MoEModel:
         out = self.experts.run(l, x, batches)
         if self.spec.shared_expert_hidden:
             shared = swiglu(x, w["shared.gate"], w["shared.up"], w["shared.down"])
-            out = out + torch.sigmoid(torch.nn.functional.linear(x, w["shared_gate"])) * shared
+            out = out + torch.sigmoid(linear(x, w["shared_gate"])) * shared
         return out
 
     # ---- generation (see generate.py) ---------------------------------------------------------------

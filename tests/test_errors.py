@@ -92,3 +92,20 @@ def test_console_script_streams_text_and_fails_cleanly(tiny_model, tmp_path):
     assert ok.returncode == 0 and ok.stdout.startswith("To be") and len(ok.stdout) > len("To be\n")
     bad = subprocess.run([sys.executable, "-m", "edgemoe", "run", str(tmp_path / "none")], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "Traceback" not in bad.stderr
+
+
+def test_dtype_option(monkeypatch, capsys, tiny_model):
+    path = tiny_model("mixtral", dtype="bfloat16")
+    code, err = run_cli(monkeypatch, capsys, "eval", str(path), "--text", str(path / "config.json"), "--dtype", "int3")
+    assert code == 2 and "--dtype" in err and "'int3'" in err
+    results = {}
+    for dtype in ("auto", "float32"):
+        monkeypatch.setattr(sys, "argv", ["edgemoe", "eval", str(path), "--text", str(path / "config.json"),
+                                          "--dtype", dtype, "--json"])
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            main()
+        assert exit_info.value.code == 0
+        results[dtype] = json.loads(capsys.readouterr().out)["perplexity"]
+    # bfloat16 matrices (auto) and float32 ones compute different logits on a bfloat16 checkpoint
+    assert results["auto"] != results["float32"] and abs(results["auto"] / results["float32"] - 1) < 0.01
