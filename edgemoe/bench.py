@@ -6,8 +6,9 @@ Modes:
 - "all-in-ram": every expert read into RAM before timing; the no-I/O bound.
 - "on-demand-lru": the RAM budget, LRU eviction, no preload and no overlap of reads with compute
   (EdgeMoE's IO-EXP baseline, Mixtral-offloading's scheme).
-- "edgemoe": the RAM budget, EdgeMoE eviction, popularity placement at load, correlation preload
-  from the store's routing profile, and reads overlapped with compute.
+- "edgemoe": the RAM budget, expected-use eviction with its preload admission (store/policies.py),
+  popularity placement at load, correlation preload from the store's routing profile, and reads
+  overlapped with compute.
 
 A run: a fresh store (empty RAM tier; `cold` first drops the store's files from the page cache),
 a prompt of L tokens fed in chunks (time to first token: up to the first token chosen), then
@@ -210,7 +211,7 @@ def store_options(mode: str, ram: int) -> dict:
         return dict(ram=None, policy="lru", preload="none", place_popular=False)
     if mode == "on-demand-lru":
         return dict(ram=ram, policy="lru", preload="none", place_popular=False)
-    return dict(ram=ram, policy="edgemoe", preload="correlation", place_popular=True)
+    return dict(ram=ram, policy="expected-use", preload="correlation", place_popular=True)
 
 
 def open_model(store_path: Path, mode: str, config: BenchConfig):
@@ -315,9 +316,9 @@ def prompt_tokens(vocab_size: int, length: int, seed: int) -> list[int]:
 
 
 def check_store(store_path: Path, config: BenchConfig) -> None:
-    from .loader import routing_profile
+    from edgemoe.store.profile import RoutingProfile
 
-    if "edgemoe" in config.modes and routing_profile(Path(store_path)) is None:
+    if "edgemoe" in config.modes and RoutingProfile.find(store_path) is None:
         raise ValueError(f"{store_path}: mode 'edgemoe' preloads from the store's routing profile and this store "
                          "has none: run `edgemoe profile STORE --text FILE` (or --trace TRACE) first")
 

@@ -58,7 +58,7 @@ def run(
     vram: Optional[str] = typer.Option(None, "--vram", help="Store only: VRAM budget for experts."),
     device: Optional[str] = typer.Option(None, "--device", help="Store only: torch device of the VRAM tier "
                                          "(default: cuda when present)."),
-    policy: str = typer.Option("lru", "--policy", help="Store only: eviction policy, lru, lfu or edgemoe."),
+    policy: str = typer.Option("lru", "--policy", help="Store only: eviction policy, lru, lfu, edgemoe or expected-use."),
     preload: str = typer.Option("auto", "--preload", help="Store only: auto (correlation if the store has a "
                                 "profile, else lookahead), correlation, lookahead or none."),
     stats: bool = typer.Option(False, "--stats", help="Print speed and cache figures after the text."),

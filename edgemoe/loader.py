@@ -91,19 +91,8 @@ def load_store(path: str | os.PathLike, ram=None, vram=0, device=None, policy: s
     model = MoEModel(store.spec, dense, StoreExperts(store, compute, overlap=preload != "none"), tokenizer,
                      generation_config,
                      name=directory.name)
-    model.preloader = Preloader(model, store, preload, routing_profile(store.path)).attach()
+    model.preloader = Preloader(model, store, preload, store.routing_profile).attach()
     return model
-
-
-def routing_profile(store_path: Path):
-    """The store's routing profile (edgemoe profile), or None if it has none."""
-    from edgemoe.store.format import PROFILE
-    from edgemoe.store.profile import RoutingProfile
-
-    path = Path(store_path) / PROFILE
-    if not path.exists() or "routing" not in read_json(path):
-        return None
-    return RoutingProfile.load(store_path)
 
 
 def load(path: str | os.PathLike, dtype: torch.dtype | None = None, **store_options) -> MoEModel:

@@ -11,7 +11,11 @@ For a step with several tokens, an expert's score is the probability that any to
 What to preload: the best-scored experts not already resident; with correlation only those more
 likely than not to be needed (p >= 0.5: the profile's probabilities are calibrated, and a preload
 is a disk read and a cache slot, so a wrong one costs a read and evicts an expert that may be hit).
-The lookahead's choices are the next router's own top-k on a nearby input: all are taken.
+The lookahead's choices are the next router's own top-k on a nearby input: all are taken, as
+certain (p = 1; router weights are not probabilities). Then the store's eviction policy admits
+them or not (TieredStore.admit, the rule tools/simulate_cache.py replays): "expected-use" skips a
+preload unlikely enough that its read would add more than it converts, given the expert it would
+evict (store/policies.py); the other policies admit every one.
 
 How many (SP-MoE's cutoff, counted in the disk's idle time): each layer earns credit for the
 reads that fit in the time the disk was idle since the previous layer (time between consecutive
@@ -74,7 +78,7 @@ class Preloader:
         spec = self.model.spec
         weights, experts = route(hidden, self.model.layers[nxt]["router"], spec.top_k, spec.norm_topk_prob)
         scores = torch.zeros(spec.num_experts).index_add_(0, experts.reshape(-1), weights.reshape(-1).float())
-        self._issue(nxt, scores, hidden.shape[0], least=1e-9)
+        self._issue(nxt, scores, hidden.shape[0], least=1e-9, certain=True)
 
     def on_routing(self, layer, experts, weights, positions, segments) -> None:
         self._time_layer()
@@ -118,12 +122,13 @@ class Preloader:
         self.credit = min(most, self.credit + self.idle_seconds / per_read)
         return int(self.credit)
 
-    def _issue(self, layer: int, scores: torch.Tensor, tokens: int, least: float) -> None:
-        """Preload the best-scored experts of `layer` scoring at least `least` and not yet resident
-        or being read, within the budget."""
-        likely = [(layer, e) for e in torch.argsort(scores, descending=True, stable=True).tolist()
-                  if scores[e] >= least]
-        chosen = self.store.missing(likely)[:self.budget(tokens)]
+    def _issue(self, layer: int, scores: torch.Tensor, tokens: int, least: float, certain: bool = False) -> None:
+        """Preload the best-scored experts of `layer` scoring at least `least` that the store admits
+        (not resident nor being read, worth their read: TieredStore.admit), within the budget.
+        scores are probabilities of use, unless `certain` (then each counts as p = 1)."""
+        likely = [((layer, e), 1.0 if certain else float(scores[e]))
+                  for e in torch.argsort(scores, descending=True, stable=True).tolist() if scores[e] >= least]
+        chosen = self.store.admit(likely)[:self.budget(tokens)]
         self.credit = max(0.0, self.credit - len(chosen))
         self._predicted[layer] = {e for _, e in chosen}
         self.store.prefetch(chosen)

@@ -1,7 +1,9 @@
 """Eviction policies for a tier: which resident expert to drop when room is needed.
 
 A policy sees every access (`touch`), insertion and removal, and the layer the model is about to run
-(`set_layer`); `victim` picks among the candidates. Keys are (layer, expert).
+with the experts it needs (`set_layer`); `victim` picks among the candidates; `admits(p, victim)`
+says whether a preload used with probability p is worth its read and evicting `victim` (None: it
+fits in free room); every policy but "expected-use" admits every preload. Keys are (layer, expert).
 
 - "lru": least recently used (the baseline; Mixtral-offloading's scheme).
 - "lfu": least frequently used: fewest accesses, ties by LRU. Counts survive eviction (as EdgeMoE's do),
@@ -11,6 +13,21 @@ A policy sees every access (`touch`), insertion and removal, and the layer the m
   the expert's layer comes (0: the layer running now, L-1: the one that just ran); the lowest score
   goes, ties by LRU. `prior` is the profile's popularity when one is given; the 1 keeps a fresh
   (preloaded, not yet used) expert from being the first victim for being new.
+- "expected-use": EdgeMoE's idea (keep what is used often and soon) with its frequency replaced by
+  a probability. Each resident expert's estimate p = P(used the next time its layer runs), from the
+  routing profile: for the layer that runs next in this step, P(e | this step's experts at the
+  layers before) (RoutingProfile.predict, when its key was seen min_count times); otherwise "stay"
+  P(used by the next token | used by this one) if the expert was used the last time its layer ran,
+  else "arrive" P(used | not used) (RoutingProfile.reuse; popularity for a profile without temporal
+  counts). The victim has the fewest expected uses per layer of residence, p / d, d = layers until
+  its layer runs (1 = the next, L = the running one): a slot held d layers for a use with
+  probability p; ties go to the furthest layer (Belady's rule), then LRU. Plain lowest-p eviction
+  measured worse than LRU (docs/scheduling.md): holding an expert for the far future costs more.
+  A preload with probability p costs a read, and when unused (1 - p) a wasted read plus, with
+  probability q (the victim's estimate), a read of the victim it displaced; it converts p demand
+  misses into background reads. It is admitted if p > (1 - p)(1 + q): more misses converted than
+  reads added (in free room q = 0: p > 0.5). Without a routing profile every estimate is the
+  popularity prior (0 without one).
 """
 
 from __future__ import annotations
@@ -24,7 +41,7 @@ Key = tuple[int, int]
 class LRUPolicy:
     name = "lru"
 
-    def __init__(self, num_layers: int = 1, popularity: dict[Key, float] | None = None):
+    def __init__(self, num_layers: int = 1, popularity: dict[Key, float] | None = None, profile=None):
         self._clock = itertools.count()
         self.last_use: dict[Key, int] = {}
 
@@ -37,17 +54,20 @@ class LRUPolicy:
     def remove(self, key: Key) -> None:
         self.last_use.pop(key, None)
 
-    def set_layer(self, layer: int) -> None:
+    def set_layer(self, layer: int, needed: Iterable[Key] = ()) -> None:
         pass
 
     def victim(self, candidates: Iterable[Key]) -> Key:
         return min(candidates, key=lambda k: self.last_use.get(k, -1))
 
+    def admits(self, probability: float, victim: Key | None) -> bool:
+        return True
+
 
 class LFUPolicy(LRUPolicy):
     name = "lfu"
 
-    def __init__(self, num_layers: int = 1, popularity: dict[Key, float] | None = None):
+    def __init__(self, num_layers: int = 1, popularity: dict[Key, float] | None = None, profile=None):
         super().__init__(num_layers)
         self.accesses: dict[Key, int] = {}   # kept across evictions: frequency is the expert's, not the copy's
 
@@ -65,13 +85,13 @@ class LFUPolicy(LRUPolicy):
 class EdgeMoEPolicy(LFUPolicy):
     name = "edgemoe"
 
-    def __init__(self, num_layers: int, popularity: dict[Key, float] | None = None):
+    def __init__(self, num_layers: int, popularity: dict[Key, float] | None = None, profile=None):
         super().__init__(num_layers)
         self.num_layers = num_layers
         self.current_layer = 0
         self.prior = popularity or {}
 
-    def set_layer(self, layer: int) -> None:
+    def set_layer(self, layer: int, needed: Iterable[Key] = ()) -> None:
         self.current_layer = layer
 
     def score(self, key: Key) -> float:
@@ -83,11 +103,89 @@ class EdgeMoEPolicy(LFUPolicy):
         return min(candidates, key=lambda k: (self.score(k), self.last_use.get(k, -1)))
 
 
-POLICIES = {p.name: p for p in (LRUPolicy, LFUPolicy, EdgeMoEPolicy)}
+class ExpectedUsePolicy(LRUPolicy):
+    name = "expected-use"
+    predicts = True      # TieredStore passes it the store's routing profile
+
+    def __init__(self, num_layers: int, popularity: dict[Key, float] | None = None, profile=None):
+        super().__init__(num_layers)
+        self.profile = profile
+        self.prior = popularity or {}
+        self.order = list(profile.moe_layers) if profile else list(range(num_layers))
+        self.position = {l: i for i, l in enumerate(self.order)}
+        self.current: int | None = None
+        self.step = 0                            # advances when a layer runs again: a new step (token)
+        self.history: dict[int, tuple[int, ...]] = {}   # this step's experts per layer, for predict
+        self.last_run: dict[int, int] = {}       # layer -> the step it last ran in
+        self.used_in: dict[Key, int] = {}        # expert -> the last step that used it (kept on eviction)
+        self.next_probability: dict[Key, float] = {}
+        self._reuse: dict[tuple[int, int, bool], float] = {}
+
+    def set_layer(self, layer: int, needed: Iterable[Key] = ()) -> None:
+        if self.current is not None and self.position.get(layer, 0) <= self.position.get(self.current, 0):
+            self.step += 1
+            self.history = {}
+        self.current = layer
+        self.last_run[layer] = self.step
+        experts = sorted(e for l, e in needed if l == layer)
+        for e in experts:
+            self.used_in[(layer, e)] = self.step
+        self.history[layer] = tuple(experts)
+        self.next_probability = self._predict_next()
+
+    def touch(self, key: Key) -> None:
+        super().touch(key)
+        self.used_in[key] = self.step
+
+    def _predict_next(self) -> dict[Key, float]:
+        """P(e) for the layer after the running one in this step, from the correlation table; empty
+        when there is none or the profile only knows popularity for this history (then temporal
+        statistics, which know this expert's own recent use, are the better guess)."""
+        i = self.position.get(self.current)
+        if self.profile is None or i is None or i + 1 >= len(self.order):
+            return {}
+        nxt = self.order[i + 1]
+        if self.profile.source(nxt, self.history) == "popularity":
+            return {}
+        return {(nxt, e): p for e, p in self.profile.predict(nxt, self.history)}
+
+    def estimate(self, key: Key) -> float:
+        """P(key is used the next time its layer runs)."""
+        p = self.next_probability.get(key)
+        if p is not None:
+            return p
+        layer, expert = key
+        used = layer in self.last_run and self.used_in.get(key) == self.last_run[layer]
+        if self.profile is None:
+            return self.prior.get(key, 0.0)
+        cached = self._reuse.get((layer, expert, used))
+        if cached is None:
+            cached = self._reuse[(layer, expert, used)] = self.profile.reuse(layer, expert, used)
+        return cached
+
+    def distance(self, key: Key) -> int:
+        """Layers until key's layer runs next: 1 (the next one) .. n (the running one, next step)."""
+        n = len(self.order)
+        d = (self.position.get(key[0], 0) - self.position.get(self.current, 0)) % n
+        return d or n
+
+    def victim(self, candidates: Iterable[Key]) -> Key:
+        def density(k: Key) -> tuple:
+            d = self.distance(k)
+            return self.estimate(k) / d, -d, self.last_use.get(k, -1)
+        return min(candidates, key=density)
+
+    def admits(self, probability: float, victim: Key | None) -> bool:
+        displaced = self.estimate(victim) if victim is not None else 0.0
+        return probability > (1 - probability) * (1 + displaced)
 
 
-def make_policy(name: str, num_layers: int, popularity: dict[Key, float] | None = None):
+POLICIES = {p.name: p for p in (LRUPolicy, LFUPolicy, EdgeMoEPolicy, ExpectedUsePolicy)}
+
+
+def make_policy(name: str, num_layers: int, popularity: dict[Key, float] | None = None, profile=None):
+    """profile: the store's RoutingProfile (or None), for policies that predict."""
     if name not in POLICIES:
         from .format import StoreError
         raise StoreError(f"policy={name!r}: expected one of {sorted(POLICIES)}")
-    return POLICIES[name](num_layers, popularity)
+    return POLICIES[name](num_layers, popularity, profile)

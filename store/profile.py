@@ -16,7 +16,16 @@ predict(l, history) gives P(e is among layer l's chosen experts), which sums to 
 specific table whose key was seen at least min_count times: given_prev2, else given_prev, else
 popularity (then P = A * popularity[l][e]).
 
-profile.json (STORE/profile.json) sections written here: "routing" (to_json) and "popularity"
+Temporal statistics, over pairs of consecutive tokens (positions p and p+1 of one sequence):
+    pairs[l]            how many pairs
+    before[l][e]        pairs whose first token chose e at l; after[l][e]: whose second token did
+    both[l][e]          pairs whose two tokens both chose e at l
+reuse(l, e, used) gives P(e chosen at l by the next token | this token chose it (used) or not):
+"stay" = both / before, "arrive" = (after - both) / (pairs - before), each from at least min_count
+pairs, else A * popularity[l][e] (also for a profile saved without these counts).
+
+profile.json (STORE/profile.json) sections written here: "routing" (to_json; its "temporal" part is
+optional, so profiles saved before it existed still load) and "popularity"
 ({"<layer>": [fraction per expert]}, read by TieredStore for initial placement and the eviction prior).
 Other sections (e.g. "latency") are preserved.
 """
@@ -105,6 +114,15 @@ def tokens_from_trace(records) -> list[Routing]:
     return [dict(sorted(routing.items())) for routing in tokens.values()]
 
 
+def consecutive_tokens(records) -> list[tuple[Routing, Routing]]:
+    """Pairs (token at position p, token at p+1) of the same sequence, as {layer: experts}."""
+    tokens: dict[tuple, Routing] = {}
+    for r in records:
+        tokens.setdefault((r.seq, r.token), {})[r.layer] = tuple(r.experts)
+    return [(routing, tokens[(seq, token + 1)]) for (seq, token), routing in tokens.items()
+            if (seq, token + 1) in tokens]
+
+
 class TraceRecorder:
     """Records a model's routing while active:
 
@@ -168,6 +186,10 @@ class RoutingProfile:
         self.given_prev: dict[int, dict[str, tuple[int, Counter]]] = {l: {} for l in self.moe_layers}
         self.given_prev2: dict[int, dict[str, tuple[int, Counter]]] = {l: {} for l in self.moe_layers}
         self._previous = {l: self.moe_layers[:i][::-1][:2] for i, l in enumerate(self.moe_layers)}  # [l-1, l-2]
+        self.pairs: dict[int, int] = {l: 0 for l in self.moe_layers}
+        self.before: dict[int, list[int]] = {l: [0] * num_experts for l in self.moe_layers}
+        self.after: dict[int, list[int]] = {l: [0] * num_experts for l in self.moe_layers}
+        self.both: dict[int, list[int]] = {l: [0] * num_experts for l in self.moe_layers}
 
     # ---- building ---------------------------------------------------------------------------------
     def add_token(self, routing: Routing) -> None:
@@ -182,6 +204,21 @@ class RoutingProfile:
                 self._count(self.given_prev[layer], _key(prev[0]), experts)
                 if len(prev) == 2 and prev[1] is not None:
                     self._count(self.given_prev2[layer], f"{_key(prev[0])}|{_key(prev[1])}", experts)
+
+    def add_pair(self, first: Routing, second: Routing) -> None:
+        """Count two consecutive tokens of one sequence (temporal statistics); layers missing from
+        either are skipped."""
+        for routing in (first, second):
+            for layer, experts in routing.items():
+                self._check(layer, experts)
+        for layer in first.keys() & second.keys():
+            self.pairs[layer] += 1
+            for e in first[layer]:
+                self.before[layer][e] += 1
+            for e in second[layer]:
+                self.after[layer][e] += 1
+            for e in set(first[layer]) & set(second[layer]):
+                self.both[layer][e] += 1
 
     def _check(self, layer: int, experts) -> None:
         if layer not in self.counts:
@@ -210,12 +247,27 @@ class RoutingProfile:
         profile = cls(moe_layers, num_experts, top_k, min_count)
         for routing in tokens_from_trace(records):
             profile.add_token(routing)
+        for first, second in consecutive_tokens(records):
+            profile.add_pair(first, second)
         return profile
 
     # ---- querying ---------------------------------------------------------------------------------
     @property
     def popularity(self) -> dict[int, list[float]]:
         return {l: [c / max(1, sum(row)) for c in row] for l, row in self.counts.items()}
+
+    def reuse(self, layer: int, expert: int, used: bool) -> float:
+        """P(expert is chosen at layer by the next token | this token chose it there (used) or not):
+        "stay" or "arrive" (module docstring), backing off to A * popularity below min_count pairs."""
+        before, both = self.before[layer][expert], self.both[layer][expert]
+        if used:
+            seen, chosen = before, both
+        else:
+            seen, chosen = self.pairs[layer] - before, self.after[layer][expert] - both
+        if seen >= self.min_count:
+            return chosen / seen
+        row = self.counts[layer]
+        return self.top_k * row[expert] / max(1, sum(row))
 
     def source(self, layer: int, history: Routing) -> str:
         """Which table predict uses: "l-1,l-2", "l-1" or "popularity" (the back-off order)."""
@@ -252,7 +304,9 @@ class RoutingProfile:
         return {"version": PROFILE_VERSION, "moe_layers": self.moe_layers, "num_experts": self.num_experts,
                 "top_k": self.top_k, "min_count": self.min_count,
                 "counts": {str(l): row for l, row in self.counts.items()},
-                "given_prev": table(self.given_prev), "given_prev2": table(self.given_prev2)}
+                "given_prev": table(self.given_prev), "given_prev2": table(self.given_prev2),
+                "temporal": {str(l): {"pairs": self.pairs[l], "before": self.before[l], "after": self.after[l],
+                                      "both": self.both[l]} for l in self.moe_layers}}
 
     @classmethod
     def from_json(cls, d: dict) -> "RoutingProfile":
@@ -265,7 +319,20 @@ class RoutingProfile:
         profile.counts = counts
         profile.given_prev.update({int(l): _table_from_json(rows) for l, rows in d["given_prev"].items()})
         profile.given_prev2.update({int(l): _table_from_json(rows) for l, rows in d["given_prev2"].items()})
+        if "temporal" in d:    # absent from profiles saved before it existed: reuse() falls back to popularity
+            profile._temporal_from_json(d["temporal"])
         return profile
+
+    def _temporal_from_json(self, temporal: dict) -> None:
+        rows = {int(l): row for l, row in temporal.items()}
+        if sorted(rows) != self.moe_layers:
+            raise ValueError("routing profile: 'temporal' needs one entry per MoE layer")
+        for l, row in rows.items():
+            lists = [[int(c) for c in row[name]] for name in ("before", "after", "both")]
+            if any(len(counts) != self.num_experts for counts in lists):
+                raise ValueError(f"routing profile: 'temporal' layer {l} needs num_experts counts per list")
+            self.pairs[l] = int(row["pairs"])
+            self.before[l], self.after[l], self.both[l] = lists
 
     def save(self, store_dir) -> Path:
         """Write the "routing" and "popularity" sections of STORE/profile.json atomically, keeping the others."""
@@ -286,6 +353,15 @@ class RoutingProfile:
         return path
 
     @classmethod
+    def find(cls, store_dir) -> "RoutingProfile | None":
+        """The store's routing profile, or None if it has none (no profile.json, or no "routing" section)."""
+        path = Path(store_dir) / PROFILE
+        if not path.exists():
+            return None
+        data = _read_profile_json(path)
+        return cls._from_section(path, data["routing"]) if "routing" in data else None
+
+    @classmethod
     def load(cls, store_dir) -> "RoutingProfile":
         path = Path(store_dir) / PROFILE
         if not path.exists():
@@ -293,8 +369,12 @@ class RoutingProfile:
         data = _read_profile_json(path)
         if "routing" not in data:
             raise StoreError(f"{path}: no 'routing' section")
+        return cls._from_section(path, data["routing"])
+
+    @classmethod
+    def _from_section(cls, path: Path, routing) -> "RoutingProfile":
         try:
-            return cls.from_json(data["routing"])
+            return cls.from_json(routing)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise StoreError(f"{path}: malformed 'routing' section ({exc})") from None
 

@@ -29,6 +29,7 @@ from .disk import DiskTier
 from .format import ARRAY_NAMES, PROFILE, ExpertEntry, StoreError, decode_blob, read_manifest
 from .loads import LoadQueue
 from .policies import make_policy
+from .profile import RoutingProfile
 
 Key = tuple[int, int]
 
@@ -158,6 +159,28 @@ class _Tier:
         self.stats.peak_bytes = max(self.stats.peak_bytes, self.stats.bytes)
         return True, evicted
 
+    def admit(self, preloads, protect: set[Key] = frozenset()) -> list[Key]:
+        """Which of `preloads` ((key, nbytes, probability of use), most wanted first) are worth a
+        read: each must fit in free room or in the room of victims the policy would pick (as put
+        does, never a protected key nor another admitted preload's victim), and the policy must
+        admit it (policy.admits, per victim; victim None in free room)."""
+        free = self.budget - self.stats.bytes
+        spoken_for = set(protect)
+        admitted = []
+        for key, nbytes, probability in preloads:
+            victims, room = [], free
+            while room < nbytes:
+                pool = [k for k in self.items if k not in spoken_for and k not in victims]
+                if not pool:
+                    break
+                victims.append(self.policy.victim(pool))
+                room += self.items[victims[-1]].nbytes
+            if room >= nbytes and all(self.policy.admits(probability, v) for v in victims or [None]):
+                admitted.append(key)
+                spoken_for.update(victims)
+                free = room - nbytes
+        return admitted
+
     def pop(self, key: Key) -> ResidentExpert:
         item = self.items.pop(key)
         self.policy.remove(key)
@@ -199,7 +222,8 @@ class TieredStore:
                 raise StoreError("--vram: no GPU here; give a device explicitly (e.g. device='cpu' as a stand-in)")
         self.device = torch.device(device) if vram_budget else None
         self.policy_name = policy
-        make = lambda: make_policy(policy, self.spec.num_layers, self.popularity)  # noqa: E731
+        self.routing_profile = RoutingProfile.find(self.path)   # for the preloader and predicting policies
+        make = lambda: make_policy(policy, self.spec.num_layers, self.popularity, self.routing_profile)  # noqa: E731
         self.vram = _Tier("vram", vram_budget, make(), self.stats.vram) if vram_budget else None
         self.ram = _Tier("ram", ram_budget if ram_budget is not None else 1 << 62, make(), self.stats.ram)
         self._lock = threading.RLock()
@@ -268,6 +292,19 @@ class TieredStore:
                 self._in_flight.pop(key).set()
             self._loads.arrived(key)
 
+    def admit(self, predictions) -> list[Key]:
+        """Of `predictions` ((key, probability of use), most wanted first), those worth a preload:
+        neither resident nor being read, and admitted by the eviction policy of the tier an expert
+        leaves the cache from (_Tier.admit), beside the running layer's experts and the unused
+        preloads of the keys' layers. The simulator (tools/simulate_cache.py) asks the same."""
+        with self._lock:
+            wanted = [(key, self.manifest.experts[key].length, p) for key, p in predictions
+                      if key in self.manifest.experts and not self._present(key)]
+            layers = {key[0] for key, _, _ in wanted}
+            protect = self._pinned | {k for k in self._preloaded if k[0] in layers}
+            last = self.ram if self.ram.budget or self.vram is None else self.vram
+            return last.admit(wanted, protect)
+
     def prefetch(self, keys, urgent: bool = False) -> None:
         """Ask the background loader for these experts, most wanted first; never blocks on I/O.
         urgent: needed by the layer running now (served before predictions, which wait until the
@@ -286,7 +323,7 @@ class TieredStore:
             self._pinned = {(int(l), int(e)) for l, e in needed}
             for tier in (self.vram, self.ram):
                 if tier:
-                    tier.policy.set_layer(layer)
+                    tier.policy.set_layer(layer, self._pinned)
             self._loads.await_layer(k for k in self._pinned if self._lookup(k, count=False) is None)
 
     def cancel_preloads(self, layer: int) -> None:

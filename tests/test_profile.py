@@ -131,6 +131,48 @@ def test_add_token_validates():
         profile.add_token({0: (1, 4)})
 
 
+# ---- temporal statistics ----------------------------------------------------------------------------
+def test_temporal_counts_and_reuse_by_hand():
+    profile = RoutingProfile([0], num_experts=3, top_k=1, min_count=2)
+    for first, second in ((0, 0), (0, 1), (1, 1), (2, 0)):
+        profile.add_pair({0: (first,)}, {0: (second,)})
+    assert profile.pairs[0] == 4 and profile.before[0] == [2, 1, 1]
+    assert profile.after[0] == [2, 2, 0] and profile.both[0] == [1, 1, 0]
+    assert profile.reuse(0, 0, used=True) == 0.5            # stay: 0 then 0, of 2 pairs starting at 0
+    assert profile.reuse(0, 0, used=False) == 0.5           # arrive: (2, 0), of 2 pairs not starting at 0
+    assert profile.reuse(0, 1, used=False) == 1 / 3         # (0, 1) of 3 pairs not starting at 1
+    # expert 1 started 1 pair (< min_count 2): stay backs off to A * popularity, no token counted: 0
+    assert profile.reuse(0, 1, used=True) == 0.0
+    profile.add_token({0: (1,)})
+    profile.add_token({0: (2,)})
+    assert profile.reuse(0, 1, used=True) == 0.5            # 1 * popularity[0][1] = 1/2
+
+
+def test_from_trace_pairs_only_consecutive_positions_of_one_sequence():
+    records = [TraceRecord(0, 0, 0, [1], [1.0]), TraceRecord(0, 1, 0, [1], [1.0]),
+               TraceRecord(0, 3, 0, [1], [1.0]),                     # position 2 missing: no pair (1, 3)
+               TraceRecord("b", 4, 0, [0], [1.0]), TraceRecord("b", 5, 0, [1], [1.0])]
+    profile = RoutingProfile.from_trace(records, num_experts=2)
+    assert profile.pairs[0] == 2 and profile.before[0] == [1, 1] and profile.both[0] == [0, 1]
+
+
+def test_a_profile_saved_without_temporal_counts_still_loads(tmp_path):
+    profile = RoutingProfile([0, 1], num_experts=4, top_k=2, min_count=1)
+    for t in range(6):
+        profile.add_token({0: (t % 4, (t + 1) % 4), 1: (0, 3)})
+        profile.add_pair({0: (t % 4, (t + 1) % 4), 1: (0, 3)}, {0: ((t + 1) % 4, (t + 2) % 4), 1: (0, 3)})
+    old = profile.to_json()
+    del old["temporal"]
+    loaded = RoutingProfile.from_json(old)
+    assert loaded.reuse(1, 0, used=True) == 1.0 and loaded.reuse(1, 1, used=False) == 0.0   # 2 * popularity
+    assert RoutingProfile.from_json(profile.to_json()).reuse(0, 1, used=True) == profile.reuse(0, 1, used=True)
+    bad = profile.to_json()
+    bad["temporal"]["0"]["before"] = [1]
+    (tmp_path / "profile.json").write_text(json.dumps({"routing": bad}))
+    with pytest.raises(StoreError, match="malformed 'routing'.*temporal"):
+        RoutingProfile.load(tmp_path)
+
+
 # ---- persistence ------------------------------------------------------------------------------------
 def test_profile_json_round_trip_preserves_other_sections(tmp_path):
     profile = RoutingProfile([0, 1, 2], num_experts=5, top_k=2, min_count=1)

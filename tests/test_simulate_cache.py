@@ -1,16 +1,20 @@
 """tools/simulate_cache.py: hit rates computed by hand, Belady as the ceiling, preload with a perfect
-profile, agreement with TieredStore on the same requests, and the command line."""
+profile, the expected-use policy and its preload admission by hand, agreement with TieredStore on the
+same requests (with and without preload), and the command line."""
 
 import importlib.util
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
 
 from edgemoe.store import convert, open_store
-from edgemoe.store.policies import LFUPolicy
+from edgemoe.preload import MIN_PROBABILITY
+from edgemoe.store.policies import ExpectedUsePolicy, LFUPolicy, LRUPolicy
 from edgemoe.store.profile import RoutingProfile, TraceRecord, write_trace
+from edgemoe.store.tiers import TierStats, _Tier
 
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("simulate_cache", REPO / "tools" / "simulate_cache.py")
@@ -128,6 +132,68 @@ def test_bad_arguments():
         sim.simulate([{5: (0,)}], 1, "lru", preload_profile=RoutingProfile([0], 2, 1))
 
 
+# ---- expected use: estimates, victims and admission by hand ----------------------------------------
+def hand_profile() -> RoutingProfile:
+    """Top-1, 3 layers, 4 experts. Per layer, of 10 token pairs: expert 0 starts 4 and stays in 2
+    (stay 1/2, arrive 2/6), expert 1 starts 2 and never stays (stay 0, arrive 2/8). Layer 1 after
+    expert 0 at layer 0 is expert 2, always."""
+    profile = RoutingProfile([0, 1, 2], num_experts=4, top_k=1, min_count=1)
+    profile.add_token({0: (0,), 1: (2,), 2: (3,)})
+    for l in profile.moe_layers:
+        profile.pairs[l], profile.before[l], profile.after[l], profile.both[l] = 10, [4, 2, 2, 2], [4, 2, 2, 2], [2, 0, 0, 0]
+    return profile
+
+
+def test_expected_use_estimates_and_victims_by_hand():
+    policy = ExpectedUsePolicy(3, profile=hand_profile())
+    policy.set_layer(0, {(0, 0)})
+    assert policy.estimate((0, 0)) == 0.5                  # used by the running layer: stay
+    assert policy.estimate((0, 1)) == 0.25                 # not used: arrive
+    assert policy.estimate((1, 2)) == 1.0 and policy.estimate((1, 1)) == 0.0   # next layer: predict
+    assert policy.estimate((2, 0)) == pytest.approx(1 / 3)  # layer 2 has not run: arrive
+    assert [policy.distance(k) for k in ((1, 2), (2, 0), (0, 0))] == [1, 2, 3]
+    # expected uses per layer held: (1,1) 0, (0,1) 0.25/3, (2,1) 0.25/2, (2,0) 1/6 = (0,0) 0.5/3, (1,2) 1
+    resident = [(0, 0), (0, 1), (1, 1), (1, 2), (2, 1)]
+    order = []
+    while resident:
+        order.append(policy.victim(resident))
+        resident.remove(order[-1])
+    assert order == [(1, 1), (0, 1), (2, 1), (0, 0), (1, 2)]
+    policy.set_layer(1, {(1, 2)})
+    policy.set_layer(2, {(2, 3)})
+    policy.set_layer(0, {(0, 1)})                          # a new step: (0, 0) was not used by it
+    assert policy.step == 1 and policy.estimate((0, 0)) == pytest.approx(1 / 3)
+    assert policy.estimate((2, 3)) == 0.0                  # used by layer 2's last run (step 0): stay 0/2
+    assert policy.estimate((2, 0)) == pytest.approx(1 / 3)  # not used by it: arrive
+
+
+def test_admission_weighs_a_preload_against_its_victim():
+    """Admit p if p > (1 - p)(1 + q): q = the victim's estimate, 0 in free room."""
+    policy = ExpectedUsePolicy(3, profile=hand_profile())
+    policy.set_layer(0, {(0, 0)})
+    assert policy.admits(0.6, (0, 1))                      # 0.6 > 0.4 * 1.25
+    assert not policy.admits(0.55, (0, 1))                 # 0.55 < 0.45 * 1.25
+    assert not policy.admits(0.6, (0, 0))                  # 0.6 < 0.4 * 1.5
+    assert policy.admits(0.51, None) and not policy.admits(0.5, None)
+    assert LRUPolicy().admits(0.01, (0, 1))                # the other policies admit every preload
+
+
+def test_tier_admit_gives_each_preload_its_own_victim():
+    policy = ExpectedUsePolicy(3, profile=hand_profile())
+    tier = _Tier("t", 3, policy, TierStats())
+    for key in ((0, 0), (0, 1), (2, 1)):
+        tier.put(sim._Expert(key))
+    policy.set_layer(0, {(0, 0)})
+    # (1,2) displaces (0,1) (q 1/4); (1,3) then displaces (2,1) (q 1/4, 0.6 > 0.5); (1,0) finds no victim
+    assert tier.admit([((1, 2), 1, 0.9), ((1, 3), 1, 0.6), ((1, 0), 1, 0.9)], protect={(0, 0)}) == [(1, 2), (1, 3)]
+    assert tier.admit([((1, 2), 1, 0.9), ((1, 3), 1, 0.55)], protect={(0, 0)}) == [(1, 2)]   # 0.55 < 0.5625
+    assert tier.admit([((1, 2), 1, 0.9)], protect={(0, 0), (0, 1), (2, 1)}) == []
+    assert set(tier.items) == {(0, 0), (0, 1), (2, 1)}    # admit only decides
+    roomy = _Tier("t", 4, policy, TierStats())
+    roomy.put(sim._Expert((0, 1)))
+    assert roomy.admit([((1, 2), 1, 0.9), ((1, 3), 1, 0.5)]) == [(1, 2)]   # free room: p > 0.5
+
+
 # ---- the simulator agrees with the runtime ----------------------------------------------------------
 @pytest.fixture(scope="module")
 def store_dir(tiny_model, tmp_path_factory):
@@ -151,6 +217,48 @@ def test_agrees_with_tiered_store(store_dir, policy):
     simulated = sim.simulate(tokens, 3, policy)
     assert simulated["hits"] == runtime.ram.hits and simulated["evictions"] == runtime.ram.evictions
     assert simulated["hit_rate"] == pytest.approx(runtime.hit_rate)
+
+
+def correlated_tokens(n: int, seed: int) -> list[dict]:
+    """2 layers, 4 experts, top-2: layer 1 is layer 0 shifted by one, 4 times in 5."""
+    rng, tokens = random.Random(seed), []
+    for _ in range(n):
+        first = tuple(rng.sample(range(4), 2))
+        second = tuple((e + 1) % 4 for e in first) if rng.random() < 0.8 else tuple(rng.sample(range(4), 2))
+        tokens.append({0: first, 1: second})
+    return tokens
+
+
+def test_expected_use_with_preload_agrees_with_tiered_store(store_dir, tmp_path):
+    """Same requests, same predictions: the runtime (TieredStore.admit, then prefetch) loads, hits and
+    evicts exactly as the simulator."""
+    profile = RoutingProfile([0, 1], num_experts=4, top_k=2)
+    train = correlated_tokens(200, seed=2)
+    for before, after in zip(train, train[1:]):
+        profile.add_token(before)
+        profile.add_pair(before, after)
+    store = tmp_path / "store"
+    shutil.copytree(store_dir, store)
+    profile.save(store)
+    tokens = correlated_tokens(60, seed=3)
+    with open_store(store) as probe:
+        size = probe.experts()[0].length
+    with open_store(store, ram=3 * size, policy="expected-use", place_popular=False) as s:
+        for routing in tokens:
+            s.begin_layer(0, needed=[(0, e) for e in routing[0]])
+            wanted = [((1, e), p) for e, p in profile.predict(1, {0: routing[0]})[:2] if p >= MIN_PROBABILITY]
+            s.prefetch(s.admit(wanted))
+            s.drain()
+            for layer in (0, 1):
+                if layer:
+                    s.begin_layer(1, needed=[(1, e) for e in routing[1]])
+                for e in sorted(routing[layer]):
+                    s.get(layer, e)
+        runtime = s.stats
+    simulated = sim.simulate(tokens, 3, "expected-use", preload_profile=profile)
+    assert 0 < simulated["preloads"] < 60 * 2                  # some admitted, some not
+    assert simulated["preloads"] == runtime.preloads_loaded
+    assert simulated["hits"] == runtime.ram.hits and simulated["evictions"] == runtime.ram.evictions
 
 
 # ---- command line -----------------------------------------------------------------------------------
