@@ -28,6 +28,7 @@ import gc
 import os
 import random
 import statistics
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -193,6 +194,18 @@ def confine_memory(limit: str, root: Path = CGROUP_V1_MEMORY) -> Path:
     except OSError as e:
         raise ValueError(f"--memory-limit: cannot set up {group} ({e.strerror}; it needs root)") from None
     return group
+
+
+def leave_memory_group(group: Path) -> int:
+    """Move this process back to the parent group and remove `group` (confine_memory's); returns the
+    group's peak memory use in bytes. A group that cannot be removed is named on stderr."""
+    peak = int((group / "memory.max_usage_in_bytes").read_text())
+    (group.parent / "cgroup.procs").write_text(str(os.getpid()))
+    try:
+        group.rmdir()
+    except OSError as e:
+        print(f"--memory-limit: could not remove {group} ({e.strerror}); remove it with rmdir", file=sys.stderr)
+    return peak
 
 
 def _move_charges(group: Path) -> None:

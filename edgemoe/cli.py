@@ -313,8 +313,8 @@ def bench(
     """Time to first token and decode speed under a RAM budget, per mode, next to the physical limit."""
     import json
 
-    from .bench import (MODES, BenchConfig, bench as run_bench, confine_memory, machine_summary,
-                        measure_bandwidths, parse_ram)
+    from .bench import (MODES, BenchConfig, bench as run_bench, confine_memory, leave_memory_group,
+                        machine_summary, measure_bandwidths, parse_ram)
 
     config = BenchConfig(ram=parse_ram(ram, store), modes=tuple(mode) or MODES,
                          prefill_tokens=tuple(prefill) or (512, 2048), decode_tokens=decode_tokens,
@@ -326,14 +326,19 @@ def bench(
     progress = None if as_json else lambda r: print(
         f"  {r['mode']:<14} prefill {r['prefill_tokens']}: ttft {r['ttft_s']:.2f} s, "
         f"decode {r['decode_tok_s']:.2f} tok/s, hit rate {r['hit_rate']:.3f}", file=sys.stderr, flush=True)
-    records, _ = run_bench(store, config, on_run=progress, bandwidths=bandwidths)
+    try:
+        records, _ = run_bench(store, config, on_run=progress, bandwidths=bandwidths)
+    finally:
+        peak = leave_memory_group(group) if group is not None else None
+    peak_line = None if peak is None else f"peak memory of the run, page cache included: {_size(peak)}"
     if as_json:
         print(json.dumps(records, indent=1))
+        if peak_line:
+            print(peak_line, file=sys.stderr)
         return
     print(machine_summary(bandwidths, memory_limit))
-    if group is not None:
-        peak = int((group / "memory.max_usage_in_bytes").read_text())
-        print(f"peak memory of the run, page cache included: {_size(peak)}")
+    if peak_line:
+        print(peak_line)
     _print_bench_table(records)
 
 

@@ -2,13 +2,14 @@
 from the bandwidths, prefill reads each expert at most once per chunk, bad options are named."""
 
 import json
+import os
 import sys
 
 import pytest
 
 import edgemoe
 from edgemoe.bench import (RECORD_FIELDS, BenchConfig, Bandwidths, bench, confine_memory, dense_bytes_per_token,
-                           disk_bandwidth, memory_bandwidth, parse_ram)
+                           disk_bandwidth, leave_memory_group, memory_bandwidth, parse_ram)
 from edgemoe.cli import main
 from edgemoe.profiling import profile_store, trace_text
 from edgemoe.replay import RoutingReplay
@@ -125,6 +126,18 @@ def test_confine_memory_writes_the_limit_and_this_process(tmp_path):
     group = confine_memory("1GiB", root)
     assert (group / "memory.limit_in_bytes").read_text() == str(1 << 30)
     assert (group / "cgroup.procs").read_text().strip().isdigit()
+
+
+def test_leave_memory_group_moves_back_and_reports_the_peak(tmp_path, capsys):
+    root = tmp_path / "memory"
+    root.mkdir()
+    (root / "cgroup.procs").write_text("")
+    group = confine_memory("1GiB", root)
+    (group / "memory.max_usage_in_bytes").write_text("123456")
+    assert leave_memory_group(group) == 123456
+    assert (root / "cgroup.procs").read_text() == str(os.getpid())
+    # cgroupfs removes a group with its control files; a plain directory keeps them: named, not hidden
+    assert f"could not remove {group}" in capsys.readouterr().err
 
 
 def test_bench_command_prints_json_records(store, monkeypatch, capsys):
