@@ -126,9 +126,11 @@ class Preloader:
         """Preload the best-scored experts of `layer` scoring at least `least` that the store admits
         (not resident nor being read, worth their read: TieredStore.admit), within the budget.
         scores are probabilities of use, unless `certain` (then each counts as p = 1)."""
-        likely = [((layer, e), 1.0 if certain else float(scores[e]))
-                  for e in torch.argsort(scores, descending=True, stable=True).tolist() if scores[e] >= least]
-        chosen = self.store.admit(likely)[:self.budget(tokens)]
+        budget = self.budget(tokens)
+        values = scores.tolist()
+        likely = [((layer, e), 1.0 if certain else values[e])
+                  for e in torch.argsort(scores, descending=True, stable=True).tolist() if values[e] >= least]
+        chosen = self.store.admit(likely)[:budget] if budget else []   # admit weighs victims: skip it when nothing may go
         self.credit = max(0.0, self.credit - len(chosen))
         self._predicted[layer] = {e for _, e in chosen}
         self.store.prefetch(chosen)

@@ -105,7 +105,6 @@ class EdgeMoEPolicy(LFUPolicy):
 
 class ExpectedUsePolicy(LRUPolicy):
     name = "expected-use"
-    predicts = True      # TieredStore passes it the store's routing profile
 
     def __init__(self, num_layers: int, popularity: dict[Key, float] | None = None, profile=None):
         super().__init__(num_layers)

@@ -337,7 +337,7 @@ class RoutingProfile:
     def save(self, store_dir) -> Path:
         """Write the "routing" and "popularity" sections of STORE/profile.json atomically, keeping the others."""
         path = Path(store_dir) / PROFILE
-        data = _read_profile_json(path) if path.exists() else {}
+        data = read_profile_json(path)
         data["routing"] = self.to_json()
         data["popularity"] = {str(l): row for l, row in self.popularity.items()}
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".profile-", suffix=".tmp")
@@ -356,9 +356,11 @@ class RoutingProfile:
     def find(cls, store_dir) -> "RoutingProfile | None":
         """The store's routing profile, or None if it has none (no profile.json, or no "routing" section)."""
         path = Path(store_dir) / PROFILE
-        if not path.exists():
-            return None
-        data = _read_profile_json(path)
+        return cls.from_profile_json(path, read_profile_json(path))
+
+    @classmethod
+    def from_profile_json(cls, path: Path, data: dict) -> "RoutingProfile | None":
+        """The routing profile in `data` (profile.json at `path`, already read), or None without one."""
         return cls._from_section(path, data["routing"]) if "routing" in data else None
 
     @classmethod
@@ -366,7 +368,7 @@ class RoutingProfile:
         path = Path(store_dir) / PROFILE
         if not path.exists():
             raise StoreError(f"{path}: no profile (record a trace and save a RoutingProfile)")
-        data = _read_profile_json(path)
+        data = read_profile_json(path)
         if "routing" not in data:
             raise StoreError(f"{path}: no 'routing' section")
         return cls._from_section(path, data["routing"])
@@ -383,7 +385,10 @@ def _table_from_json(rows: dict) -> dict[str, tuple[int, Counter]]:
     return {key: (int(v["seen"]), Counter({int(e): int(c) for e, c in v["counts"].items()})) for key, v in rows.items()}
 
 
-def _read_profile_json(path: Path) -> dict:
+def read_profile_json(path: Path) -> dict:
+    """STORE/profile.json as a dict ({} when there is none); StoreError naming it if corrupt."""
+    if not path.exists():
+        return {}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:

@@ -14,7 +14,6 @@ flight is shared by every thread that asks for the same expert.
 
 from __future__ import annotations
 
-import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ from .disk import DiskTier
 from .format import ARRAY_NAMES, PROFILE, ExpertEntry, StoreError, decode_blob, read_manifest
 from .loads import LoadQueue
 from .policies import make_policy
-from .profile import RoutingProfile
+from .profile import RoutingProfile, read_profile_json
 
 Key = tuple[int, int]
 
@@ -213,7 +212,8 @@ class TieredStore:
         self.spec = self.manifest.spec
         self.disk = DiskTier(self.manifest, io=io, verify=verify)
         self.stats = StoreStats()
-        self.popularity = self._read_popularity()
+        profile_json = read_profile_json(self.path / PROFILE)
+        self.popularity = self._popularity(profile_json)
         ram_budget = parse_bytes(ram, "ram")
         vram_budget = parse_bytes(vram, "vram") or 0
         if vram_budget and device is None:
@@ -222,7 +222,8 @@ class TieredStore:
                 raise StoreError("--vram: no GPU here; give a device explicitly (e.g. device='cpu' as a stand-in)")
         self.device = torch.device(device) if vram_budget else None
         self.policy_name = policy
-        self.routing_profile = RoutingProfile.find(self.path)   # for the preloader and predicting policies
+        # for the preloader and the policies that predict (expected-use)
+        self.routing_profile = RoutingProfile.from_profile_json(self.path / PROFILE, profile_json)
         make = lambda: make_policy(policy, self.spec.num_layers, self.popularity, self.routing_profile)  # noqa: E731
         self.vram = _Tier("vram", vram_budget, make(), self.stats.vram) if vram_budget else None
         self.ram = _Tier("ram", ram_budget if ram_budget is not None else 1 << 62, make(), self.stats.ram)
@@ -346,15 +347,13 @@ class TieredStore:
         self.disk.close()
 
     # ---- internals --------------------------------------------------------------------------------
-    def _read_popularity(self) -> dict[Key, float]:
-        path = self.path / PROFILE
-        if not path.exists():
+    def _popularity(self, profile_json: dict) -> dict[Key, float]:
+        if "popularity" not in profile_json:
             return {}
         try:
-            table = json.loads(path.read_text())["popularity"]
-            return {(int(l), e): float(p) for l, row in table.items() for e, p in enumerate(row)}
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-            raise StoreError(f"{path}: malformed profile ({exc})") from None
+            return {(int(l), e): float(p) for l, row in profile_json["popularity"].items() for e, p in enumerate(row)}
+        except (AttributeError, TypeError, ValueError) as exc:
+            raise StoreError(f"{self.path / PROFILE}: malformed profile ({exc})") from None
 
     def _place_popular(self) -> None:
         """Fiddler's initial placement: the most popular experts in the fastest tiers, while they fit."""
