@@ -196,16 +196,17 @@ def confine_memory(limit: str, root: Path = CGROUP_V1_MEMORY) -> Path:
     return group
 
 
-def leave_memory_group(group: Path) -> int:
+def leave_memory_group(group: Path) -> tuple[int, int]:
     """Move this process back to the parent group and remove `group` (confine_memory's); returns the
-    group's peak memory use in bytes. A group that cannot be removed is named on stderr."""
-    peak = int((group / "memory.max_usage_in_bytes").read_text())
+    group's peak memory use in bytes and how often the limit was hit (memory.failcnt: each time the
+    kernel had to reclaim to stay under it). A group that cannot be removed is named on stderr."""
+    peak, hits = (int((group / name).read_text()) for name in ("memory.max_usage_in_bytes", "memory.failcnt"))
     (group.parent / "cgroup.procs").write_text(str(os.getpid()))
     try:
         group.rmdir()
     except OSError as e:
         print(f"--memory-limit: could not remove {group} ({e.strerror}); remove it with rmdir", file=sys.stderr)
-    return peak
+    return peak, hits
 
 
 def _move_charges(group: Path) -> None:

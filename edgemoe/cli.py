@@ -329,8 +329,9 @@ def bench(
     try:
         records, _ = run_bench(store, config, on_run=progress, bandwidths=bandwidths)
     finally:
-        peak = leave_memory_group(group) if group is not None else None
-    peak_line = None if peak is None else f"peak memory of the run, page cache included: {_size(peak)}"
+        usage = leave_memory_group(group) if group is not None else None
+    peak_line = None if usage is None else (f"peak memory of the run, page cache included: {_size(usage[0])}; "
+                                            f"limit hit {usage[1]} times (memory.failcnt)")
     if as_json:
         print(json.dumps(records, indent=1))
         if peak_line:

@@ -134,7 +134,8 @@ def test_leave_memory_group_moves_back_and_reports_the_peak(tmp_path, capsys):
     (root / "cgroup.procs").write_text("")
     group = confine_memory("1GiB", root)
     (group / "memory.max_usage_in_bytes").write_text("123456")
-    assert leave_memory_group(group) == 123456
+    (group / "memory.failcnt").write_text("7")
+    assert leave_memory_group(group) == (123456, 7)
     assert (root / "cgroup.procs").read_text() == str(os.getpid())
     # cgroupfs removes a group with its control files; a plain directory keeps them: named, not hidden
     assert f"could not remove {group}" in capsys.readouterr().err
