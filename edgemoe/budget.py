@@ -29,6 +29,7 @@ Shapes: T tokens per window, V vocab, D hidden; a key is (layer, expert).
 from __future__ import annotations
 
 import math
+from pathlib import Path
 import statistics
 import time
 from collections import OrderedDict
@@ -317,9 +318,11 @@ def convert_with_budget(model_dir, out, budget: float, metric: str, calib_text: 
     import edgemoe
     from edgemoe.store import convert
     from edgemoe.store.format import update_manifest
+    from edgemoe.store.writer import check_destination
 
     from .evaluate import evaluate
 
+    check_destination(Path(out), force, inputs=[Path(model_dir)])   # before the search, not after it
     reference = edgemoe.load(model_dir)
     ids = torch.tensor(reference.tokenizer.encode(calib_text, add_special_tokens=False))
     if calib_tokens is not None:

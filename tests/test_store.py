@@ -3,6 +3,7 @@ tier budgets and policies, background loader, and greedy output independent of a
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -208,6 +209,38 @@ def test_existing_output_is_refused_unless_forced(checkpoint, store, tmp_path):
     convert(checkpoint, out, bits=8)
     convert(checkpoint, out, bits=2, force=True)
     assert {e.bits for e in read_manifest(out).experts.values()} == {2}
+
+
+def snapshot(path):
+    """Every file under path (or path itself) with its bytes."""
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    return {str(f): f.read_bytes() for f in files}
+
+
+@pytest.mark.parametrize("where", ["the checkpoint", "its parent"])
+def test_force_never_replaces_an_input(checkpoint, tmp_path, where):
+    source = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, source)
+    out = source if where == "the checkpoint" else tmp_path
+    before = snapshot(source)
+    with pytest.raises(StoreError, match="is or contains the input"):
+        convert(source, out, bits=4, force=True)
+    assert snapshot(source) == before
+
+
+@pytest.mark.parametrize("kind", ["directory", "file"])
+def test_force_replaces_only_a_store(checkpoint, tmp_path, kind):
+    out = tmp_path / "out"
+    if kind == "directory":
+        out.mkdir()
+        (out / "notes.txt").write_text("keep me")
+    else:
+        out.write_text("keep me")
+    before = snapshot(out)
+    with pytest.raises(StoreError, match="not an edgemoe store.*left untouched"):
+        convert(checkpoint, out, bits=4, force=True)
+    assert snapshot(out) == before
+    assert list(tmp_path.iterdir()) == [out]   # no partial store left behind
 
 
 def test_a_failed_convert_leaves_nothing_that_opens(checkpoint, tmp_path):
