@@ -289,9 +289,12 @@ def parse_budget(text: str) -> float:
     """'5%' -> 0.05, '0.05' -> 0.05 (a fraction), for --budget."""
     value = text.strip()
     try:
-        return float(value[:-1]) / 100 if value.endswith("%") else float(value)
+        limit = float(value[:-1]) / 100 if value.endswith("%") else float(value)
     except ValueError:
-        raise ValueError(f"--budget {text!r}: expected a percentage like 5% or a number like 0.05") from None
+        limit = math.nan
+    if not math.isfinite(limit):
+        raise ValueError(f"--budget {text!r}: expected a percentage like 5% or a number like 0.05")
+    return limit
 
 
 def metric_loss(result, metric: str) -> float:
@@ -313,7 +316,8 @@ class BudgetedConvert:
 def convert_with_budget(model_dir, out, budget: float, metric: str, calib_text: str, heldout_text: str | None = None,
                         context: int = 256, calib_tokens: int | None = None, group_size: int | None = None,
                         method: str = "rtn", force: bool = False, confidence: float = 0.95,
-                        progress: Callable[[str, int, int], None] | None = None) -> BudgetedConvert:
+                        progress: Callable[[str, int, int], None] | None = None,
+                        threads: int | None = None) -> BudgetedConvert:
     """Search per-expert widths on calib_text, write the store, confirm the loss on heldout_text."""
     import edgemoe
     from edgemoe.store import convert
@@ -323,7 +327,8 @@ def convert_with_budget(model_dir, out, budget: float, metric: str, calib_text: 
     from .evaluate import evaluate
 
     check_destination(Path(out), force, inputs=[Path(model_dir)])   # before the search, not after it
-    reference = edgemoe.load(model_dir)
+    reference = edgemoe.load(model_dir, threads=threads)
+    context = min(context, reference.context_length)
     ids = torch.tensor(reference.tokenizer.encode(calib_text, add_special_tokens=False))
     if calib_tokens is not None:
         ids = ids[:calib_tokens]
@@ -336,10 +341,11 @@ def convert_with_budget(model_dir, out, budget: float, metric: str, calib_text: 
                      on_progress=lambda done, total: progress and progress("writing the store", done, total))
     heldout = None
     if heldout_text is not None:
-        store_model = edgemoe.load(out, preload="none")
+        store_model = edgemoe.load(out, threads=threads, preload="none")
         held_ids = reference.tokenizer.encode(heldout_text, add_special_tokens=False)
-        heldout = metric_loss(evaluate(store_model, held_ids, context=context, stride=context, reference=reference),
-                              metric)  # windows as the calibration's: consecutive, context tokens each
+        confirm = lambda done, total: progress and progress("confirming on held-out text", done, total)  # noqa: E731
+        heldout = metric_loss(evaluate(store_model, held_ids, context=context, stride=context, reference=reference,
+                                       on_progress=confirm), metric)  # windows as the calibration's: consecutive, context tokens each
         store_model.experts.store.close()
         update_manifest(out, "budget", {**record, "heldout_loss": heldout})
     return BudgetedConvert(report, result, heldout)

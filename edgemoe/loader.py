@@ -39,7 +39,7 @@ def weights_in(dense: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dic
     return {name: t.float() if t.dim() < 2 else t if dtype is None else t.to(dtype) for name, t in dense.items()}
 
 
-def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype | None = None) -> MoEModel:
+def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype | None = None, threads: int | None = None) -> MoEModel:
     """Load a checkpoint directory. Weight matrices in `dtype`, by default as stored (a bfloat16
     checkpoint stays bfloat16: half the memory and bytes per token of float32); activations float32."""
     ckpt = Checkpoint(path)
@@ -49,7 +49,8 @@ def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype | None = None) -
     experts = {key: DenseExpert(**weights) for key, weights in iter_experts(ckpt, plan, dtype)}
     ckpt.close()
     tokenizer, generation_config = read_text_config(Path(path))
-    return MoEModel(spec, dense, InMemoryExperts(experts), tokenizer, generation_config, name=Path(path).name)
+    return MoEModel(spec, dense, InMemoryExperts(experts), tokenizer, generation_config, name=Path(path).name,
+                    threads=threads)
 
 
 
@@ -62,7 +63,7 @@ def is_store(path: str | os.PathLike) -> bool:
 
 def load_store(path: str | os.PathLike, ram=None, vram=0, device=None, policy: str = "lru", io: str = "buffered",
                dtype: torch.dtype | None = None, compute: str = "auto", preload: str = "auto",
-               place_popular: bool = True) -> MoEModel:
+               place_popular: bool = True, threads: int | None = None) -> MoEModel:
     """A model whose experts stay in a tiered store (budgets: bytes or strings like "512MiB")."""
     from safetensors import safe_open
 
@@ -89,18 +90,22 @@ def load_store(path: str | os.PathLike, ram=None, vram=0, device=None, policy: s
     tokenizer, generation_config = read_text_config(directory)
     # preload="none" is pure on-demand loading (the baseline): no background reads of any kind.
     model = MoEModel(store.spec, dense, StoreExperts(store, compute, overlap=preload != "none"), tokenizer,
-                     generation_config,
-                     name=directory.name)
+                     generation_config, name=directory.name, threads=threads)
     model.preloader = Preloader(model, store, preload, store.routing_profile).attach()
     return model
 
 
-def load(path: str | os.PathLike, dtype: torch.dtype | None = None, **store_options) -> MoEModel:
+def load(path: str | os.PathLike, dtype: torch.dtype | None = None, threads: int | None = None,
+         **store_options) -> MoEModel:
     """A model from a Hugging Face checkpoint directory (all in RAM) or from a store (experts tiered;
-    options ram=, vram=, device=, policy=, io=, compute=, preload=, place_popular=). Dense weight
-    matrices in `dtype`, by default as the checkpoint stores them; activations are float32."""
+    options ram= (bytes, "512MiB" or a share of the expert bytes like "25%"), vram=, device=, policy=,
+    io=, compute=, preload=, place_popular=). Dense weight matrices in `dtype`, by default as the
+    checkpoint stores them; activations are float32. threads: the kernels' thread count (None: the
+    cores other processes leave free, followed as the machine's load changes)."""
     if is_store(path):
-        return load_store(path, dtype=dtype, **store_options)
+        return load_store(path, dtype=dtype, threads=threads, **store_options)
     if store_options:
-        raise ValueError(f"{path}: {sorted(store_options)} apply to stores only; this is a checkpoint directory")
-    return load_checkpoint(path, dtype)
+        options = ", ".join(f"{k}=" for k in sorted(store_options))
+        raise ValueError(f"{path}: {options} apply to stores only, and this is a checkpoint directory "
+                         f"(make a store with edgemoe convert)")
+    return load_checkpoint(path, dtype, threads)

@@ -19,6 +19,7 @@ from .cache import KVCache
 from .experts import ExpertBatches, ExpertProvider
 from .layers import apply_rope, attend, attention_mask, linear, rms_norm, rope_tables, route, swiglu
 from .models.spec import ModelSpec
+from .threads import ThreadGovernor
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,8 @@ class Timings:
 
 class MoEModel:
     def __init__(self, spec: ModelSpec, dense: dict[str, torch.Tensor], experts: ExpertProvider,
-                 tokenizer=None, generation_config: dict | None = None, name: str = ""):
+                 tokenizer=None, generation_config: dict | None = None, name: str = "",
+                 threads: int | None = None):
         self.spec = spec
         self.experts = experts
         self.tokenizer = tokenizer
@@ -70,6 +72,8 @@ class MoEModel:
         # (layer, positions [T]) -> (weights, experts) replacing the routers (edgemoe.replay).
         self.routing_override = None
         self.timings = Timings()
+        self.threads = ThreadGovernor(threads)   # None: the cores other processes leave free
+        self.context_length = spec.max_position_embeddings   # positions a sequence may occupy
 
     # ---- public API -------------------------------------------------------------------------------
     def new_cache(self) -> KVCache:
@@ -93,6 +97,7 @@ class MoEModel:
             raise ValueError("forward: segments do not cover the tokens")
         if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.spec.vocab_size):
             raise ValueError(f"forward: token id outside [0, {self.spec.vocab_size})")
+        self.threads.step()
         t = self.timings
         start = time.perf_counter()
         positions = torch.cat([torch.arange(s.cache.length, s.cache.length + s.num_tokens) for s in segments])

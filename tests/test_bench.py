@@ -103,7 +103,8 @@ def test_edgemoe_mode_needs_a_routing_profile(tiny_model, tmp_path):
 def test_ram_budget_as_bytes_or_a_share_of_the_experts(store):
     assert parse_ram("25%", store) == int(0.25 * expert_bytes(store))
     assert parse_ram("1MiB", store) == 1 << 20
-    for bad in ("0%", "150%", "lots%"):
+    assert parse_ram("0%", store) == 0   # streaming only, as --ram 0
+    for bad in ("150%", "lots%", "-5%", "nan%", "inf"):
         with pytest.raises(ValueError, match="--ram"):
             parse_ram(bad, store)
     with pytest.raises(ValueError, match="--mode 'fast'"):

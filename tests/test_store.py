@@ -341,12 +341,23 @@ def test_two_processes_read_one_store_at_once(store):
     assert outputs == [expected, expected]
 
 
-def test_budget_strings_and_errors():
+def test_budget_strings_and_errors(store):
     from edgemoe.store import parse_bytes
-    assert parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("2GB") == 2 * 10**9 and parse_bytes(4096) == 4096
-    assert parse_bytes("1.5k") == 1500
-    with pytest.raises(StoreError, match="--ram 'lots'"):
-        parse_bytes("lots", "ram")
+    assert parse_bytes("512MiB", "ram=") == 512 * 2**20 and parse_bytes("2GB", "ram=") == 2 * 10**9
+    assert parse_bytes(4096, "ram=") == 4096 and parse_bytes("1.5k", "ram=") == 1500
+    assert parse_bytes("25%", "ram=", share_of=1000) == 250
+    for bad in ("lots", "inf", "nan", "-5", "-1MiB", "25%"):   # a share needs the total it is a share of
+        with pytest.raises(StoreError, match=f"--ram {bad!r}"):
+            parse_bytes(bad, "--ram")
+    with pytest.raises(StoreError, match="ram=-5"):
+        parse_bytes(-5, "ram=")
+    with pytest.raises(StoreError, match="ram='150%': expected a percentage"):
+        open_store(store, ram="150%")
+    with open_store(store, ram="50%") as s:
+        assert s.ram.budget == int(0.5 * s.manifest.expert_bytes)
+    if not torch.cuda.is_available():
+        with pytest.raises(StoreError, match="device='cuda'.*no usable cuda"):
+            open_store(store, vram="1GB", device="cuda")
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])

@@ -23,6 +23,10 @@ from typing import Any
 from ..errors import CheckpointError
 
 
+POSITIVE_INTEGERS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "max_position_embeddings", "num_experts", "top_k", "expert_hidden")
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Architecture-independent description of a decoder-only MoE transformer."""
@@ -52,6 +56,10 @@ class ModelSpec:
     hidden_act: str = "silu"
 
     def __post_init__(self):
+        for name in POSITIVE_INTEGERS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise CheckpointError(f"config: {name} must be a positive integer, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise CheckpointError(f"config: num_attention_heads={self.num_heads} is not a multiple of "
                                   f"num_key_value_heads={self.num_kv_heads}")
