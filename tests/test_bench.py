@@ -170,3 +170,10 @@ def test_bench_command_names_a_trace_that_does_not_fit(store, tmp_path, monkeypa
         main()
     assert exit_info.value.code == 2
     assert f"{trace}: its routing" in capsys.readouterr().err
+
+
+def test_default_prompt_lengths_fit_the_models_context():
+    from edgemoe.bench import default_prefill
+    assert default_prefill(32768, 36) == (512, 2048)
+    assert default_prefill(1024, 36) == (512,)
+    assert default_prefill(256, 36) == (128,)

@@ -117,3 +117,13 @@ def test_a_config_that_is_not_an_object_or_has_a_fractional_count_is_named(monke
             main()
         err = capsys.readouterr().err.strip()
         assert exit_info.value.code == 2 and err.count("\n") == 0 and "config.json" in err and message in err, err
+
+
+def test_no_progress_output_off_a_terminal_and_convert_reports_its_whole_time(paths, tmp_path):
+    import subprocess
+    out = subprocess.run([sys.executable, "-m", "edgemoe", "eval", paths["CKPT"], "--text", paths["TEXT"]],
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and out.stderr == "" and "perplexity:" in out.stdout
+    made = subprocess.run([sys.executable, "-m", "edgemoe", "convert", paths["CKPT"], "-o", str(tmp_path / "s"),
+                           "--calib", paths["TEXT"]], capture_output=True, text=True)
+    assert made.returncode == 0 and made.stderr == "" and " s in all" in made.stdout
