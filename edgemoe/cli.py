@@ -80,8 +80,8 @@ def _byte_size(value, flag):
 
 def _dtype_option():
     return typer.Option("auto", "--dtype", callback=_checked(options.one_of, tuple(DTYPES)),
-                        help="Dense weight matrices: auto (as the checkpoint stores them), float32, bfloat16 or "
-                        "float16. Activations are float32 in every case.")
+                        help="Dense weight matrices: auto (as the checkpoint stores them where the CPU computes that "
+                        "type natively, else float32), float32, bfloat16 or float16. Activations are float32.")
 
 
 def _threads_option():

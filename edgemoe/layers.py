@@ -12,9 +12,9 @@ import torch.nn.functional as F
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, C] @ weight [R, C]^T (+ bias) -> [T, R] in x's dtype, multiplied in the weight's dtype:
-    weights stay as the checkpoint stores them (a bfloat16 matrix is read at half the bytes of a
-    float32 copy, and torch's bfloat16 GEMM accumulates in float32); activations stay float32."""
+    """x [T, C] @ weight [R, C]^T (+ bias) -> [T, R] in x's dtype, multiplied in the weight's dtype
+    (a bfloat16 matrix is read at half the bytes of a float32 copy, and torch's bfloat16 GEMM
+    accumulates in float32; its output is rounded to bfloat16); activations stay float32."""
     if x.dtype != weight.dtype:
         y = F.linear(x.to(weight.dtype), weight).to(x.dtype)
         return y if bias is None else y + bias

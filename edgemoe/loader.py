@@ -14,6 +14,7 @@ from .experts import DenseExpert, InMemoryExperts
 from .model import MoEModel
 from .models import architecture
 from .models.spec import ModelSpec
+from .precision import compute_dtype
 from .tokenizer import Tokenizer
 from .weights import iter_experts, plan_weights, read_dense
 
@@ -34,19 +35,21 @@ def read_text_config(directory: Path) -> tuple[Tokenizer | None, dict]:
 
 
 def weights_in(dense: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """Dense weights as the model keeps them: matrices in `dtype` (None: as the checkpoint stores
-    them), vectors (norms, biases: a few KB, added to float32 activations) in float32."""
-    return {name: t.float() if t.dim() < 2 else t if dtype is None else t.to(dtype) for name, t in dense.items()}
+    """Weights as the model keeps them: matrices in `dtype` (None: auto, the stored type where the CPU
+    computes it natively, else float32: edgemoe.precision), vectors (norms, biases: a few KB, added to
+    float32 activations) in float32."""
+    return {name: t.float() if t.dim() < 2 else t.to(compute_dtype(t.dtype, dtype)) for name, t in dense.items()}
 
 
 def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype | None = None, threads: int | None = None) -> MoEModel:
-    """Load a checkpoint directory. Weight matrices in `dtype`, by default as stored (a bfloat16
-    checkpoint stays bfloat16: half the memory and bytes per token of float32); activations float32."""
+    """Load a checkpoint directory. Weight matrices in `dtype`; by default (None) as stored where the
+    CPU computes that type natively (a bfloat16 checkpoint stays bfloat16 on AVX-512 BF16: half the
+    bytes per token of float32), else float32. Activations float32."""
     ckpt = Checkpoint(path)
     spec = read_spec(ckpt)
     plan = plan_weights(ckpt, spec, architecture(spec.model_type).tensor_names(spec))
     dense = weights_in(read_dense(ckpt, plan), dtype)
-    experts = {key: DenseExpert(**weights) for key, weights in iter_experts(ckpt, plan, dtype)}
+    experts = {key: DenseExpert(**weights_in(weights, dtype)) for key, weights in iter_experts(ckpt, plan, dtype)}
     ckpt.close()
     tokenizer, generation_config = read_text_config(Path(path))
     return MoEModel(spec, dense, InMemoryExperts(experts), tokenizer, generation_config, name=Path(path).name,
@@ -100,7 +103,8 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None, threads: int
     """A model from a Hugging Face checkpoint directory (all in RAM) or from a store (experts tiered;
     options ram= (bytes, "512MiB" or a share of the expert bytes like "25%"), vram=, device=, policy=,
     io=, compute=, preload=, place_popular=). Dense weight matrices in `dtype`, by default as the
-    checkpoint stores them; activations are float32. threads: the kernels' thread count (None: the
+    checkpoint stores them where the CPU computes that type natively, else float32; activations
+    float32. threads: the kernels' thread count (None: the
     cores other processes leave free, followed as the machine's load changes)."""
     if is_store(path):
         return load_store(path, dtype=dtype, threads=threads, **store_options)

@@ -88,12 +88,13 @@ def test_fused_and_sharded_checkpoints_load_to_the_same_model(tiny_model, arch):
 
 def test_bfloat16_checkpoint_matches_transformers_in_float32(tiny_model):
     path = tiny_model("qwen2_moe", dtype="bfloat16")
-    ref, exact, default = reference(path), edgemoe.load(path, dtype=torch.float32), edgemoe.load(path)
+    ref, exact = reference(path), edgemoe.load(path, dtype=torch.float32)
+    default = edgemoe.load(path, dtype=torch.bfloat16)
     tokens = random_tokens(10, exact.spec.vocab_size)
     with torch.no_grad():
         expected = ref(tokens[None]).logits[0]
     assert (exact.logits(tokens) - expected).abs().max() <= TOL
-    # By default matrices stay bfloat16 (multiplied in bfloat16, accumulated in float32), vectors and
+    # Kept bfloat16, matrices are multiplied in bfloat16 (accumulated in float32), vectors and
     # activations float32: the logits differ by bfloat16 rounding of the activations (measured: max
     # 0.9-1.4% of the largest logit, KL 3-4e-5 on tiny qwen2_moe and mixtral models).
     assert default.layers[0]["q"].dtype == torch.bfloat16 and default.layers[0]["attn_norm"].dtype == torch.float32
@@ -115,6 +116,17 @@ def test_bundled_model_matches_transformers():
     cache = ours.new_cache()
     got = torch.cat([ours.logits(tokens[:150], cache)] + [ours.logits(tokens[t:t + 1], cache) for t in range(150, 160)])
     assert (got - expected).abs().max() <= TOL
-    default = edgemoe.load(path).logits(tokens)          # bfloat16 matrices: bfloat16 rounding only
+    default = edgemoe.load(path, dtype=torch.bfloat16).logits(tokens)   # bfloat16 rounding only
     kl = torch.nn.functional.kl_div(default.log_softmax(-1), expected.log_softmax(-1), log_target=True, reduction="batchmean")
     assert kl <= 1e-3 and (default.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.95
+
+
+def test_auto_precision_keeps_bfloat16_only_where_the_cpu_computes_it(tiny_model, monkeypatch):
+    from edgemoe import precision
+    path = tiny_model("qwen2_moe", dtype="bfloat16")
+    for native, expected in ((frozenset(), torch.float32), (frozenset({torch.bfloat16}), torch.bfloat16)):
+        monkeypatch.setattr(precision, "native_types", lambda native=native: native)
+        model = edgemoe.load(path)
+        assert model.layers[0]["q"].dtype == expected and model.embed.dtype == expected
+        assert model.experts.expert(1, 0).gate.dtype == expected
+    assert edgemoe.load(path, dtype=torch.bfloat16).layers[0]["q"].dtype == torch.bfloat16   # explicit wins

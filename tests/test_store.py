@@ -103,6 +103,29 @@ def test_vram_tier_on_a_cpu_stand_in_matches_ram_logits(store):
     assert set(model.experts.store.resident().values()) == {"vram"}
 
 
+def test_vram_stand_in_and_ram_agree_on_the_bundled_model(tmp_path):
+    """The device path sums in another order than the CPU kernels: float32 rounding only. With float32
+    dense matrices greedy text is the same; bfloat16 ones round each GEMM's output to bfloat16, which
+    turns that rounding into bfloat16 steps of the logits (measured: at most 0.125 at logits of 12-17,
+    KL 3e-6 to 2e-5; docs/architecture.md)."""
+    from edgemoe.bundled import bundled_model_path
+    store = tmp_path / "bundled"
+    convert(bundled_model_path(), store, bits=4)
+    ram = edgemoe.load(store, torch.float32, preload="none")
+    vram = edgemoe.load(store, torch.float32, preload="none", ram=0, vram="1GB", device="cpu")
+    for prompt in ("ROMEO:", "JULIET:\nO", "To be, or not"):
+        ids = ram.tokenizer.encode(prompt)
+        assert (ram.logits(ids) - vram.logits(ids)).abs().max() <= 1e-4
+        assert ram.generate(prompt, max_new_tokens=100, temperature=0) == \
+            vram.generate(prompt, max_new_tokens=100, temperature=0)
+    ram16 = edgemoe.load(store, torch.bfloat16, preload="none")
+    vram16 = edgemoe.load(store, torch.bfloat16, preload="none", ram=0, vram="1GB", device="cpu")
+    ids = ram16.tokenizer.encode("ROMEO:")
+    a, b = ram16.logits(ids), vram16.logits(ids)
+    kl = torch.nn.functional.kl_div(b.log_softmax(-1), a.log_softmax(-1), log_target=True, reduction="batchmean")
+    assert (a - b).abs().max() <= 0.02 * a.abs().max() and kl <= 1e-4 and torch.equal(a.argmax(-1), b.argmax(-1))
+
+
 def test_tiers_are_exclusive_and_demote_from_vram_to_ram(store):
     size = max(e.length for e in read_manifest(store).experts.values())
     with open_store(store, ram=2 * size, vram=2 * size, device="cpu") as s:
