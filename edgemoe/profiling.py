@@ -55,8 +55,8 @@ def profile_store(store: str | Path, text: str | None = None, trace: str | Path 
         raise ValueError("profile: give a text or a trace (exactly one)")
     model = edgemoe.load(store, threads=threads, preload="none")
     try:
-        if trace is not None:   # a trace of a shallower model is laid over this one's layers, as replayed
-            records = records_for_model(read_trace(trace), model.spec.moe_layer_ids)
+        if trace is not None:   # numbered as this model's layers, as replayed
+            records = records_for_model(read_trace(trace), model.spec.moe_layer_ids, str(trace))
         else:
             records = trace_text(model, text, context, on_progress)
         profile = build_profile(model, records, min_count)

@@ -3,10 +3,11 @@ EdgeMoE's correlation preload, and Belady's optimal eviction as the ceiling.
 
     python tools/simulate_cache.py TRACE.jsonl --cache-experts N [N ...] [--profile-from OTHER.jsonl]
                                    [--preload-k K] [--min-count C] [--min-probability P]
-                                   [--model-layers L] [--policy NAME ...] [--tokens T] [--json]
+                                   [--policy NAME ...] [--tokens T] [--json] [--stats]
 
---model-layers L lays the traces over L MoE layers as `edgemoe run --replay` does on a deeper model
-(edgemoe.replay.records_for_model), so that the simulation sees the routing a replayed run sees.
+--stats prints the trace's routing statistics first (edgemoe.store.routing_stats: stay probability,
+popularity skew, next-layer predictability, second-expert weights), to compare a generated trace
+(tools/make_routing_trace.py) with a recorded one.
 
 Model of the cache: N experts of equal size, starting empty, held in TieredStore's own tier class
 (store/tiers.py _Tier, a budget of N experts of size 1). Each token walks its MoE layers in order;
@@ -45,9 +46,9 @@ import sys
 from typing import NamedTuple
 
 from edgemoe.preload import MIN_PROBABILITY
-from edgemoe.replay import records_for_model
 from edgemoe.store.policies import POLICIES, make_policy
 from edgemoe.store.profile import RoutingProfile, read_trace, tokens_from_trace
+from edgemoe.store.routing_stats import routing_statistics
 from edgemoe.store.tiers import TierStats, _Tier
 
 Key = tuple[int, int]          # (layer, expert)
@@ -227,33 +228,32 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", nargs="+", choices=POLICY_NAMES, default=list(POLICY_NAMES),
                     help="eviction policies to compare (default: all; Belady is always shown)")
     ap.add_argument("--tokens", type=int, help="score only the first N tokens (fast iteration)")
-    ap.add_argument("--model-layers", type=int, help="replay the traces over this many MoE layers (a deeper model)")
+    ap.add_argument("--stats", action="store_true", help="print the trace's routing statistics first")
     ap.add_argument("--json", action="store_true", help="print a JSON list of records instead of a table")
     args = ap.parse_args(argv)
     try:
         results, note = _run_cli(args)
     except (OSError, ValueError) as exc:    # unreadable or malformed trace, bad option: one line, no traceback
         raise SystemExit(f"simulate_cache: {exc}") from None
+    if args.stats:
+        stats = routing_statistics(read_trace(args.trace))
+        print(json.dumps(stats.to_dict()) if args.json else "\n".join(stats.lines()))
     print(json.dumps(results, indent=1) if args.json else _table(results, note))
     return 0
 
 
-def _read_nonempty(path, model_layers: int | None) -> list:
+def _read_nonempty(path) -> list:
     records = read_trace(path)
     if not records:
         raise ValueError(f"{path}: the trace is empty")
-    if model_layers is not None:
-        if model_layers < 1:
-            raise ValueError(f"--model-layers {model_layers}: must be at least 1")
-        records = records_for_model(records, list(range(model_layers)))
     return records
 
 
 def _run_cli(args) -> tuple[list[dict], str]:
-    records = _read_nonempty(args.trace, args.model_layers)
+    records = _read_nonempty(args.trace)
     tokens = tokens_from_trace(records)
     if args.profile_from:
-        other = _read_nonempty(args.profile_from, args.model_layers)
+        other = _read_nonempty(args.profile_from)
         profile = _profile(other, records, args.min_count)
         note = f"profile: {args.profile_from}; scored: all {len(tokens)} tokens of {args.trace}"
     else:
