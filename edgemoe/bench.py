@@ -58,6 +58,7 @@ class BenchConfig:
     dtype: object | None = None                # dense weight matrices (None: as the store keeps them)
     seed: int = 0
     threads: int | None = None                 # the kernels' threads (None: the cores left free)
+    profile: object | None = None              # a RoutingProfile for the edgemoe mode instead of the store's
 
     def __post_init__(self):
         unknown = [m for m in self.modes if m not in MODES]
@@ -213,18 +214,19 @@ def _move_charges(group: Path) -> None:
 
 # ---- one run ----------------------------------------------------------------------------------------
 
-def store_options(mode: str, ram: int) -> dict:
+def store_options(mode: str, ram: int, profile=None) -> dict:
     if mode == "all-in-ram":
         return dict(ram=None, policy="lru", preload="none", place_popular=False)
     if mode == "on-demand-lru":
         return dict(ram=ram, policy="lru", preload="none", place_popular=False)
-    return dict(ram=ram, policy="expected-use", preload="correlation", place_popular=True)
+    return dict(ram=ram, policy="expected-use", preload="correlation", place_popular=True, profile=profile)
 
 
 def open_model(store_path: Path, mode: str, config: BenchConfig):
     import edgemoe
 
-    model = edgemoe.load(store_path, config.dtype, config.threads, io=config.io, **store_options(mode, config.ram))
+    model = edgemoe.load(store_path, config.dtype, config.threads, io=config.io,
+                         **store_options(mode, config.ram, config.profile))
     if config.replay is not None:
         config.replay.attach(model)
     if mode == "all-in-ram":
@@ -318,6 +320,22 @@ def prompt_tokens(vocab_size: int, length: int, seed: int) -> list[int]:
     return torch.randint(0, vocab_size, (length,), generator=generator).tolist()
 
 
+def generated_routing(spec, tokens: int, model_seed: int = 0):
+    """Mixtral-like routing for the model's shape (edgemoe.store.synthetic_routing): a replay of one
+    generated text of `tokens` tokens, and the routing profile of another text through the same
+    generated model (what convert --calib profiles for a real model). Returns (replay, profile)."""
+    from edgemoe.store.profile import RoutingProfile
+    from edgemoe.store.synthetic_routing import generate
+    from .replay import RoutingReplay, records_for_model
+
+    layers, shape = spec.moe_layer_ids, (len(spec.moe_layer_ids), spec.num_experts, spec.top_k)
+    replayed, _ = generate(*shape, sequences=1, tokens=tokens, seed=0, model_seed=model_seed)
+    profiled, _ = generate(*shape, sequences=8, tokens=256, seed=1, model_seed=model_seed)
+    profile = RoutingProfile.from_trace(records_for_model(profiled, layers), moe_layers=layers,
+                                        num_experts=spec.num_experts, top_k=spec.top_k)
+    return RoutingReplay(replayed, layers, spec.num_experts, spec.top_k, "generated routing"), profile
+
+
 def default_prefill(context: int, decode_steps: int) -> tuple[int, ...]:
     """The default prompt lengths, 512 and 2048 tokens, those that leave room in the model's context
     for the decode steps; for a shorter context, the longest power of two that does."""
@@ -337,7 +355,7 @@ def check_store(store_path: Path, config: BenchConfig) -> None:
             raise ValueError(f"--prefill {length}: with {steps} decode steps (--warmup-tokens + --decode-tokens) "
                              f"it exceeds the model's context of {context} tokens")
 
-    if "edgemoe" in config.modes and RoutingProfile.find(store_path) is None:
+    if "edgemoe" in config.modes and config.profile is None and RoutingProfile.find(store_path) is None:
         raise ValueError(f"{store_path}: mode 'edgemoe' preloads from the store's routing profile and this store "
                          "has none: run `edgemoe profile STORE --text FILE` (or --trace TRACE) first")
 

@@ -466,7 +466,10 @@ def bench(
                                 help="Runs per mode and prompt length (medians reported)."),
     cold: bool = typer.Option(False, "--cold", help="Drop the store's files from the page cache before each run."),
     replay: Optional[Path] = typer.Option(None, "--replay", help="Route by this trace (a random-weight model "
-                                          "routed as a real one was)."),
+                                          "routed as a real one was); the edgemoe mode uses the store's profile."),
+    routing: str = typer.Option("generated", "--routing", callback=_checked(options.one_of, ("generated", "model")),
+                                help="Without --replay: generated (Mixtral-like routing for the model's shape, "
+                                "and the profile of another generated text) or model (its own routers)."),
     memory_limit: Optional[str] = typer.Option(None, "--memory-limit", callback=_checked(_byte_size),
                                                help="Run inside a cgroup v1 memory limit of this size, page cache "
                                                "included (Linux, root)."),
@@ -479,16 +482,24 @@ def bench(
     import json
 
     from edgemoe.store import read_manifest
-    from .bench import (MODES, BenchConfig, bench as run_bench, confine_memory, default_prefill, leave_memory_group,
-                        machine_summary, measure_bandwidths, parse_ram)
+    from .bench import (MODES, BenchConfig, bench as run_bench, confine_memory, default_prefill, generated_routing,
+                        leave_memory_group, machine_summary, measure_bandwidths, parse_ram)
     from .progress import progress_bar
 
     spec = read_manifest(store).spec
-    config = BenchConfig(ram=parse_ram(ram, store), modes=tuple(mode) or MODES,
-                         prefill_tokens=tuple(prefill) or default_prefill(spec.max_position_embeddings,
-                                                                          warmup_tokens + decode_tokens),
+    steps = warmup_tokens + decode_tokens
+    lengths = tuple(prefill) or default_prefill(spec.max_position_embeddings, steps)
+    profile = None
+    if replay is not None:
+        routed_by, replayer = f"the trace {replay}", _replay_for(spec, replay)
+    elif routing == "generated":
+        routed_by = "generated Mixtral-like routing (edgemoe.store.synthetic_routing, model seed 0)"
+        replayer, profile = generated_routing(spec, max(lengths) + steps)
+    else:
+        routed_by, replayer = "the model's own routers", None
+    config = BenchConfig(ram=parse_ram(ram, store), modes=tuple(mode) or MODES, prefill_tokens=lengths,
                          decode_tokens=decode_tokens, warmup_tokens=warmup_tokens, repeats=repeats, cold=cold,
-                         replay=_replay_for(spec, replay), dtype=_dtype(dtype), threads=threads)
+                         replay=replayer, dtype=_dtype(dtype), threads=threads, profile=profile)
     # The bandwidths are measured first, outside the memory limit: their 1 GiB buffer is not the run's.
     bandwidths = measure_bandwidths(store)
     group = confine_memory(memory_limit) if memory_limit is not None else None
@@ -509,6 +520,7 @@ def bench(
             print(peak_line, file=sys.stderr)
         return
     print(machine_summary(bandwidths, memory_limit))
+    print(f"routing: {routed_by}")
     if peak_line:
         print(peak_line)
     _print_bench_table(records)

@@ -66,7 +66,7 @@ def is_store(path: str | os.PathLike) -> bool:
 
 def load_store(path: str | os.PathLike, ram=None, vram=0, device=None, policy: str = "lru", io: str = "buffered",
                dtype: torch.dtype | None = None, compute: str = "auto", preload: str = "auto",
-               place_popular: bool = True, threads: int | None = None) -> MoEModel:
+               place_popular: bool = True, threads: int | None = None, profile=None) -> MoEModel:
     """A model whose experts stay in a tiered store (budgets: bytes or strings like "512MiB")."""
     from safetensors import safe_open
 
@@ -76,7 +76,8 @@ def load_store(path: str | os.PathLike, ram=None, vram=0, device=None, policy: s
     from .preload import Preloader
     from .quantized import StoreExperts
 
-    store = TieredStore(path, ram=ram, vram=vram, device=device, policy=policy, io=io, place_popular=place_popular)
+    store = TieredStore(path, ram=ram, vram=vram, device=device, policy=policy, io=io, place_popular=place_popular,
+                        profile=profile)
     dense_info = store.manifest.data["dense"]
     dense_path = store.path / dense_info["file"]
     if crc32(dense_path.read_bytes()) != dense_info["crc32"]:
@@ -102,8 +103,8 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None, threads: int
          **store_options) -> MoEModel:
     """A model from a Hugging Face checkpoint directory (all in RAM) or from a store (experts tiered;
     options ram= (bytes, "512MiB" or a share of the expert bytes like "25%"), vram=, device=, policy=,
-    io=, compute=, preload=, place_popular=). Dense weight matrices in `dtype`, by default as the
-    checkpoint stores them where the CPU computes that type natively, else float32; activations
+    io=, compute=, preload=, place_popular=, profile= (a RoutingProfile instead of the store's)).
+    Dense weight matrices in `dtype`, by default as the checkpoint stores them where the CPU computes that type natively, else float32; activations
     float32. threads: the kernels' thread count (None: the
     cores other processes leave free, followed as the machine's load changes)."""
     if is_store(path):

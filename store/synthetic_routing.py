@@ -25,6 +25,7 @@ Shapes: S sequences, E experts, A chosen per token and layer.
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from dataclasses import dataclass, replace
@@ -79,6 +80,7 @@ def generate(layers: int, experts: int, top_k: int, sequences: int, tokens: int,
     return records, routing_statistics(records)
 
 
+@functools.lru_cache(maxsize=8)
 def calibrate(layers: int, experts: int, top_k: int, targets: RoutingTargets, seed: int = 0,
               rounds: int = 8) -> Knobs:
     """Knobs whose short trace meets the targets: each round moves each knob by the gap between its

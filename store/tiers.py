@@ -257,13 +257,17 @@ class TieredStore:
 
     def __init__(self, path, ram: int | str | None = None, vram: int | str | None = 0,
                  device: str | torch.device | None = None, policy: str = "lru", io: str = "buffered",
-                 verify: str = "first", preload_queue: int = 64, place_popular: bool = True):
+                 verify: str = "first", preload_queue: int = 64, place_popular: bool = True,
+                 profile: RoutingProfile | None = None):
+        """profile: a routing profile to use instead of the store's profile.json (a benchmark's, built
+        from the routing it replays)."""
         self.manifest = read_manifest(Path(path))
         self.path = self.manifest.path
         self.spec = self.manifest.spec
         self.disk = DiskTier(self.manifest, io=io, verify=verify)
         self.stats = StoreStats()
-        profile_json = read_profile_json(self.path / PROFILE)
+        profile_json = read_profile_json(self.path / PROFILE) if profile is None else {
+            "popularity": {str(l): row for l, row in profile.popularity.items()}}
         self.popularity = self._popularity(profile_json)
         ram_budget = parse_bytes(ram, "ram=", share_of=self.manifest.expert_bytes)
         vram_budget = parse_bytes(vram, "vram=", share_of=self.manifest.expert_bytes) or 0
@@ -276,7 +280,7 @@ class TieredStore:
         self.device = torch.device(device) if vram_budget else None
         self.policy_name = policy
         # for the preloader and the policies that predict (expected-use)
-        self.routing_profile = RoutingProfile.from_profile_json(self.path / PROFILE, profile_json)
+        self.routing_profile = profile or RoutingProfile.from_profile_json(self.path / PROFILE, profile_json)
         make = lambda: make_policy(policy, self.spec.num_layers, self.popularity, self.routing_profile)  # noqa: E731
         self.vram = _Tier("vram", vram_budget, make(), self.stats.vram) if vram_budget else None
         self.ram = _Tier("ram", ram_budget if ram_budget is not None else 1 << 62, make(), self.stats.ram)
