@@ -28,6 +28,7 @@ from edgemoe.quant import QuantizedTensor, dequantize_reference, get_format, gro
 
 from .disk import DiskTier
 from .format import ARRAY_NAMES, PROFILE, ExpertEntry, StoreError, decode_blob, read_manifest
+from .guard import GUARD_WINDOW_TOKENS, GuardedPolicy, SchemeGuard
 from .loads import LoadQueue
 from .policies import make_policy
 from .profile import RoutingProfile, read_profile_json
@@ -258,9 +259,10 @@ class TieredStore:
     def __init__(self, path, ram: int | str | None = None, vram: int | str | None = 0,
                  device: str | torch.device | None = None, policy: str = "lru", io: str = "buffered",
                  verify: str = "first", preload_queue: int = 64, place_popular: bool = True,
-                 profile: RoutingProfile | None = None):
+                 profile: RoutingProfile | None = None, guard: bool = True):
         """profile: a routing profile to use instead of the store's profile.json (a benchmark's, built
-        from the routing it replays)."""
+        from the routing it replays). guard: with a RAM budget (and no VRAM tier), measure the scheme
+        against a ghost on-demand LRU cache and fall back when it reads more (store/guard.py)."""
         self.manifest = read_manifest(Path(path))
         self.path = self.manifest.path
         self.spec = self.manifest.spec
@@ -283,7 +285,10 @@ class TieredStore:
         self.routing_profile = profile or RoutingProfile.from_profile_json(self.path / PROFILE, profile_json)
         make = lambda: make_policy(policy, self.spec.num_layers, self.popularity, self.routing_profile)  # noqa: E731
         self.vram = _Tier("vram", vram_budget, make(), self.stats.vram) if vram_budget else None
-        self.ram = _Tier("ram", ram_budget if ram_budget is not None else 1 << 62, make(), self.stats.ram)
+        self.guard = (SchemeGuard(ram_budget, GUARD_WINDOW_TOKENS * len(self.spec.moe_layer_ids))
+                      if guard and ram_budget is not None and not vram_budget else None)
+        ram_policy = GuardedPolicy(make(), self.guard) if self.guard else make()
+        self.ram = _Tier("ram", ram_budget if ram_budget is not None else 1 << 62, ram_policy, self.stats.ram)
         self._lock = threading.RLock()
         self._in_flight: dict[Key, threading.Event] = {}
         self._preloaded: set[Key] = set()   # loaded on a prediction, not yet asked for
@@ -355,6 +360,8 @@ class TieredStore:
         neither resident nor being read, and admitted by the eviction policy of the tier an expert
         leaves the cache from (_Tier.admit), beside the running layer's experts and the unused
         preloads of the keys' layers. The simulator (tools/simulate_cache.py) asks the same."""
+        if self.guard and not self.guard.allow_preload:
+            return []
         with self._lock:
             wanted = [(key, self.manifest.experts[key].length, p) for key, p in predictions
                       if key in self.manifest.experts and not self._present(key)]
@@ -379,6 +386,9 @@ class TieredStore:
         layer distance, and nothing placed until the next begin_layer evicts a needed expert."""
         with self._lock:
             self._pinned = {(int(l), int(e)) for l, e in needed}
+            if self.guard:
+                self.guard.observe_layer(((k, self.manifest.experts[k].length) for k in sorted(self._pinned)),
+                                         self.stats.disk_bytes_read)
             for tier in (self.vram, self.ram):
                 if tier:
                     tier.policy.set_layer(layer, self._pinned)

@@ -47,6 +47,7 @@ from typing import NamedTuple
 
 from edgemoe.preload import MIN_PROBABILITY
 from edgemoe.store.policies import POLICIES, make_policy
+from edgemoe.store.guard import GUARD_WINDOW_TOKENS, GuardedPolicy, SchemeGuard
 from edgemoe.store.profile import RoutingProfile, read_trace, tokens_from_trace
 from edgemoe.store.routing_stats import routing_statistics
 from edgemoe.store.tiers import TierStats, _Tier
@@ -57,12 +58,12 @@ POLICY_NAMES = ("lru", "lfu", "edgemoe", "expected-use")
 
 def simulate(tokens, cache_experts: int, policy: str, preload_profile: RoutingProfile | None = None,
              preload_k: int | None = None, prior: RoutingProfile | None = None,
-             min_probability: float = MIN_PROBABILITY) -> dict:
+             min_probability: float = MIN_PROBABILITY, guard: bool = False) -> dict:
     """Replay tokens (list of {layer: experts}) through a cache of cache_experts experts.
     policy: a name in POLICIES or "belady"; preload_profile enables correlation preload (of
     predictions with P >= min_probability); prior: the routing profile the policy gets (its
     popularity, and its predictions for "expected-use"; default preload_profile), as the store
-    passes profile.json's."""
+    passes profile.json's. guard: the store's SchemeGuard against a ghost LRU (edgemoe.store.guard)."""
     if cache_experts < 1:
         raise ValueError(f"--cache-experts {cache_experts}: expected >= 1")
     if preload_k is not None and preload_k < 1:
@@ -75,11 +76,11 @@ def simulate(tokens, cache_experts: int, policy: str, preload_profile: RoutingPr
         result = _belady(tokens, cache_experts)
     elif policy in POLICIES:
         result = _replay(tokens, cache_experts, policy, preload_profile, preload_k, prior or preload_profile,
-                         min_probability)
+                         min_probability, guard)
     else:
         raise ValueError(f"policy={policy!r}: expected one of {sorted(POLICIES) + ['belady']}")
     return {"policy": policy, "preload": "correlation" if preload_profile else "none",
-            "cache_experts": cache_experts, **result}
+            "cache_experts": cache_experts, "guard": guard, **result}
 
 
 def _result(hits: int, total: int, tokens: int, preloads: int = 0, preload_hits: int = 0, evictions: int = 0,
@@ -133,7 +134,7 @@ class _Cache:
 
 
 def _replay(tokens, capacity: int, name: str, profile: RoutingProfile | None, preload_k: int | None,
-            prior: RoutingProfile | None, min_probability: float) -> dict:
+            prior: RoutingProfile | None, min_probability: float, guarded: bool = False) -> dict:
     layers = sorted({l for routing in tokens for l in routing})
     if profile is not None and not set(layers) <= set(profile.moe_layers):
         raise ValueError(f"the profile's MoE layers {profile.moe_layers} do not cover the trace's {layers}")
@@ -142,6 +143,9 @@ def _replay(tokens, capacity: int, name: str, profile: RoutingProfile | None, pr
                   if prior else None)
     # EdgeMoE's layer distance wraps at num_layers: the model's layer count, at least 1 + the last MoE layer.
     policy = make_policy(name, max(layers, default=0) + 1, popularity, prior)
+    guard = SchemeGuard(capacity, window_layers=GUARD_WINDOW_TOKENS * len(layers)) if guarded else None
+    if guard:
+        policy = GuardedPolicy(policy, guard)
     cache = _Cache(capacity, policy)
     hits = total = preloads = preload_hits = 0
     pending: set[Key] = set()     # preloaded for the next layer, not yet scored
@@ -150,11 +154,13 @@ def _replay(tokens, capacity: int, name: str, profile: RoutingProfile | None, pr
         order = sorted(routing)
         for i, layer in enumerate(order):
             needed = {(layer, e) for e in routing[layer]}
+            if guard:   # as TieredStore.begin_layer: reads so far = misses + preloads
+                guard.observe_layer(((key, 1) for key in sorted(needed)), total - hits + preloads)
             policy.set_layer(layer, needed)
             preload_hits += len(pending & needed)
             pending = set()
             history[layer] = tuple(routing[layer])
-            if profile and i + 1 < len(order):
+            if profile and i + 1 < len(order) and (guard is None or guard.allow_preload):
                 # As the runtime: the next layer's predictions are placed while this layer runs,
                 # never evicting this layer's experts.
                 nxt = order[i + 1]
@@ -196,22 +202,25 @@ def _belady(tokens, capacity: int) -> dict:
 
 
 def run(trace_tokens, profile: RoutingProfile, cache_sizes, preload_k: int | None, policies=POLICY_NAMES,
-        min_probability: float = MIN_PROBABILITY) -> list[dict]:
+        min_probability: float = MIN_PROBABILITY, guard: bool = False) -> list[dict]:
     results = []
     for n in cache_sizes:
         for name in policies:
             for preload in (None, profile):
-                results.append(simulate(trace_tokens, n, name, preload, preload_k, profile, min_probability))
+                for guarded in (False, True) if guard else (False,):
+                    results.append(simulate(trace_tokens, n, name, preload, preload_k, profile, min_probability,
+                                            guarded))
         results.append(simulate(trace_tokens, n, "belady"))
     return results
 
 
 def _table(results: list[dict], note: str) -> str:
-    lines = [note, f"{'cache':>6} {'policy':<12} {'preload':<12} {'reads/token':>11} {'hit rate':>8} "
+    lines = [note, f"{'cache':>6} {'policy':<12} {'preload':<12} {'guard':<5} {'reads/token':>11} {'hit rate':>8} "
                    f"{'preloads/token':>14} {'preload prec.':>13}"]
     for r in results:
         precision = "-" if r["preload_precision"] is None else f"{r['preload_precision']:.3f}"
-        lines.append(f"{r['cache_experts']:>6} {r['policy']:<12} {r['preload']:<12} {r['reads_per_token']:>11.1f} "
+        guarded = "yes" if r.get("guard") else "no"
+        lines.append(f"{r['cache_experts']:>6} {r['policy']:<12} {r['preload']:<12} {guarded:<5} {r['reads_per_token']:>11.1f} "
                      f"{r['hit_rate']:>8.3f} {r['preloads_per_token']:>14.1f} {precision:>13}")
     return "\n".join(lines)
 
@@ -229,6 +238,8 @@ def main(argv=None) -> int:
                     help="eviction policies to compare (default: all; Belady is always shown)")
     ap.add_argument("--tokens", type=int, help="score only the first N tokens (fast iteration)")
     ap.add_argument("--stats", action="store_true", help="print the trace's routing statistics first")
+    ap.add_argument("--guard", action="store_true", help="also run each scheme with the store's guard against "
+                    "a ghost on-demand LRU cache (edgemoe.store.guard)")
     ap.add_argument("--json", action="store_true", help="print a JSON list of records instead of a table")
     args = ap.parse_args(argv)
     try:
@@ -269,7 +280,8 @@ def _run_cli(args) -> tuple[list[dict], str]:
             raise ValueError(f"--tokens {args.tokens}: expected >= 1")
         tokens = tokens[:args.tokens]
         note += f" (the first {len(tokens)} of them)"
-    return run(tokens, profile, args.cache_experts, args.preload_k, args.policy, args.min_probability), note
+    return run(tokens, profile, args.cache_experts, args.preload_k, args.policy, args.min_probability,
+               args.guard), note
 
 
 def _token_ids(records, n: int) -> set:
