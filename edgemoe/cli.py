@@ -128,6 +128,19 @@ def _policy_option():
                         help="Store only: eviction policy, lru, lfu, edgemoe or expected-use.")
 
 
+def _skip_option():
+    return typer.Option(0.0, "--skip-below", callback=_checked(_skip_weight),
+                        help="Store only, trades quality for reads: an expert not in RAM that every token chose "
+                        "with a routing weight below this (never as its strongest) is skipped and the other "
+                        "weights rescaled (adaptive top-k; default 0: off).")
+
+
+def _skip_weight(value: float, flag: str) -> float:
+    if not 0 <= value < 1:
+        raise options.OptionError(flag, value, "expected a routing weight in [0, 1)")
+    return value
+
+
 def _preload_option():
     return typer.Option("auto", "--preload", callback=_checked(_preload),
                         help="Store only: auto (correlation if the store has a profile, else lookahead), "
@@ -155,6 +168,7 @@ def run(
     device: Optional[str] = _device_option(),
     policy: str = _policy_option(),
     preload: str = _preload_option(),
+    skip_below: float = _skip_option(),
     stats: bool = typer.Option(False, "--stats", help="Print speed and cache figures after the text."),
     replay: Optional[Path] = typer.Option(None, "--replay", help="Route by this trace instead of the routers "
                                           "(a random-weight model routed as a real one was)."),
@@ -165,7 +179,8 @@ def run(
     import edgemoe
 
     path = _model_path(model)
-    m = edgemoe.load(path, _dtype(dtype), threads, **_store_options(path, ram, vram, device, policy, preload))
+    m = edgemoe.load(path, _dtype(dtype), threads, **_store_options(path, ram, vram, device, policy, preload,
+                                                                    skip_below))
     if replay is not None:
         _replay_for(m.spec, replay).attach(m)
     if m.tokenizer is None:
@@ -182,13 +197,14 @@ def run(
         _print_run_stats(m)
 
 
-def _store_options(path: Path, ram, vram, device, policy, preload) -> dict:
+def _store_options(path: Path, ram, vram, device, policy, preload, skip_below=0.0) -> dict:
     """The store options for `path`; refused, naming the flags, when it is a checkpoint directory."""
     from .loader import is_store
 
     if is_store(path):
-        return dict(ram=ram, vram=vram, device=device, policy=policy, preload=preload)
-    given = [flag for flag, value in (("--ram", ram), ("--vram", vram), ("--device", device)) if value is not None]
+        return dict(ram=ram, vram=vram, device=device, policy=policy, preload=preload, skip_below=skip_below)
+    given = [flag for flag, value in (("--ram", ram), ("--vram", vram), ("--device", device),
+                                      ("--skip-below", skip_below or None)) if value is not None]
     if given:
         verb = "applies" if len(given) == 1 else "apply"
         raise EdgeMoEError(f"{path}: {', '.join(given)} {verb} to stores, and this is a checkpoint directory "
@@ -567,6 +583,7 @@ def eval_(
     device: Optional[str] = _device_option(),
     policy: str = _policy_option(),
     preload: str = _preload_option(),
+    skip_below: float = _skip_option(),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     dtype: str = _dtype_option(),
     threads: Optional[int] = _threads_option(),
@@ -586,17 +603,24 @@ def eval_(
         text = bundled_text("eval.txt")
     content = _read_text(text)
     path = _model_path(model)
-    m = edgemoe.load(path, _dtype(dtype), threads, **_store_options(path, ram, vram, device, policy, preload))
+    m = edgemoe.load(path, _dtype(dtype), threads, **_store_options(path, ram, vram, device, policy, preload,
+                                                                    skip_below))
     options.window_length(context, "--context", m.context_length)
     if stride is not None and stride > (context or m.context_length):
         raise options.OptionError("--stride", stride, "expected at most the window length (--context)")
     ref = edgemoe.load(reference, _dtype(dtype), threads) if reference is not None else None
     with progress_bar("evaluating windows", quiet) as report:
         result = evaluate_text(m, content, context=context, stride=stride, reference=ref, on_progress=report)
+    store = getattr(m.experts, "store", None)
+    reads = {} if store is None else {"disk_bytes_per_token": store.stats.disk_bytes_read / m.timings.tokens,
+                                      "skipped_per_token": m.experts.skipped / m.timings.tokens}
     if as_json:
-        print(json.dumps(result.to_dict()))
+        print(json.dumps({**result.to_dict(), **reads}))
         return
     print(f"text: {text} ({result.tokens} tokens scored; context {result.context} tokens, stride {result.stride})")
+    if reads:
+        print(f"store: {reads['disk_bytes_per_token'] / 2**20:.3f} MiB read from disk per token run, "
+              f"{reads['skipped_per_token']:.3f} expert choices skipped per token")
     print(f"perplexity: {result.perplexity:.4f}   (nll {result.nll:.4f} nats/token)")
     if ref is not None:
         print(f"reference perplexity: {result.reference_perplexity:.4f}")

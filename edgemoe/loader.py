@@ -66,7 +66,8 @@ def is_store(path: str | os.PathLike) -> bool:
 
 def load_store(path: str | os.PathLike, ram=None, vram=0, device=None, policy: str = "lru", io: str = "buffered",
                dtype: torch.dtype | None = None, compute: str = "auto", preload: str = "auto",
-               place_popular: bool = True, threads: int | None = None, profile=None) -> MoEModel:
+               place_popular: bool = True, threads: int | None = None, profile=None,
+               skip_below: float = 0.0) -> MoEModel:
     """A model whose experts stay in a tiered store (budgets: bytes or strings like "512MiB")."""
     from safetensors import safe_open
 
@@ -93,7 +94,8 @@ def load_store(path: str | os.PathLike, ram=None, vram=0, device=None, policy: s
     directory = Path(path)
     tokenizer, generation_config = read_text_config(directory)
     # preload="none" is pure on-demand loading (the baseline): no background reads of any kind.
-    model = MoEModel(store.spec, dense, StoreExperts(store, compute, overlap=preload != "none"), tokenizer,
+    experts = StoreExperts(store, compute, overlap=preload != "none", skip_below=skip_below)
+    model = MoEModel(store.spec, dense, experts, tokenizer,
                      generation_config, name=directory.name, threads=threads)
     model.preloader = Preloader(model, store, preload, store.routing_profile).attach()
     return model
@@ -103,7 +105,8 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None, threads: int
          **store_options) -> MoEModel:
     """A model from a Hugging Face checkpoint directory (all in RAM) or from a store (experts tiered;
     options ram= (bytes, "512MiB" or a share of the expert bytes like "25%"), vram=, device=, policy=,
-    io=, compute=, preload=, place_popular=, profile= (a RoutingProfile instead of the store's)).
+    io=, compute=, preload=, place_popular=, profile= (a RoutingProfile instead of the store's),
+    skip_below= (adaptive top-k: a non-resident expert chosen only below this weight is not read)).
     Dense weight matrices in `dtype`, by default as the checkpoint stores them where the CPU computes that type natively, else float32; activations
     float32. threads: the kernels' thread count (None: the
     cores other processes leave free, followed as the machine's load changes)."""

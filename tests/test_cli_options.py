@@ -43,6 +43,8 @@ BAD = [
     (["run", "STORE", "--vram", "1MiB", "--device", "nonsense"], "--device"),
     (["run", "STORE", "--policy", "bogus"], "--policy"),
     (["run", "STORE", "--preload", "bogus"], "--preload"),
+    (["run", "STORE", "--skip-below", "1.5"], "--skip-below"),
+    (["run", "CKPT", "--skip-below", "0.2"], "--skip-below"),          # a checkpoint reads no experts
     (["run", "CKPT", "--ram", "25%"], "--ram"),           # a checkpoint has no store to budget
     (["run", "CKPT", "--dtype", "int3"], "--dtype"),
     (["run", "CKPT", "--threads", "0"], "--threads"),
