@@ -584,6 +584,8 @@ def eval_(
     policy: str = _policy_option(),
     preload: str = _preload_option(),
     skip_below: float = _skip_option(),
+    decode: bool = typer.Option(False, "--decode", help="Score token by token through the KV cache, as "
+                                "generation runs (slower; for options that act per step: --skip-below, --ram)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     dtype: str = _dtype_option(),
     threads: Optional[int] = _threads_option(),
@@ -610,7 +612,8 @@ def eval_(
         raise options.OptionError("--stride", stride, "expected at most the window length (--context)")
     ref = edgemoe.load(reference, _dtype(dtype), threads) if reference is not None else None
     with progress_bar("evaluating windows", quiet) as report:
-        result = evaluate_text(m, content, context=context, stride=stride, reference=ref, on_progress=report)
+        result = evaluate_text(m, content, context=context, stride=stride, reference=ref, on_progress=report,
+                               decode=decode)
     store = getattr(m.experts, "store", None)
     reads = {} if store is None else {"disk_bytes_per_token": store.stats.disk_bytes_read / m.timings.tokens,
                                       "skipped_per_token": m.experts.skipped / m.timings.tokens}

@@ -108,7 +108,7 @@ class StoreExperts(ExpertProvider):
         tokens = torch.cat(batches.tokens)
         weights = torch.cat(batches.weights)
         count = int(tokens.max()) + 1
-        strongest = torch.zeros(count).index_reduce_(0, tokens, weights, "amax", include_self=False)
+        strongest = torch.zeros(count).scatter_reduce_(0, tokens, weights, "amax", include_self=False)
         total = torch.zeros(count).index_add_(0, tokens, weights)
         skip = {e for e, t, w in batches if (layer, e) in missing
                 and bool((w < self.skip_below).all()) and bool((w < strongest[t]).all())}

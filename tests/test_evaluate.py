@@ -104,3 +104,12 @@ def test_eval_defaults_to_the_bundled_model_and_its_held_out_text(monkeypatch, c
     record = json.loads(capsys.readouterr().out)
     assert info.value.code == 0 and record["context"] == 128 and record["tokens"] > 10000
     assert record["perplexity"] < 200       # a trained model: far below its 4096-token vocabulary
+
+
+def test_decode_mode_scores_the_same_tokens_as_the_batched_mode(tiny_model):
+    from edgemoe.evaluate import evaluate
+    model = edgemoe.load(tiny_model("mixtral"), torch.float32)
+    ids = torch.randint(3, model.spec.vocab_size, (70,), generator=torch.Generator().manual_seed(0))
+    batched = evaluate(model, ids, context=32, stride=16)
+    stepped = evaluate(model, ids, context=32, stride=16, decode=True)
+    assert stepped.tokens == batched.tokens and abs(stepped.nll - batched.nll) <= 1e-5
