@@ -417,6 +417,69 @@ def _read_text(path: Path) -> str:
         raise EdgeMoEError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
+def _load_served(model: Optional[Path], dtype: str, ram, vram, device, policy: str, preload: str):
+    """The model for serve and chat, with run's store options (refused for a checkpoint directory)."""
+    import edgemoe
+    from .loader import is_store
+
+    path = _model_path(model)
+    store_options = dict(ram=ram, vram=vram, device=device, policy=policy, preload=preload) if is_store(path) else {}
+    if not store_options and (ram or vram or device):
+        raise EdgeMoEError(f"{path}: --ram/--vram/--device apply to stores; this is a checkpoint directory")
+    m = edgemoe.load(path, _dtype(dtype), **store_options)
+    if m.tokenizer is None:
+        raise EdgeMoEError(f"{path}: no tokenizer.json, cannot generate text")
+    return m
+
+
+_RAM = typer.Option(None, "--ram", help="Store only: RAM budget for experts, e.g. 512MiB (default: unlimited).")
+_VRAM = typer.Option(None, "--vram", help="Store only: VRAM budget for experts.")
+_DEVICE = typer.Option(None, "--device", help="Store only: torch device of the VRAM tier (default: cuda when present).")
+_POLICY = typer.Option("lru", "--policy", help="Store only: eviction policy, lru, lfu, edgemoe or expected-use.")
+_PRELOAD = typer.Option("auto", "--preload", help="Store only: auto, correlation, lookahead or none.")
+
+
+@app.command()
+def serve(
+    model: Optional[Path] = typer.Argument(None, help="Checkpoint directory or store (default: the bundled model)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+    port: int = typer.Option(8000, "--port", help="TCP port (0: any free one)."),
+    model_name: Optional[str] = typer.Option(None, "--model-name", help="Name clients pass as `model` "
+                                             "(default: the directory's name)."),
+    max_batch: int = typer.Option(16, "--max-batch", help="Requests sharing one forward step at most."),
+    ram: Optional[str] = _RAM, vram: Optional[str] = _VRAM, device: Optional[str] = _DEVICE,
+    policy: str = _POLICY, preload: str = _PRELOAD, dtype: str = _dtype_option(),
+):
+    """OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) with continuous batching."""
+    import logging
+
+    from .server import serve as serve_http
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    m = _load_served(model, dtype, ram, vram, device, policy, preload)
+    serve_http(m, host, port, model_name=model_name, max_batch=max_batch)
+
+
+@app.command()
+def chat(
+    model: Optional[Path] = typer.Argument(None, help="Checkpoint directory or store (default: the bundled model)."),
+    max_new_tokens: int = typer.Option(200, "--max-new-tokens", "-n", help="Longest answer, in tokens."),
+    temperature: Optional[float] = typer.Option(None, help="0 = greedy (default: the model's generation_config)."),
+    top_k: Optional[int] = typer.Option(None, "--top-k"),
+    top_p: Optional[float] = typer.Option(None, "--top-p"),
+    seed: Optional[int] = typer.Option(None, help="Seed for sampling."),
+    system: Optional[str] = typer.Option(None, "--system", help="A system message before the conversation."),
+    ram: Optional[str] = _RAM, vram: Optional[str] = _VRAM, device: Optional[str] = _DEVICE,
+    policy: str = _POLICY, preload: str = _PRELOAD, dtype: str = _dtype_option(),
+):
+    """Chat on stdin/stdout through the tokenizer's chat template (/reset, /exit; Ctrl-C stops an answer)."""
+    from .chat import chat_loop
+
+    m = _load_served(model, dtype, ram, vram, device, policy, preload)
+    options = {k: v for k, v in dict(temperature=temperature, top_k=top_k, top_p=top_p).items() if v is not None}
+    chat_loop(m, input, sys.stdout, max_new_tokens=max_new_tokens, system=system, seed=seed, **options)
+
+
 def main() -> None:
     try:
         app()
