@@ -219,6 +219,12 @@ class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"     # keep-alive for plain responses; streams close the connection
     server: OpenAIServer
 
+    def setup(self) -> None:
+        super().setup()
+        # Headers and body go out in separate writes: with Nagle's algorithm the body would wait for
+        # the client's delayed ACK of the headers (~40 ms per keep-alive request on Linux).
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
     def log_message(self, format: str, *args) -> None:
         log.info("%s %s", self.address_string(), format % args)
 
