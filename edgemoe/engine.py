@@ -22,6 +22,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from .cache import KVCache
 from .generate import GenerationOptions, StopStringStream, _generator, eos_token_ids, next_token
 from .model import MoEModel, Segment
 
@@ -62,8 +63,8 @@ class Request:
     max_new_tokens: int                          # opts.max_new_tokens, capped by the context left
     generator: torch.Generator
     stops: frozenset[int]
-    text: StopStringStream | None
-    cache: object = None                         # KVCache, made when the request joins a step
+    text: StopStringStream
+    cache: KVCache | None = None                 # made when the request joins a step, dropped when it ends
     pending: list[int] = field(default_factory=list)   # tokens still to feed (prompt chunks, last sample)
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -116,9 +117,8 @@ class Engine:
         self._thread: threading.Thread | None = None
 
     # ---- caller side (any thread) -------------------------------------------------------------------
-    def submit(self, prompt_ids: Sequence[int], opts: GenerationOptions, decode_text: bool = True) -> Request:
-        """Queue a generation. Raises ContextLengthError if the prompt fills the model's context.
-        With decode_text, events carry text (stop strings applied); without, token ids only."""
+    def submit(self, prompt_ids: Sequence[int], opts: GenerationOptions) -> Request:
+        """Queue a generation. Raises ContextLengthError if the prompt fills the model's context."""
         prompt_ids = list(prompt_ids)
         if not prompt_ids:
             raise ValueError("prompt: empty (no tokens to continue)")
@@ -126,15 +126,15 @@ class Engine:
             raise ContextLengthError(f"prompt: {len(prompt_ids)} tokens, but the model's context is "
                                      f"{self.context} tokens (max_position_embeddings), which must hold the "
                                      f"prompt and at least one new token")
-        if decode_text and self.model.tokenizer is None:
-            raise ValueError("this model has no tokenizer, so text cannot be decoded")
+        if self.model.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so its output cannot be decoded into text")
         stops = opts.stop_token_ids if opts.stop_token_ids is not None else eos_token_ids(self.model)
         request = Request(
             id=next(self._ids), prompt_ids=prompt_ids, opts=opts,
             # the last new token need not be fed, so the prompt and the new tokens fill the context exactly
             max_new_tokens=min(opts.max_new_tokens, self.context - len(prompt_ids)),
             generator=_generator(opts.seed), stops=frozenset(stops),
-            text=StopStringStream(self.model.tokenizer, opts.stop_strings) if decode_text else None,
+            text=StopStringStream(self.model.tokenizer, opts.stop_strings),
             pending=prompt_ids)
         self._waiting.put(request)
         self._wake.set()
@@ -170,15 +170,14 @@ class Engine:
         try:
             logits = self.model.forward(tokens, [Segment(r.cache, len(f)) for r, f in zip(self.active, feeds)],
                                         last_only=True)                                      # [B, V]
-        except Exception as e:   # a failing store or device: fail these requests, keep serving
+            for row, (request, feed) in enumerate(zip(self.active, feeds)):
+                request.pending = request.pending[len(feed):]
+                if not request.pending:         # prefill done (or a decode step): sample the next token
+                    self._accept(request, next_token(logits[row], request.opts, request.generator))
+        except Exception as e:   # a failing store or device: fail the requests of this step, keep serving
             for request in self.active:
-                self._finish(request, "error", error=f"{type(e).__name__}: {e}")
-            self.active = []
-            return True
-        for row, (request, feed) in enumerate(zip(self.active, feeds)):
-            request.pending = request.pending[len(feed):]
-            if not request.pending:             # prefill done (or a decode step): sample the next token
-                self._accept(request, next_token(logits[row], request.opts, request.generator))
+                if request.finish_reason is None:
+                    self._finish(request, "error", error=f"{type(e).__name__}: {e}")
         self.active = [r for r in self.active if r.finish_reason is None]
         return True
 
@@ -203,8 +202,8 @@ class Engine:
             return
         request.output_ids.append(token)
         request.pending = [token]
-        text = request.text.push(token) if request.text is not None else ""
-        if request.text is not None and request.text.stopped:
+        text = request.text.push(token)
+        if request.text.stopped:
             self._finish(request, "stop", [token], text)
         elif len(request.output_ids) >= request.max_new_tokens:
             self._finish(request, "length", [token], text)
@@ -213,7 +212,7 @@ class Engine:
 
     def _finish(self, request: Request, reason: str, token_ids: list[int] | None = None, text: str = "",
                 error: str | None = None) -> None:
-        if request.text is not None and reason in ("stop", "length"):
+        if reason in ("stop", "length"):
             text += request.text.finish()
         request.finish_reason = reason
         request.cache = None                    # free the KV cache now, not when the caller lets go

@@ -261,8 +261,9 @@ class Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         kinds = {"/v1/completions": "text_completion", "/v1/chat/completions": "chat.completion"}
         if path not in kinds:
-            raise APIError(404 if path not in ("/health", "/v1/models") else 405, f"{path}: no such POST endpoint",
-                           code="not_found")
+            if path in ("/health", "/v1/models"):
+                raise APIError(405, f"{path}: use GET", code="method_not_allowed")
+            raise APIError(404, f"{path}: no such endpoint", code="not_found")
         job = self.server.parse(kinds[path], self._read_json())
         request = self.server.submit(job)
         try:

@@ -122,3 +122,19 @@ def test_engine_thread_serves_submissions_and_close_cancels_the_rest(model):
         engine.close()
     assert long.finish_reason in ("cancelled", "stop", "length")
     assert waiting.finish_reason == "cancelled" and [e.finish_reason for e in waiting.events()][-1] == "cancelled"
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(model, monkeypatch):
+    engine = Engine(model)
+    failing = engine.submit(model.tokenizer.encode("ROMEO:"), GREEDY)
+    def broken(*args, **kwargs):
+        raise OSError("expert file unreadable")
+
+    monkeypatch.setattr(model, "forward", broken)
+    engine.step()
+    monkeypatch.undo()
+    event = list(failing.events())[-1]
+    assert event.finish_reason == "error" and "expert file unreadable" in event.error and engine.active == []
+    later = engine.submit(model.tokenizer.encode("ROMEO:"), GREEDY)
+    run_until_idle(engine)
+    assert later.output_ids == alone(model, model.tokenizer.encode("ROMEO:"))

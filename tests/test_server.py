@@ -192,3 +192,15 @@ def test_unknown_path_and_wrong_method(server):
     conn.request("GET", "/v1/completions")
     response = conn.getresponse()
     assert response.status == 405 and json.loads(response.read())["error"]["code"] == "method_not_allowed"
+
+
+def test_a_failing_model_step_is_a_500_and_the_server_goes_on(model, server, monkeypatch):
+    def broken(*args, **kwargs):
+        raise OSError("expert file unreadable")
+
+    monkeypatch.setattr(model, "forward", broken)
+    status, body = post(server, "/v1/completions", {"prompt": "ROMEO:", "max_tokens": 3})
+    assert status == 500 and body["error"]["type"] == "server_error" and "unreadable" in body["error"]["message"]
+    monkeypatch.undo()
+    status, body = post(server, "/v1/completions", {"prompt": "ROMEO:", "max_tokens": 3, "temperature": 0})
+    assert status == 200 and body["choices"][0]["text"] == greedy(model, "ROMEO:", 3)
