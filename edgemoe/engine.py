@@ -55,7 +55,7 @@ class Usage:
 
 @dataclass(eq=False)
 class Request:
-    """One generation. Created by Engine.submit; read by the caller through events() or iteration."""
+    """One generation. Created by Engine.submit; read by the caller through events() or next_event()."""
 
     id: int
     prompt_ids: list[int]
@@ -63,7 +63,7 @@ class Request:
     max_new_tokens: int                          # opts.max_new_tokens, capped by the context left
     generator: torch.Generator
     stops: frozenset[int]
-    text: StopStringStream
+    text_stream: StopStringStream
     cache: KVCache | None = None                 # made when the request joins a step, dropped when it ends
     pending: list[int] = field(default_factory=list)   # tokens still to feed (prompt chunks, last sample)
     output_ids: list[int] = field(default_factory=list)
@@ -134,7 +134,7 @@ class Engine:
             # the last new token need not be fed, so the prompt and the new tokens fill the context exactly
             max_new_tokens=min(opts.max_new_tokens, self.context - len(prompt_ids)),
             generator=_generator(opts.seed), stops=frozenset(stops),
-            text=StopStringStream(self.model.tokenizer, opts.stop_strings),
+            text_stream=StopStringStream(self.model.tokenizer, opts.stop_strings),
             pending=prompt_ids)
         self._waiting.put(request)
         self._wake.set()
@@ -202,8 +202,8 @@ class Engine:
             return
         request.output_ids.append(token)
         request.pending = [token]
-        text = request.text.push(token)
-        if request.text.stopped:
+        text = request.text_stream.push(token)
+        if request.text_stream.stopped:
             self._finish(request, "stop", [token], text)
         elif len(request.output_ids) >= request.max_new_tokens:
             self._finish(request, "length", [token], text)
@@ -213,7 +213,7 @@ class Engine:
     def _finish(self, request: Request, reason: str, token_ids: list[int] | None = None, text: str = "",
                 error: str | None = None) -> None:
         if reason in ("stop", "length"):
-            text += request.text.finish()
+            text += request.text_stream.finish()
         request.finish_reason = reason
         request.cache = None                    # free the KV cache now, not when the caller lets go
         request._events.put(Event(token_ids or [], text, reason, error))

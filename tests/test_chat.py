@@ -2,6 +2,7 @@
 answer stops only that answer; the command itself fed on stdin."""
 
 import io
+import signal
 import subprocess
 import sys
 
@@ -97,3 +98,23 @@ def test_the_chat_command_on_stdin(model):
                           input="Who art thou?\n/exit\n", capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert f"> {answer(model, [{'role': 'user', 'content': 'Who art thou?'}])}\n> " in done.stdout
+
+
+def test_sigint_during_an_answer_stops_it_and_the_command_goes_on():
+    chat = subprocess.Popen([sys.executable, "-m", "edgemoe", "chat", "-n", "200", "--temperature", "0"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        shown = ""
+        while not shown.endswith("> "):
+            shown += chat.stdout.read(1)
+        chat.stdin.write("Who art thou?\n")
+        chat.stdin.flush()
+        answer_start = len(shown)
+        while len(shown) < answer_start + 10:           # the answer is streaming (200 tokens: seconds long)
+            shown += chat.stdout.read(1)
+        chat.send_signal(signal.SIGINT)
+        rest, errors = chat.communicate("/exit\n", timeout=120)
+    finally:
+        chat.kill()
+    assert chat.returncode == 0, errors
+    assert (shown + rest).endswith(" [stopped]\n> ")
