@@ -208,11 +208,13 @@ class OpenAIServer(ThreadingHTTPServer):
         return {"role": message["role"], "content": content}
 
     def submit(self, job: Job) -> Request:
+        param = "messages" if job.kind == "chat.completion" else "prompt"
         try:
             return self.engine.submit(job.prompt_ids, job.opts)
         except ContextLengthError as e:
-            raise APIError(400, str(e), param="messages" if job.kind == "chat.completion" else "prompt",
-                           code="context_length_exceeded") from None
+            raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
+        except ValueError as e:   # an empty prompt
+            raise APIError(400, str(e), param=param, code="invalid_value") from None
 
 
 class Handler(BaseHTTPRequestHandler):

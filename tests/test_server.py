@@ -204,3 +204,9 @@ def test_a_failing_model_step_is_a_500_and_the_server_goes_on(model, server, mon
     monkeypatch.undo()
     status, body = post(server, "/v1/completions", {"prompt": "ROMEO:", "max_tokens": 3, "temperature": 0})
     assert status == 200 and body["choices"][0]["text"] == greedy(model, "ROMEO:", 3)
+
+
+def test_a_prompt_of_no_tokens_is_a_400(server, monkeypatch):
+    monkeypatch.setattr(server.model.tokenizer, "encode", lambda text, add_special_tokens=True: [])
+    status, body = post(server, "/v1/completions", {"prompt": ""})
+    assert status == 400 and body["error"]["param"] == "prompt" and "empty" in body["error"]["message"]
