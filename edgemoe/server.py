@@ -62,12 +62,13 @@ def _number(body: dict, name: str, low: float, high: float) -> float | None:
     return float(value)
 
 
-def _integer(body: dict, name: str, low: int | None = None) -> int | None:
+def _integer(body: dict, name: str, low: int, high: int | None = None) -> int | None:
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or (low is not None and value < low):
-        raise bad_field(name, f"expected an integer{'' if low is None else f' >= {low}'}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        expected = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+        raise bad_field(name, f"expected {expected}, got {value!r}")
     return value
 
 
@@ -158,7 +159,7 @@ class OpenAIServer(ThreadingHTTPServer):
             max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
         options = {"temperature": _number(body, "temperature", 0.0, 2.0),
                    "top_p": _number(body, "top_p", 0.0, 1.0), "top_k": _integer(body, "top_k", 0),
-                   "seed": _integer(body, "seed")}
+                   "seed": _integer(body, "seed", -2**63, 2**64 - 1)}   # what torch's generator takes
         if options["top_p"] == 0.0:
             raise bad_field("top_p", "expected a number in (0, 1], got 0")
         options = {**defaults_from(self.model.generation_config),

@@ -158,6 +158,7 @@ def test_unknown_model_is_a_404_the_client_understands(client):
     ("/v1/completions", {"prompt": "a", "stop": 5}, "stop"),
     ("/v1/completions", {"prompt": "a", "stream": "yes"}, "stream"),
     ("/v1/completions", {"prompt": "a", "seed": 1.5}, "seed"),
+    ("/v1/completions", {"prompt": "a", "seed": 2**64}, "seed"),
     ("/v1/completions", {}, "prompt"),
     ("/v1/completions", {"prompt": [1, 99999]}, "prompt"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
