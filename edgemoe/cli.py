@@ -68,6 +68,12 @@ def _confidence(value: float, flag: str) -> float:
     return value
 
 
+def _port(value: int, flag: str) -> int:
+    if not 0 <= value <= 65535:
+        raise options.OptionError(flag, value, "expected a TCP port in 0..65535")
+    return value
+
+
 def _bench_mode(value, flag):
     from .bench import MODES
     return options.one_of(value, flag, MODES)
@@ -185,7 +191,8 @@ def run(
         _replay_for(m.spec, replay).attach(m)
     if m.tokenizer is None:
         raise EdgeMoEError(f"{path}: no tokenizer.json, cannot generate text")
-    text = m.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+    # The chat template writes its own special tokens: encoded without adding them again.
+    text = m.tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat else prompt
     sampling = {k: v for k, v in dict(temperature=temperature, top_k=top_k, top_p=top_p).items() if v is not None}
     if not chat:
         sys.stdout.write(prompt)
@@ -638,6 +645,63 @@ def _read_text(path: Path) -> str:
         raise EdgeMoEError(f"{path}: text file not found") from None
     except UnicodeDecodeError as e:
         raise EdgeMoEError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def _load_served(model: Optional[Path], dtype: str, threads, ram, vram, device, policy: str, preload: str):
+    """The model for serve and chat, with run's store options (refused for a checkpoint directory)."""
+    import edgemoe
+
+    path = _model_path(model)
+    m = edgemoe.load(path, _dtype(dtype), threads, **_store_options(path, ram, vram, device, policy, preload))
+    if m.tokenizer is None:
+        raise EdgeMoEError(f"{path}: no tokenizer.json, cannot generate text")
+    return m
+
+
+@app.command()
+def serve(
+    model: Optional[Path] = typer.Argument(None, help="Checkpoint directory or store (default: the bundled model)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+    port: int = typer.Option(8000, "--port", callback=_checked(_port), help="TCP port (0: any free one)."),
+    model_name: Optional[str] = typer.Option(None, "--model-name", help="Name clients pass as `model` "
+                                             "(default: the directory's name)."),
+    max_batch: int = typer.Option(16, "--max-batch", callback=_checked(options.integer_at_least, 1),
+                                  help="Requests sharing one forward step at most."),
+    ram: Optional[str] = _ram_option(), vram: Optional[str] = _vram_option(), device: Optional[str] = _device_option(),
+    policy: str = _policy_option(), preload: str = _preload_option(), dtype: str = _dtype_option(),
+    threads: Optional[int] = _threads_option(),
+):
+    """OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) with continuous batching."""
+    import logging
+
+    from .server import serve as serve_http
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    m = _load_served(model, dtype, threads, ram, vram, device, policy, preload)
+    serve_http(m, host, port, model_name=model_name, max_batch=max_batch)
+
+
+@app.command()
+def chat(
+    model: Optional[Path] = typer.Argument(None, help="Checkpoint directory or store (default: the bundled model)."),
+    max_new_tokens: int = typer.Option(200, "--max-new-tokens", "-n", callback=_checked(options.integer_at_least, 1),
+                                       help="Longest answer, in tokens."),
+    temperature: Optional[float] = typer.Option(None, callback=_checked(options.finite_at_least),
+                                                help="0 = greedy (default: the model's generation_config)."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", callback=_checked(options.integer_at_least, 0)),
+    top_p: Optional[float] = typer.Option(None, "--top-p", callback=_checked(options.probability)),
+    seed: Optional[int] = typer.Option(None, help="Seed for sampling."),
+    system: Optional[str] = typer.Option(None, "--system", help="A system message before the conversation."),
+    ram: Optional[str] = _ram_option(), vram: Optional[str] = _vram_option(), device: Optional[str] = _device_option(),
+    policy: str = _policy_option(), preload: str = _preload_option(), dtype: str = _dtype_option(),
+    threads: Optional[int] = _threads_option(),
+):
+    """Chat on stdin/stdout through the tokenizer's chat template (/reset, /exit; Ctrl-C stops an answer)."""
+    from .chat import chat_loop
+
+    m = _load_served(model, dtype, threads, ram, vram, device, policy, preload)
+    sampling = {k: v for k, v in dict(temperature=temperature, top_k=top_k, top_p=top_p).items() if v is not None}
+    chat_loop(m, input, sys.stdout, max_new_tokens=max_new_tokens, system=system, seed=seed, **sampling)
 
 
 def main() -> None:

@@ -97,7 +97,8 @@ def new_token_limit(model: MoEModel, prompt_length: int, opts: GenerationOptions
     return min(opts.max_new_tokens, model.context_length - prompt_length)
 
 
-def _generator(seed: int | None) -> torch.Generator:
+def make_generator(seed: int | None) -> torch.Generator:
+    """The sampling generator: seeded, or from fresh entropy."""
     g = torch.Generator()
     if seed is None:
         g.seed()
@@ -118,7 +119,7 @@ def generate_batch(model: MoEModel, prompts: Sequence[Sequence[int]], opts: Gene
     prompts = [fit_context(model, p, opts, warn) for p in prompts]
     limits = [new_token_limit(model, len(p), opts) for p in prompts]
     stops = set(opts.stop_token_ids if opts.stop_token_ids is not None else eos_token_ids(model))
-    generator = _generator(opts.seed)
+    generator = make_generator(opts.seed)
     caches = [model.new_cache() for _ in prompts]
     outputs: list[list[int]] = [[] for _ in prompts]
     pending = [list(p) for p in prompts]            # tokens each sequence still has to feed
@@ -156,7 +157,7 @@ def stream_tokens(model: MoEModel, prompt_ids: Sequence[int], opts: GenerationOp
     prompt = fit_context(model, prompt_ids, opts, warn)
     limit = new_token_limit(model, len(prompt), opts)
     stops = set(opts.stop_token_ids if opts.stop_token_ids is not None else eos_token_ids(model))
-    generator = _generator(opts.seed)
+    generator = make_generator(opts.seed)
     cache = model.new_cache()
     chunks = [prompt[i:i + opts.prefill_chunk] for i in range(0, len(prompt), opts.prefill_chunk)]
     step = chunks.pop()
@@ -191,27 +192,57 @@ def generate(model: MoEModel, prompt: str | Sequence[int], on_text: Callable[[st
     opts = GenerationOptions(**{**defaults_from(model.generation_config), **options})
     prompt_ids = model.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     emit = on_text or (lambda piece: None)
-    decoder = StreamDecoder(model.tokenizer)
-    longest_stop = max((len(x) for x in opts.stop_strings), default=0)
-    text, emitted = "", 0
+    stream = StopStringStream(model.tokenizer, opts.stop_strings)
     for token in stream_tokens(model, prompt_ids, opts, on_warning):
-        piece = decoder.push(token)
-        text += piece
-        # A stop string can only end in the new piece: search just the tail (linear, not quadratic).
-        tail_start = max(0, len(text) - len(piece) - longest_stop)
-        stop_at = _first_stop(text[tail_start:], opts.stop_strings)
-        if stop_at is not None:
-            text = text[:tail_start + stop_at]
+        piece = stream.push(token)
+        if piece:
+            emit(piece)
+        if stream.stopped:
             break
-        safe = len(text) - _stop_prefix_length(text[-longest_stop:] if longest_stop else "", opts.stop_strings)
-        if safe > emitted:
-            emit(text[emitted:safe])
-            emitted = safe
-    else:
-        text += decoder.flush()
-    if len(text) > emitted:
-        emit(text[emitted:])
-    return text
+    piece = stream.finish()
+    if piece:
+        emit(piece)
+    return stream.text
+
+
+class StopStringStream:
+    """Generated token ids -> text pieces safe to show: decoded as they come (StreamDecoder), cut
+    before the first stop string, with text that could be the start of a stop string held back until
+    it is known not to be one. Used by generate() and by the serving engine (edgemoe/engine.py)."""
+
+    def __init__(self, tokenizer, stop_strings: Sequence[str] = ()):
+        self.decoder = StreamDecoder(tokenizer)
+        self.stop_strings = tuple(stop_strings)
+        self.longest_stop = max((len(x) for x in self.stop_strings), default=0)
+        self.text = ""        # all the text so far (cut before the stop string once stopped)
+        self.emitted = 0      # text[:emitted] has been returned
+        self.stopped = False  # a stop string appeared: push no more tokens
+
+    def push(self, token: int) -> str:
+        """The new text that is safe to show after `token`."""
+        piece = self.decoder.push(token)
+        self.text += piece
+        # A stop string can only end in the new piece: search just the tail (linear, not quadratic).
+        tail_start = max(0, len(self.text) - len(piece) - self.longest_stop)
+        stop_at = _first_stop(self.text[tail_start:], self.stop_strings)
+        if stop_at is not None:
+            self.text = self.text[:tail_start + stop_at]
+            self.stopped = True
+            return self._release(len(self.text))
+        tail = self.text[-self.longest_stop:] if self.longest_stop else ""
+        return self._release(len(self.text) - _stop_prefix_length(tail, self.stop_strings))
+
+    def finish(self) -> str:
+        """The text still held back, once generation has ended."""
+        if not self.stopped:
+            self.text += self.decoder.flush()
+        return self._release(len(self.text))
+
+    def _release(self, end: int) -> str:
+        if end <= self.emitted:
+            return ""
+        piece, self.emitted = self.text[self.emitted:end], end
+        return piece
 
 
 def _first_stop(text: str, stop_strings: Sequence[str]) -> int | None:

@@ -78,6 +78,12 @@ BAD = [
     (["profile", "CKPT", "--text", "TEXT"], "not a store"),
     (["profile", "STORE", "--trace", "BIN"], "trace.bin"),
     (["inspect", "STORE", "--ram", "lots"], "--ram"),
+    # serve, chat
+    (["serve", "CKPT", "--port", "70000"], "--port"),
+    (["serve", "CKPT", "--max-batch", "0"], "--max-batch"),
+    (["serve", "CKPT", "--ram", "1GiB"], "--ram"),
+    (["chat", "CKPT", "--temperature", "nan"], "--temperature"),
+    (["chat", "CKPT", "-n", "0"], "--max-new-tokens"),
     # bench
     (["bench", "STORE", "--ram", "abc"], "--ram"),
     (["bench", "STORE", "--mode", "fast"], "--mode"),
