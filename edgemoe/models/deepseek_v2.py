@@ -29,7 +29,7 @@ def mla_fields(config: dict) -> dict:
     """The ModelSpec fields of multi-head latent attention (and of the DeepSeek family's common parts)."""
     fields = attention_fields(config)
     if config.get("mlp_bias", False):
-        raise CheckpointError("config.json: mlp_bias=true is not supported")
+        raise CheckpointError("mlp_bias=true is not supported")
     nope = config_value(config, "qk_nope_head_dim")
     rope = config_value(config, "qk_rope_head_dim")
     num_layers = fields["num_layers"]
@@ -63,12 +63,12 @@ def mla_fields(config: dict) -> dict:
 def parse_config(config: dict) -> ModelSpec:
     method = config_value(config, "topk_method", default="greedy")
     if method not in TOPK_METHODS:
-        raise CheckpointError(f"config.json: topk_method={method!r} is not supported "
+        raise CheckpointError(f"topk_method={method!r} is not supported "
                               f"(supported: {', '.join(TOPK_METHODS)})")
     if config.get("norm_topk_prob", False):
         # transformers' DeepSeek-V2 ignores it, DeepSeek's own code renormalises without the scaling
         # factor: refuse rather than pick one.
-        raise CheckpointError("config.json: norm_topk_prob=true is not supported for deepseek_v2")
+        raise CheckpointError("norm_topk_prob=true is not supported for deepseek_v2")
     grouped = method == "group_limited_greedy"
     return ModelSpec(
         model_type=MODEL_TYPE,

@@ -260,7 +260,7 @@ def rope_theta(config: dict) -> float:
         params = config.get(field_name) or {}
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type != "default":
-            raise CheckpointError(f"config.json: {field_name} type {rope_type!r} is not supported "
+            raise CheckpointError(f"{field_name} type {rope_type!r} is not supported "
                                   "(only 'default' rotary embeddings)")
     params = config.get("rope_parameters") or {}
     return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
