@@ -33,12 +33,17 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     return F.layer_norm(x, weight.shape, weight, bias, eps)
 
 
-def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, Dh] for the given absolute positions [T] (half-split layout, as Llama/HF)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, Dh/2]
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, inv_freq: tuple[float, ...] | None = None,
+                scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, Dh] for the given absolute positions [T] (half-split layout, as Llama/HF), from
+    theta's frequencies or the given (scaled) ones [Dh/2], times `scale`."""
+    if inv_freq is None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = positions.float()[:, None] * torch.as_tensor(inv_freq, dtype=torch.float32)[None, :]  # [T, Dh/2]
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
+    if scale == 1.0:
+        return emb.cos(), emb.sin()
+    return emb.cos() * scale, emb.sin() * scale
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -125,7 +125,8 @@ class MoEModel:
         """Decoder layers start.. on hidden states x [T, D] (the caches are not advanced).
         on_layer_input(l, x) sees each layer's input (the budget search caches them)."""
         t = self.timings
-        cos, sin = rope_tables(positions, self.spec.rope_dim, self.spec.rope_theta)
+        s = self.spec
+        cos, sin = rope_tables(positions, s.rope_dim, s.rope_theta, s.rope_inv_freq, s.rope_attention_factor)
         for l in range(start, self.spec.num_layers):
             if on_layer_input is not None:
                 on_layer_input(l, x)

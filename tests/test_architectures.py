@@ -97,9 +97,10 @@ def test_multi_token_prediction_layers_are_skipped_and_nothing_else(copy_of):
 
 
 @pytest.mark.parametrize("arch,changes,message", [
-    ("deepseek_v2", {"rope_scaling": {"type": "yarn", "factor": 40}}, "rope_scaling type 'yarn' is not supported"),
-    ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "factor": 40, "rope_theta": 1e4}},
-     "rope_parameters type 'yarn' is not supported"),
+    ("deepseek_v2", {"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
+     "rope_scaling type 'dynamic' is not supported"),
+    ("phimoe", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
+                                    "long_factor": [1.0] * 8}}, "rope_parameters type 'longrope' is not supported"),
     ("deepseek_v2", {"norm_topk_prob": True}, "norm_topk_prob=true is not supported for deepseek_v2"),
     ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method='noaux_tc' is not supported"),
     ("deepseek_v2", {"mlp_bias": True}, "mlp_bias=true is not supported"),

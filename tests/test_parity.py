@@ -39,6 +39,11 @@ CONFIGS = [
     ("deepseek_v3", {"rope_interleave": False, "q_lora_rank": None, "norm_topk_prob": False}),
     ("deepseek_v3", {"n_group": 1, "topk_group": 1, "num_experts_per_tok": 3, "first_k_dense_replace": 2,
                      "attention_bias": True}),
+    ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "beta_fast": 4,
+                                         "beta_slow": 1, "original_max_position_embeddings": 64, "mscale": 1.0,
+                                         "mscale_all_dim": 0.8}}),           # rotary dims 0-3 blended
+    ("deepseek_v2", {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                      "mscale": 0.707, "mscale_all_dim": 0.707}}),   # transformers 4 spelling
     ("phimoe", {}),                                                           # attention and LM-head biases
     ("phimoe", {"attention_bias": False, "lm_head_bias": False, "sliding_window": 5}),
     ("phimoe", {"tie_word_embeddings": True, "num_key_value_heads": 1, "router_jitter_noise": 0.2}),

@@ -1,5 +1,6 @@
 """DeepSeek-V2 / V2-Lite: multi-head latent attention, always-on shared experts, dense first layers,
-softmax routing (greedy or group-limited) scaled by routed_scaling_factor.
+softmax routing (greedy or group-limited) scaled by routed_scaling_factor; default or YaRN rotary
+embeddings (models/yarn.py).
 
 Checkpoint names (per layer l, prefix model.layers.{l}.):
     self_attn.q_proj.weight (q_lora_rank null, V2-Lite) or self_attn.q_a_proj / q_a_layernorm / q_b_proj,
@@ -13,7 +14,8 @@ from __future__ import annotations
 
 from ..errors import CheckpointError
 from .common import attention_fields, llama_style_names, qwen_style_mlp_names
-from .spec import ModelSpec, TensorNames, config_value
+from .spec import ModelSpec, TensorNames, config_value, rope_parameters
+from .yarn import yarn_fields
 
 MODEL_TYPE = "deepseek_v2"
 TOPK_METHODS = {"greedy": "softmax", "group_limited_greedy": "softmax_group"}
@@ -27,7 +29,7 @@ def moe_layer_flags(config: dict, num_layers: int) -> tuple[bool, ...]:
 
 def mla_fields(config: dict) -> dict:
     """The ModelSpec fields of multi-head latent attention (and of the DeepSeek family's common parts)."""
-    fields = attention_fields(config)
+    fields = attention_fields(config, rope_types=("default", "yarn"))
     if config.get("mlp_bias", False):
         raise CheckpointError("mlp_bias=true is not supported")
     nope = config_value(config, "qk_nope_head_dim")
@@ -36,6 +38,9 @@ def mla_fields(config: dict) -> dict:
     # Every head has its own key and value (expanded from the latent): K = H, whatever
     # num_key_value_heads says; head_dim is the key's (nope + rope) dims.
     fields.update(num_kv_heads=fields["num_heads"], head_dim=nope + rope)
+    params = rope_parameters(config)
+    if params["rope_type"] == "yarn":
+        fields.update(yarn_fields(config, params, rope_dim=rope, key_dim=nope + rope, base=fields["rope_theta"]))
     shared = config_value(config, "n_shared_experts", default=0)
     expert_hidden = config_value(config, "moe_intermediate_size")
     return dict(

@@ -1,4 +1,4 @@
-"""DeepSeek-V3 (and checkpoints with its names, e.g. Kimi-K2, Moonlight): DeepSeek-V2's multi-head
+"""DeepSeek-V3 (and checkpoints with its model_type): DeepSeek-V2's multi-head
 latent attention, shared experts and dense first layers, with sigmoid routing: the selection-only bias
 e_score_correction_bias [E], groups ranked by the sum of their two best scores, weights renormalised
 (norm_topk_prob) and scaled by routed_scaling_factor. rope_interleave (default true) chooses between

@@ -67,6 +67,8 @@ class ModelSpec:
     v_head_dim: int = 0                   # MLA: per-head value dims
     attention_scale: float | None = None  # softmax scale of q.k; None = 1/sqrt(key dims)
     rope_interleave: bool = False         # rotary pairs are adjacent dims (2i, 2i+1), not (i, i+Dh/2)
+    rope_inv_freq: tuple[float, ...] | None = None  # scaled rotary frequencies [Dh/2] (YaRN); None: theta's
+    rope_attention_factor: float = 1.0    # multiplies the rotary cos and sin (YaRN)
     router: str = "softmax"               # a ROUTERS name in edgemoe/layers.py
     n_group: int = 1                      # group-limited routing: expert groups, and groups kept per token
     topk_group: int = 1
@@ -115,6 +117,8 @@ class ModelSpec:
         d = dict(d)
         d["moe_layers"] = tuple(d["moe_layers"])
         d["sliding_windows"] = tuple(d["sliding_windows"])
+        if d.get("rope_inv_freq") is not None:
+            d["rope_inv_freq"] = tuple(d["rope_inv_freq"])
         return cls(**d)
 
     @property
@@ -254,13 +258,22 @@ def config_value(config: dict, *keys: str, default: Any = ...) -> Any:
     return default
 
 
-def rope_theta(config: dict) -> float:
-    """rope_theta from a config of transformers 4 (top level) or 5 (rope_parameters)."""
+def rope_parameters(config: dict) -> dict:
+    """The rotary parameters of a config of transformers 5 (rope_parameters) or 4 (rope_scaling, with
+    rope_theta at the top level), with "rope_type" always set; "field" names where they came from."""
     for field_name in ("rope_parameters", "rope_scaling"):
-        params = config.get(field_name) or {}
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type != "default":
-            raise CheckpointError(f"{field_name} type {rope_type!r} is not supported "
-                                  "(only 'default' rotary embeddings)")
-    params = config.get("rope_parameters") or {}
+        params = config.get(field_name)
+        if params:
+            return {**params, "rope_type": params.get("rope_type", params.get("type", "default")),
+                    "field": field_name}
+    return {"rope_type": "default", "field": "rope_parameters"}
+
+
+def rope_theta(config: dict, supported: tuple[str, ...] = ("default",)) -> float:
+    """rope_theta from a config of transformers 4 (top level) or 5 (rope_parameters); a rotary type
+    outside `supported` is refused, naming the field."""
+    params = rope_parameters(config)
+    if params["rope_type"] not in supported:
+        raise CheckpointError(f"{params['field']} type {params['rope_type']!r} is not supported "
+                              f"(supported: {', '.join(repr(t) for t in supported)})")
     return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
