@@ -41,8 +41,6 @@ def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, inv_freq: 
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     freqs = positions.float()[:, None] * torch.as_tensor(inv_freq, dtype=torch.float32)[None, :]  # [T, Dh/2]
     emb = torch.cat((freqs, freqs), dim=-1)
-    if scale == 1.0:
-        return emb.cos(), emb.sin()
     return emb.cos() * scale, emb.sin() * scale
 
 

@@ -120,3 +120,14 @@ def test_unsupported_configurations_name_config_json_and_the_field(copy_of, arch
 def test_spec_round_trips_through_a_store_manifest(tiny_model):
     spec = edgemoe.load(tiny_model("deepseek_v3")).spec
     assert ModelSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+
+
+@pytest.mark.parametrize("arch", ["phimoe", "deepseek_v3"])
+def test_a_twin_built_from_dense_weights_is_the_same_model(tiny_model, arch):
+    """The budget search builds its quantized twin from dense_weights(): every bias and norm must come along."""
+    from edgemoe.model import MoEModel
+
+    model = edgemoe.load(tiny_model(arch))
+    twin = MoEModel(model.spec, model.dense_weights(), model.experts)
+    assert set(model.dense_weights()) == set(model.spec.dense_shapes())
+    assert torch.equal(twin.logits([5, 6, 7, 8]), model.logits([5, 6, 7, 8]))
