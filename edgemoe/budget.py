@@ -41,7 +41,6 @@ import torch
 from edgemoe import kernels
 from edgemoe.quant import quantize
 
-from .cache import KVCache
 from .experts import DenseExpert, ExpertProvider, InMemoryExperts
 from .model import MoEModel, Segment
 
@@ -174,7 +173,7 @@ class BudgetSearch:
         self.keys = sorted(model.experts.experts)
         self.evaluations = 0
         self._layer_inputs: list[dict[int, torch.Tensor]] = []
-        self._quantized = MoEModel(model.spec, _dense_of(model), self.experts)
+        self._quantized = MoEModel(model.spec, model.dense_weights(), self.experts)
 
     def loss(self, widths: dict[Key, int], start_layer: int = 0, windows=None) -> tuple[float, float]:
         """(estimate, upper bound) of the calibration loss with these widths over `windows` (default
@@ -191,7 +190,7 @@ class BudgetSearch:
     def _from_layer(self, i: int, layer: int) -> torch.Tensor:
         window = self.calib.windows[i]
         m = self._quantized
-        cache = KVCache(m.spec.num_layers, m.spec.num_kv_heads, m.spec.head_dim, m.dtype)
+        cache = m.new_cache()
         with torch.inference_mode():
             x = m.run_layers(self._layer_inputs[i][layer], torch.arange(window.numel()),
                              [Segment(cache, window.numel())], start=layer)
@@ -273,16 +272,6 @@ class BudgetSearch:
             steps += 1
             self.progress("search", min(steps, total), total)
         return lo
-
-
-def _dense_of(model: MoEModel) -> dict[str, torch.Tensor]:
-    """The model's dense weights under canonical names (to build a twin with other experts)."""
-    dense = {"embed": model.embed, "norm": model.final_norm}
-    if not model.spec.tie_word_embeddings:
-        dense["lm_head"] = model.lm_head
-    for l, weights in enumerate(model.layers):
-        dense.update({f"layers.{l}.{name}": t for name, t in weights.items()})
-    return dense
 
 
 def parse_budget(text: str) -> float:

@@ -30,8 +30,9 @@ def test_windows_score_every_position_once():
             assert end - begin <= context and begin < first
 
 
-def test_perplexity_of_a_short_text_is_the_plain_cross_entropy(tiny_model):
-    path = tiny_model("qwen3_moe")
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2", "deepseek_v3", "phimoe"])
+def test_perplexity_of_a_short_text_is_the_plain_cross_entropy(tiny_model, arch):
+    path = tiny_model(arch)
     model = edgemoe.load(path)
     ids = torch.tensor(model.tokenizer.encode(TEXT, add_special_tokens=False))
     logp = reference_log_probs(path, ids)

@@ -31,7 +31,24 @@ CONFIGS = [
     ("olmoe", {}),
     ("olmoe", {"norm_topk_prob": True, "clip_qkv": 0.5}),
     ("olmoe", {"num_experts_per_tok": 1, "num_key_value_heads": 1}),
+    ("deepseek_v2", {}),                                                      # V2-Lite: plain q projection
+    ("deepseek_v2", {"q_lora_rank": 24, "topk_method": "group_limited_greedy", "n_group": 3, "topk_group": 2,
+                     "routed_scaling_factor": 1.5}),
+    ("deepseek_v2", {"attention_bias": True, "first_k_dense_replace": 0, "num_experts_per_tok": 1}),
+    ("deepseek_v3", {}),                                                      # q latent, 4 groups keep 2
+    ("deepseek_v3", {"rope_interleave": False, "q_lora_rank": None, "norm_topk_prob": False}),
+    ("deepseek_v3", {"n_group": 1, "topk_group": 1, "num_experts_per_tok": 3, "first_k_dense_replace": 2,
+                     "attention_bias": True}),
+    ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "beta_fast": 4,
+                                         "beta_slow": 1, "original_max_position_embeddings": 64, "mscale": 1.0,
+                                         "mscale_all_dim": 0.8}}),           # rotary dims 0-3 blended
+    ("deepseek_v2", {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                      "mscale": 0.707, "mscale_all_dim": 0.707}}),   # transformers 4 spelling
+    ("phimoe", {}),                                                           # attention and LM-head biases
+    ("phimoe", {"attention_bias": False, "lm_head_bias": False, "sliding_window": 5}),
+    ("phimoe", {"tie_word_embeddings": True, "num_key_value_heads": 1, "router_jitter_noise": 0.2}),
 ]
+ARCHITECTURES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "phimoe"]
 
 
 def _ids(config):
@@ -63,7 +80,7 @@ def test_prefill_and_decode_logits_match_transformers(tiny_model, arch, override
     assert cache.length == 13
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_greedy_generation_matches_transformers_generate(tiny_model, arch):
     path = tiny_model(arch)
     ref, ours = reference(path), edgemoe.load(path)
@@ -76,7 +93,7 @@ def test_greedy_generation_matches_transformers_generate(tiny_model, arch):
     assert generated[0] == expected
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "olmoe"])
+@pytest.mark.parametrize("arch", ["mixtral", "olmoe", "deepseek_v3"])
 def test_fused_and_sharded_checkpoints_load_to_the_same_model(tiny_model, arch):
     plain = edgemoe.load(tiny_model(arch))
     tokens = random_tokens(7, plain.spec.vocab_size)

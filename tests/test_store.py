@@ -383,7 +383,7 @@ def test_budget_strings_and_errors(store):
             open_store(store, vram="1GB", device="cuda")
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "phimoe"])
 def test_convert_run_and_inspect_every_architecture(tiny_model, tmp_path, arch):
     path = tiny_model(arch, fused_experts=arch == "olmoe")
     convert(path, tmp_path / "s", bits=4)
