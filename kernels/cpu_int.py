@@ -101,24 +101,38 @@ def _rows(path, bits, g, packed, scale, zero, xq, xs, qs, r0, r1, out):
 
 
 @njit_exact
+def _abs_max(v):
+    """max|v| of a float32 [N] array, taken on the bit patterns: with the sign bit cleared,
+    non-negative floats order like their uint32 patterns (NaN above inf, so a NaN propagates), and
+    an integer max reduction vectorizes where a float one without fastmath does not."""
+    vbits = v.view(np.uint32)
+    m = np.uint32(0)
+    for c in range(vbits.shape[0]):
+        m = max(m, vbits[c] & np.uint32(0x7FFFFFFF))
+    return np.full(1, m, np.uint32).view(np.float32)[0]
+
+
+@njit_exact
+def _quantize_group(v, s, q):
+    """q int8 [N] = clamp(rint(v / s), -127, 127); returns sum(q)."""
+    for c in range(v.shape[0]):
+        q[c] = np.int8(min(max(np.rint(v[c] / s), np.float32(-127)), np.float32(127)))
+    total = 0
+    for c in range(q.shape[0]):
+        total += q[c]
+    return total
+
+
+@njit_exact
 def quantize_activations_kernel(x, g, xq, xs, qs):
     """x float32 [T, C] -> xq int8 [T, Cp] (padding left as given: zeros), xs float32 [T, NG], qs int64 [T, NG]."""
     ntok, cols = x.shape
     for t in range(ntok):
         for gi in range(xs.shape[1]):
             c0, c1 = gi * g, min(cols, (gi + 1) * g)
-            amax = np.float32(0)
-            for c in range(c0, c1):
-                amax = max(amax, abs(x[t, c]))
-            s = amax / np.float32(127)
-            total = 0
-            if s > 0:
-                for c in range(c0, c1):
-                    q = min(max(np.rint(x[t, c] / s), np.float32(-127)), np.float32(127))
-                    xq[t, c] = np.int8(q)
-                    total += np.int64(q)
+            s = _abs_max(x[t, c0:c1]) / np.float32(127)
             xs[t, gi] = s
-            qs[t, gi] = total
+            qs[t, gi] = _quantize_group(x[t, c0:c1], s, xq[t, c0:c1]) if s > 0 else 0
 
 
 @njit_exact_parallel
