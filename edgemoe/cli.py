@@ -381,6 +381,8 @@ def eval_(
     stride: Optional[int] = typer.Option(None, help="Window step (default: context / 2)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     dtype: str = _dtype_option(),
+    compute: Optional[str] = typer.Option(None, help="A store's expert compute path: auto (default), "
+                                          "fused-int, fused-float, dequant or device."),
 ):
     """Perplexity over a text (sliding window); with --reference, agreement and KL too."""
     import json
@@ -394,7 +396,12 @@ def eval_(
         from .bundled import bundled_text
         text = bundled_text("eval.txt")
     content = _read_text(text)
-    m = edgemoe.load(_model_path(model), _dtype(dtype))
+    from .loader import is_store
+
+    path = _model_path(model)
+    if compute is not None and not is_store(path):
+        raise EdgeMoEError(f"{path}: --compute applies to stores; this is a checkpoint directory")
+    m = edgemoe.load(path, _dtype(dtype), **({"compute": compute} if compute is not None else {}))
     ref = edgemoe.load(reference, _dtype(dtype)) if reference is not None else None
     result = evaluate_text(m, content, context=context, stride=stride, reference=ref)
     if as_json:
