@@ -223,6 +223,12 @@ def bench_int(bits, bandwidth, repeats):
                     out.append(record(name, bits, tokens, MIXTRAL, qt.nbytes, t, bandwidth, threads=threads,
                                       series="int"))
             x = np.random.default_rng(1).standard_normal((1, cols), dtype=np.float32)
+            if threads == 1:  # the decoding ceiling of one core: a weight that stays in its L2
+                l2 = quantize(torch.randn(L2_ROWS // 2, cols) * 0.02, bits)  # 512 KiB L2 on Zen 3
+                for name, fn in [("qmatmul", qmatmul)] + [(f"qmatmul_int_{p}", lambda x, q, p=p: qmatmul_int(x, q, p))
+                                                          for p in int_paths()]:
+                    t = median_time(lambda: fn(x, l2), repeats * 10)
+                    out.append(record(f"{name}_l2", bits, 1, l2.shape, l2.nbytes, t, bandwidth, threads=1, series="int"))
             kernels = [("swiglu_expert", lambda g, u, d: swiglu_expert(x, g, u, d))]
             kernels += [(f"swiglu_int_{p}", lambda g, u, d, p=p: swiglu_expert_int(x, g, u, d, p)) for p in int_paths()]
             for name, fn in kernels:
