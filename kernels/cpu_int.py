@@ -38,29 +38,35 @@ U0, UB = np.uint64(0), np.uint64(BLOCK)
 
 @njit_exact
 def _portable_dot(bits, packed, b0, plane, nb, xq, x0):
-    """Sum of code * xq over bytes packed[b0 : b0 + nb]: plane j of byte b0 + k meets xq[x0 + j * plane + k]."""
-    acc = np.int64(0)
+    """Sum of code * xq over bytes packed[b0 : b0 + nb]: plane j of byte b0 + k meets xq[x0 + j * plane + k].
+
+    int16 operands and an int32 accumulator (the np.int32 casts): LLVM then vectorizes with 16-bit
+    multiplies and 32-bit lanes (an isolated INT4 loop over 128k codes, 1 thread, contended: 10 us
+    against 127 us with an int64 accumulator). Exact: no partial sum exceeds qmax * 127 * G, which
+    kernels/ops.py keeps below 2^31.
+    """
+    acc = np.int32(0)
     if bits == 8:
         for k in range(nb):
-            acc += np.int32(packed[b0 + k]) * np.int32(xq[x0 + k])
+            acc = np.int32(acc + np.int16(packed[b0 + k]) * np.int16(xq[x0 + k]))
     elif bits == 4:
         for k in range(nb):
-            acc += np.int32(packed[b0 + k] & np.uint8(15)) * np.int32(xq[x0 + k])
+            acc = np.int32(acc + np.int16(packed[b0 + k] & np.uint8(15)) * np.int16(xq[x0 + k]))
         x1 = x0 + plane
         for k in range(nb):
-            acc += np.int32(packed[b0 + k] >> np.uint8(4)) * np.int32(xq[x1 + k])
+            acc = np.int32(acc + np.int16(packed[b0 + k] >> np.uint8(4)) * np.int16(xq[x1 + k]))
     else:
         x1 = x0 + plane
         x2 = x1 + plane
         x3 = x2 + plane
         for k in range(nb):
-            acc += np.int32(packed[b0 + k] & np.uint8(3)) * np.int32(xq[x0 + k])
+            acc = np.int32(acc + np.int16(packed[b0 + k] & np.uint8(3)) * np.int16(xq[x0 + k]))
         for k in range(nb):
-            acc += np.int32((packed[b0 + k] >> np.uint8(2)) & np.uint8(3)) * np.int32(xq[x1 + k])
+            acc = np.int32(acc + np.int16((packed[b0 + k] >> np.uint8(2)) & np.uint8(3)) * np.int16(xq[x1 + k]))
         for k in range(nb):
-            acc += np.int32((packed[b0 + k] >> np.uint8(4)) & np.uint8(3)) * np.int32(xq[x2 + k])
+            acc = np.int32(acc + np.int16((packed[b0 + k] >> np.uint8(4)) & np.uint8(3)) * np.int16(xq[x2 + k]))
         for k in range(nb):
-            acc += np.int32(packed[b0 + k] >> np.uint8(6)) * np.int32(xq[x3 + k])
+            acc = np.int32(acc + np.int16(packed[b0 + k] >> np.uint8(6)) * np.int16(xq[x3 + k]))
     return acc
 
 
