@@ -15,6 +15,7 @@ swiglu_expert_int: the same bound carried through silu(g) * u (|silu'| <= 1.1) a
 re-quantization of h, computed below from the exact float intermediate.
 """
 
+import llvmlite.binding as llvm
 import numpy as np
 import pytest
 import torch
@@ -58,7 +59,7 @@ def int_rounding_bound(x: np.ndarray, qt) -> np.ndarray:
 
 def test_this_cpu_offers_its_paths():
     assert PATHS[-1] == "portable"
-    assert ("avx2" in PATHS) == bool(__import__("llvmlite.binding").binding.get_host_cpu_features().get("avx2"))
+    assert ("avx2" in PATHS) == bool(llvm.get_host_cpu_features().get("avx2"))
 
 
 @pytest.mark.parametrize("path", PATHS)
