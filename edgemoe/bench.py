@@ -57,6 +57,8 @@ class BenchConfig:
     io: str = "buffered"                       # the disk tier's reads (edgemoe.store.disk)
     dtype: object | None = None                # dense weight matrices (None: as the store keeps them)
     seed: int = 0
+    threads: int | None = None                 # the kernels' threads (None: the cores left free)
+    profile: object | None = None              # a RoutingProfile for the edgemoe mode instead of the store's
 
     def __post_init__(self):
         unknown = [m for m in self.modes if m not in MODES]
@@ -163,15 +165,7 @@ def parse_ram(value: str, store_path: Path) -> int:
     """--ram: bytes ("1GiB", "800MB", "123456") or a share of the store's expert bytes ("25%")."""
     from edgemoe.store import parse_bytes, read_manifest
 
-    if value.strip().endswith("%"):
-        try:
-            share = float(value.strip()[:-1]) / 100
-        except ValueError:
-            raise ValueError(f"--ram {value!r}: expected bytes (e.g. 1GiB) or a percentage (e.g. 25%)") from None
-        if not 0 < share <= 1:
-            raise ValueError(f"--ram {value!r}: a percentage must be in (0, 100]")
-        return int(share * expert_bytes(read_manifest(Path(store_path))))
-    return parse_bytes(value, "--ram")
+    return parse_bytes(value, "--ram", share_of=read_manifest(Path(store_path)).expert_bytes)
 
 
 CGROUP_V1_MEMORY = Path("/sys/fs/cgroup/memory")
@@ -220,18 +214,19 @@ def _move_charges(group: Path) -> None:
 
 # ---- one run ----------------------------------------------------------------------------------------
 
-def store_options(mode: str, ram: int) -> dict:
+def store_options(mode: str, ram: int, profile=None) -> dict:
     if mode == "all-in-ram":
         return dict(ram=None, policy="lru", preload="none", place_popular=False)
     if mode == "on-demand-lru":
         return dict(ram=ram, policy="lru", preload="none", place_popular=False)
-    return dict(ram=ram, policy="expected-use", preload="correlation", place_popular=True)
+    return dict(ram=ram, policy="expected-use", preload="correlation", place_popular=True, profile=profile)
 
 
 def open_model(store_path: Path, mode: str, config: BenchConfig):
     import edgemoe
 
-    model = edgemoe.load(store_path, config.dtype, io=config.io, **store_options(mode, config.ram))
+    model = edgemoe.load(store_path, config.dtype, config.threads, io=config.io,
+                         **store_options(mode, config.ram, config.profile))
     if config.replay is not None:
         config.replay.attach(model)
     if mode == "all-in-ram":
@@ -239,10 +234,6 @@ def open_model(store_path: Path, mode: str, config: BenchConfig):
         for entry in store.experts():
             store.get(*entry.key)
     return model
-
-
-def expert_bytes(manifest) -> int:
-    return sum(e.length for e in manifest.experts.values())
 
 
 def dense_bytes_per_token(model) -> int:
@@ -305,7 +296,7 @@ def run_once(store_path: Path, mode: str, prompt: list[int], config: BenchConfig
     disk_per_token = decode["disk_bytes"] / n
     memory_per_token = dense_bytes_per_token(model) + decode["requested_bytes"] / n
     return {
-        "mode": mode, "ram_bytes": store.ram.budget if mode != "all-in-ram" else expert_bytes(store.manifest),
+        "mode": mode, "ram_bytes": store.ram.budget if mode != "all-in-ram" else store.manifest.expert_bytes,
         "prefill_tokens": len(prompt), "ttft_s": ttft, "decode_tok_s": n / seconds,
         "hit_rate": decode["hits"] / decode["requests"] if decode["requests"] else 1.0,
         "disk_bytes_per_token": disk_per_token, "limit_decode_tok_s": limit_tok_s(disk_per_token, memory_per_token, bw),
@@ -329,10 +320,42 @@ def prompt_tokens(vocab_size: int, length: int, seed: int) -> list[int]:
     return torch.randint(0, vocab_size, (length,), generator=generator).tolist()
 
 
+def generated_routing(spec, tokens: int, model_seed: int = 0):
+    """Mixtral-like routing for the model's shape (edgemoe.store.synthetic_routing): a replay of one
+    generated text of `tokens` tokens, and the routing profile of another text through the same
+    generated model (what convert --calib profiles for a real model). Returns (replay, profile)."""
+    from edgemoe.store.profile import RoutingProfile
+    from edgemoe.store.synthetic_routing import generate
+    from .replay import RoutingReplay, records_for_model
+
+    layers, shape = spec.moe_layer_ids, (len(spec.moe_layer_ids), spec.num_experts, spec.top_k)
+    replayed, _ = generate(*shape, sequences=1, tokens=tokens, seed=0, model_seed=model_seed)
+    profiled, _ = generate(*shape, sequences=8, tokens=256, seed=1, model_seed=model_seed)
+    profile = RoutingProfile.from_trace(records_for_model(profiled, layers), moe_layers=layers,
+                                        num_experts=spec.num_experts, top_k=spec.top_k)
+    return RoutingReplay(replayed, layers, spec.num_experts, spec.top_k, "generated routing"), profile
+
+
+def default_prefill(context: int, decode_steps: int) -> tuple[int, ...]:
+    """The default prompt lengths, 512 and 2048 tokens, those that leave room in the model's context
+    for the decode steps; for a shorter context, the longest power of two that does."""
+    room = context - decode_steps
+    fitting = tuple(n for n in (512, 2048) if n <= room)
+    return fitting or (1 << max(0, room.bit_length() - 1),)
+
+
 def check_store(store_path: Path, config: BenchConfig) -> None:
+    from edgemoe.store import read_manifest
     from edgemoe.store.profile import RoutingProfile
 
-    if "edgemoe" in config.modes and RoutingProfile.find(store_path) is None:
+    context = read_manifest(store_path).spec.max_position_embeddings
+    steps = config.warmup_tokens + config.decode_tokens
+    for length in config.prefill_tokens:
+        if length + steps > context:
+            raise ValueError(f"--prefill {length}: with {steps} decode steps (--warmup-tokens + --decode-tokens) "
+                             f"it exceeds the model's context of {context} tokens")
+
+    if "edgemoe" in config.modes and config.profile is None and RoutingProfile.find(store_path) is None:
         raise ValueError(f"{store_path}: mode 'edgemoe' preloads from the store's routing profile and this store "
                          "has none: run `edgemoe profile STORE --text FILE` (or --trace TRACE) first")
 
@@ -344,7 +367,8 @@ def warm_up(store_path: Path, config: BenchConfig) -> None:
     try:
         vocab = model.spec.vocab_size
         cache = model.new_cache()
-        token = int(model.logits(prompt_tokens(vocab, 64, config.seed), cache)[-1].argmax())
+        length = min(64, model.context_length - 1)
+        token = int(model.logits(prompt_tokens(vocab, length, config.seed), cache)[-1].argmax())
         model.logits([token], cache)
     finally:
         model.experts.store.close()

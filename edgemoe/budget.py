@@ -29,6 +29,7 @@ Shapes: T tokens per window, V vocab, D hidden; a key is (layer, expert).
 from __future__ import annotations
 
 import math
+from pathlib import Path
 import statistics
 import time
 from collections import OrderedDict
@@ -40,7 +41,6 @@ import torch
 from edgemoe import kernels
 from edgemoe.quant import quantize
 
-from .cache import KVCache
 from .experts import DenseExpert, ExpertProvider, InMemoryExperts
 from .model import MoEModel, Segment
 
@@ -173,7 +173,7 @@ class BudgetSearch:
         self.keys = sorted(model.experts.experts)
         self.evaluations = 0
         self._layer_inputs: list[dict[int, torch.Tensor]] = []
-        self._quantized = MoEModel(model.spec, _dense_of(model), self.experts)
+        self._quantized = MoEModel(model.spec, model.dense_weights(), self.experts)
 
     def loss(self, widths: dict[Key, int], start_layer: int = 0, windows=None) -> tuple[float, float]:
         """(estimate, upper bound) of the calibration loss with these widths over `windows` (default
@@ -190,7 +190,7 @@ class BudgetSearch:
     def _from_layer(self, i: int, layer: int) -> torch.Tensor:
         window = self.calib.windows[i]
         m = self._quantized
-        cache = KVCache(m.spec.num_layers, m.spec.num_kv_heads, m.spec.head_dim, m.dtype)
+        cache = m.new_cache()
         with torch.inference_mode():
             x = m.run_layers(self._layer_inputs[i][layer], torch.arange(window.numel()),
                              [Segment(cache, window.numel())], start=layer)
@@ -274,23 +274,16 @@ class BudgetSearch:
         return lo
 
 
-def _dense_of(model: MoEModel) -> dict[str, torch.Tensor]:
-    """The model's dense weights under canonical names (to build a twin with other experts)."""
-    dense = {"embed": model.embed, "norm": model.final_norm}
-    if not model.spec.tie_word_embeddings:
-        dense["lm_head"] = model.lm_head
-    for l, weights in enumerate(model.layers):
-        dense.update({f"layers.{l}.{name}": t for name, t in weights.items()})
-    return dense
-
-
 def parse_budget(text: str) -> float:
     """'5%' -> 0.05, '0.05' -> 0.05 (a fraction), for --budget."""
     value = text.strip()
     try:
-        return float(value[:-1]) / 100 if value.endswith("%") else float(value)
+        limit = float(value[:-1]) / 100 if value.endswith("%") else float(value)
     except ValueError:
-        raise ValueError(f"--budget {text!r}: expected a percentage like 5% or a number like 0.05") from None
+        limit = math.nan
+    if not math.isfinite(limit):
+        raise ValueError(f"--budget {text!r}: expected a percentage like 5% or a number like 0.05")
+    return limit
 
 
 def metric_loss(result, metric: str) -> float:
@@ -312,15 +305,19 @@ class BudgetedConvert:
 def convert_with_budget(model_dir, out, budget: float, metric: str, calib_text: str, heldout_text: str | None = None,
                         context: int = 256, calib_tokens: int | None = None, group_size: int | None = None,
                         method: str = "rtn", force: bool = False, confidence: float = 0.95,
-                        progress: Callable[[str, int, int], None] | None = None) -> BudgetedConvert:
+                        progress: Callable[[str, int, int], None] | None = None,
+                        threads: int | None = None) -> BudgetedConvert:
     """Search per-expert widths on calib_text, write the store, confirm the loss on heldout_text."""
     import edgemoe
     from edgemoe.store import convert
     from edgemoe.store.format import update_manifest
+    from edgemoe.store.writer import check_destination
 
     from .evaluate import evaluate
 
-    reference = edgemoe.load(model_dir)
+    check_destination(Path(out), force, inputs=[Path(model_dir)])   # before the search, not after it
+    reference = edgemoe.load(model_dir, threads=threads)
+    context = min(context, reference.context_length)
     ids = torch.tensor(reference.tokenizer.encode(calib_text, add_special_tokens=False))
     if calib_tokens is not None:
         ids = ids[:calib_tokens]
@@ -333,10 +330,11 @@ def convert_with_budget(model_dir, out, budget: float, metric: str, calib_text: 
                      on_progress=lambda done, total: progress and progress("writing the store", done, total))
     heldout = None
     if heldout_text is not None:
-        store_model = edgemoe.load(out, preload="none")
+        store_model = edgemoe.load(out, threads=threads, preload="none")
         held_ids = reference.tokenizer.encode(heldout_text, add_special_tokens=False)
-        heldout = metric_loss(evaluate(store_model, held_ids, context=context, stride=context, reference=reference),
-                              metric)  # windows as the calibration's: consecutive, context tokens each
+        confirm = lambda done, total: progress and progress("confirming on held-out text", done, total)  # noqa: E731
+        heldout = metric_loss(evaluate(store_model, held_ids, context=context, stride=context, reference=reference,
+                                       on_progress=confirm), metric)  # windows as the calibration's: consecutive, context tokens each
         store_model.experts.store.close()
         update_manifest(out, "budget", {**record, "heldout_loss": heldout})
     return BudgetedConvert(report, result, heldout)

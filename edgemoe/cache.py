@@ -1,4 +1,5 @@
-"""KV cache of one sequence: per layer, keys and values [K, L, Dh], grown by doubling.
+"""KV cache of one sequence: per layer, keys [K, L, Dk] and values [K, L, Dv], grown by doubling
+(Dk = Dv = Dh except in multi-head latent attention).
 
 A forward step writes each layer's new keys/values at positions [length, length + S) and reads
 [0, length + S); the model then advances `length` once, after the last layer. `fork` copies a
@@ -12,15 +13,16 @@ import torch
 
 class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", capacity: int = 64):
+                 device: torch.device | str = "cpu", capacity: int = 64, value_dim: int | None = None):
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.value_dim = head_dim if value_dim is None else value_dim
         self.dtype, self.device = dtype, torch.device(device)
         self.length = 0
-        self._k: list[torch.Tensor] = [self._empty(capacity) for _ in range(num_layers)]
-        self._v: list[torch.Tensor] = [self._empty(capacity) for _ in range(num_layers)]
+        self._k: list[torch.Tensor] = [self._empty(capacity, head_dim) for _ in range(num_layers)]
+        self._v: list[torch.Tensor] = [self._empty(capacity, self.value_dim) for _ in range(num_layers)]
 
-    def _empty(self, capacity: int) -> torch.Tensor:
-        return torch.empty(self.num_kv_heads, capacity, self.head_dim, dtype=self.dtype, device=self.device)
+    def _empty(self, capacity: int, dim: int) -> torch.Tensor:
+        return torch.empty(self.num_kv_heads, capacity, dim, dtype=self.dtype, device=self.device)
 
     @property
     def capacity(self) -> int:
@@ -28,13 +30,14 @@ class KVCache:
 
     def _grow(self, layer: int, needed: int) -> None:
         capacity = max(needed, 2 * self._k[layer].shape[1])
-        for store in (self._k, self._v):
-            bigger = self._empty(capacity)
+        for store, dim in ((self._k, self.head_dim), (self._v, self.value_dim)):
+            bigger = self._empty(capacity, dim)
             bigger[:, :self.length] = store[layer][:, :self.length]
             store[layer] = bigger
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [K, S, Dh] after the cached positions; return all keys and values [K, length+S, Dh]."""
+        """Store k [K, S, Dk], v [K, S, Dv] after the cached positions; return all keys and values
+        [K, length+S, Dk / Dv]."""
         end = self.length + k.shape[1]
         if end > self._k[layer].shape[1]:
             self._grow(layer, end)
@@ -51,7 +54,8 @@ class KVCache:
         self.length = length
 
     def fork(self) -> "KVCache":
-        twin = KVCache(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.device, capacity=1)
+        twin = KVCache(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.device, capacity=1,
+                       value_dim=self.value_dim)
         twin._k = [k.clone() for k in self._k]
         twin._v = [v.clone() for v in self._v]
         twin.length = self.length

@@ -37,13 +37,17 @@ class TensorInfo:
 
 
 def read_json(path: Path) -> dict:
+    """A JSON object from a file; CheckpointError naming the file for anything else."""
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            data = json.load(f)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file not found") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, found a {type(data).__name__}")
+    return data
 
 
 def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:

@@ -9,6 +9,7 @@ from typing import List, Optional
 
 import typer
 
+from . import options
 from .errors import EdgeMoEError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -23,16 +24,88 @@ def _group() -> None:
 DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
+# ---- options checked where they enter: each error names the flag (OptionError, one line, exit 2) ----
+def _flag(param) -> str:
+    return max(param.opts, key=len)
+
+
+def _checked(check, *args):
+    """A typer callback running an edgemoe.options check on the option's value(s)."""
+    def callback(param: typer.CallbackParam, value):
+        if isinstance(value, (list, tuple)):
+            return [check(v, _flag(param), *args) for v in value]
+        return check(value, _flag(param), *args)
+    return callback
+
+
+def _size_or_share(value, flag):
+    from edgemoe.store import parse_bytes
+    parse_bytes(value, flag, allow_share=True)
+    return value
+
+
+def _device(value, flag):
+    from edgemoe.store import check_device
+    return check_device(value, flag)
+
+
+def _policy(value, flag):
+    from edgemoe.store.policies import POLICIES
+    return options.one_of(value, flag, sorted(POLICIES))
+
+
+def _preload(value, flag):
+    from .preload import PREDICTORS
+    return options.one_of(value, flag, PREDICTORS)
+
+
+METRICS = ("ppl", "top1", "kl")
+
+
+def _confidence(value: float, flag: str) -> float:
+    if not 0.5 <= value < 1:
+        raise options.OptionError(flag, value, "expected a number in [0.5, 1)")
+    return value
+
+
+def _port(value: int, flag: str) -> int:
+    if not 0 <= value <= 65535:
+        raise options.OptionError(flag, value, "expected a TCP port in 0..65535")
+    return value
+
+
+def _bench_mode(value, flag):
+    from .bench import MODES
+    return options.one_of(value, flag, MODES)
+
+
+def _byte_size(value, flag):
+    from edgemoe.store import parse_bytes
+    return parse_bytes(value, flag)
+
+
 def _dtype_option():
-    return typer.Option("auto", "--dtype", help="Dense weight matrices: auto (as the checkpoint stores "
-                        "them), float32, bfloat16 or float16. Activations are float32 in every case.")
+    return typer.Option("auto", "--dtype", callback=_checked(options.one_of, tuple(DTYPES)),
+                        help="Dense weight matrices: auto (as the checkpoint stores them where the CPU computes that "
+                        "type natively, else float32), float32, bfloat16 or float16. Activations are float32.")
+
+
+def _threads_option():
+    return typer.Option(None, "--threads", callback=_checked(options.integer_at_least, 1),
+                        help="Threads for the kernels (default: the cores other processes leave free, "
+                        "followed as the load changes).")
+
+
+def _quiet_option():
+    return typer.Option(False, "--quiet", "-q", help="No progress bars (they are shown only on a terminal).")
 
 
 def _dtype(name: str):
     import torch
-    if name not in DTYPES:
-        raise typer.BadParameter(f"{name!r}: expected one of {', '.join(DTYPES)}", param_hint="--dtype")
     return None if DTYPES[name] is None else getattr(torch, DTYPES[name])
+
+
+MODEL_HELP = "Checkpoint directory or store (default: the bundled model)."
 
 
 def _model_path(model: Optional[Path]) -> Path:
@@ -42,55 +115,115 @@ def _model_path(model: Optional[Path]) -> Path:
     return bundled_model_path()
 
 
+def _ram_option(default=None, help_text="Store only: RAM budget for experts, bytes (512MiB) or a share of "
+               "the store's expert bytes (25%) (default: unlimited)."):
+    return typer.Option(default, "--ram", callback=_checked(_size_or_share), help=help_text)
+
+
+def _vram_option():
+    return typer.Option(None, "--vram", callback=_checked(_size_or_share), help="Store only: VRAM budget for experts.")
+
+
+def _device_option():
+    return typer.Option(None, "--device", callback=_checked(_device),
+                        help="Store only: torch device of the VRAM tier (default: cuda when present).")
+
+
+def _policy_option():
+    return typer.Option("lru", "--policy", callback=_checked(_policy),
+                        help="Store only: eviction policy, lru, lfu, edgemoe or expected-use.")
+
+
+def _skip_option():
+    return typer.Option(0.0, "--skip-below", callback=_checked(_skip_weight),
+                        help="Store only, trades quality for reads: an expert not in RAM that every token chose "
+                        "with a routing weight below this (never as its strongest) is skipped and the other "
+                        "weights rescaled (adaptive top-k; default 0: off).")
+
+
+def _skip_weight(value: float, flag: str) -> float:
+    if not 0 <= value < 1:
+        raise options.OptionError(flag, value, "expected a routing weight in [0, 1)")
+    return value
+
+
+def _preload_option():
+    return typer.Option("auto", "--preload", callback=_checked(_preload),
+                        help="Store only: auto (correlation if the store has a profile, else lookahead), "
+                        "correlation, lookahead or none.")
+
+
 @app.command()
 def run(
-    model: Optional[Path] = typer.Argument(None, help="Checkpoint directory (default: the bundled model)."),
+    model: Optional[Path] = typer.Argument(None, help=MODEL_HELP),
     prompt: str = typer.Option("", "--prompt", "-p", help="Text to continue (default: start from nothing)."),
-    max_new_tokens: int = typer.Option(200, "--max-new-tokens", "-n"),
-    temperature: Optional[float] = typer.Option(None, help="0 = greedy (default: the model's generation_config)."),
-    top_k: Optional[int] = typer.Option(None, "--top-k"),
-    top_p: Optional[float] = typer.Option(None, "--top-p"),
+    max_new_tokens: int = typer.Option(200, "--max-new-tokens", "-n", callback=_checked(options.integer_at_least, 0)),
+    temperature: Optional[float] = typer.Option(None, callback=_checked(options.finite_at_least),
+                                                help="0 = greedy (default: the model's generation_config)."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", callback=_checked(options.integer_at_least, 0)),
+    top_p: Optional[float] = typer.Option(None, "--top-p", callback=_checked(options.probability)),
     seed: Optional[int] = typer.Option(None, help="Seed for sampling."),
-    stop: List[str] = typer.Option([], "--stop", help="Stop when this text is produced (repeatable)."),
+    stop: List[str] = typer.Option([], "--stop", callback=_checked(lambda v, flag: options.unescape(v)),
+                                   help="Stop when this text is produced (repeatable; \\n, \\t are read as "
+                                   "newline and tab)."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the tokenizer's chat template."),
-    ram: Optional[str] = typer.Option(None, "--ram", help="Store only: RAM budget for experts, e.g. 512MiB "
-                                      "(default: unlimited)."),
-    vram: Optional[str] = typer.Option(None, "--vram", help="Store only: VRAM budget for experts."),
-    device: Optional[str] = typer.Option(None, "--device", help="Store only: torch device of the VRAM tier "
-                                         "(default: cuda when present)."),
-    policy: str = typer.Option("lru", "--policy", help="Store only: eviction policy, lru, lfu, edgemoe or expected-use."),
-    preload: str = typer.Option("auto", "--preload", help="Store only: auto (correlation if the store has a "
-                                "profile, else lookahead), correlation, lookahead or none."),
+    truncate: bool = typer.Option(False, "--truncate", help="A prompt longer than the model's context keeps its "
+                                  "last tokens (default: refused)."),
+    ram: Optional[str] = _ram_option(),
+    vram: Optional[str] = _vram_option(),
+    device: Optional[str] = _device_option(),
+    policy: str = _policy_option(),
+    preload: str = _preload_option(),
+    skip_below: float = _skip_option(),
     stats: bool = typer.Option(False, "--stats", help="Print speed and cache figures after the text."),
     replay: Optional[Path] = typer.Option(None, "--replay", help="Route by this trace instead of the routers "
                                           "(a random-weight model routed as a real one was)."),
     dtype: str = _dtype_option(),
+    threads: Optional[int] = _threads_option(),
 ):
     """Generate text, streamed as it is produced, from a checkpoint directory or a store."""
     import edgemoe
-    from .loader import is_store
 
     path = _model_path(model)
-    store_options = dict(ram=ram, vram=vram, device=device, policy=policy, preload=preload) if is_store(path) else {}
-    if not store_options and (ram or vram or device):
-        raise EdgeMoEError(f"{path}: --ram/--vram/--device apply to stores; this is a checkpoint directory")
-    m = edgemoe.load(path, _dtype(dtype), **store_options)
+    m = edgemoe.load(path, _dtype(dtype), threads, **_store_options(path, ram, vram, device, policy, preload,
+                                                                    skip_below))
     if replay is not None:
-        from edgemoe.store.profile import read_trace
-        from .replay import RoutingReplay
-        RoutingReplay(read_trace(replay), m.spec.moe_layer_ids, m.spec.num_experts, m.spec.top_k,
-                      str(replay)).attach(m)
+        _replay_for(m.spec, replay).attach(m)
     if m.tokenizer is None:
-        raise EdgeMoEError(f"{model}: no tokenizer.json, cannot generate text")
-    text = m.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
-    options = {k: v for k, v in dict(temperature=temperature, top_k=top_k, top_p=top_p).items() if v is not None}
+        raise EdgeMoEError(f"{path}: no tokenizer.json, cannot generate text")
+    # The chat template writes its own special tokens: encoded without adding them again.
+    text = m.tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat else prompt
+    sampling = {k: v for k, v in dict(temperature=temperature, top_k=top_k, top_p=top_p).items() if v is not None}
     if not chat:
         sys.stdout.write(prompt)
     m.generate(text, on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()),
-               max_new_tokens=max_new_tokens, seed=seed, stop_strings=tuple(stop), **options)
+               on_warning=_warn, max_new_tokens=max_new_tokens, seed=seed, stop_strings=tuple(stop),
+               truncate=truncate, **sampling)
     sys.stdout.write("\n")
     if stats:
         _print_run_stats(m)
+
+
+def _store_options(path: Path, ram, vram, device, policy, preload, skip_below=0.0, compute=None) -> dict:
+    """The store options for `path`; refused, naming the flags, when it is a checkpoint directory."""
+    from .loader import is_store
+
+    if is_store(path):
+        return dict(ram=ram, vram=vram, device=device, policy=policy, preload=preload, skip_below=skip_below,
+                    **({"compute": compute} if compute is not None else {}))
+    given = [flag for flag, value in (("--ram", ram), ("--vram", vram), ("--device", device),
+                                      ("--skip-below", skip_below or None), ("--compute", compute))
+             if value is not None]
+    if given:
+        verb = "applies" if len(given) == 1 else "apply"
+        raise EdgeMoEError(f"{path}: {', '.join(given)} {verb} to stores, and this is a checkpoint directory "
+                           f"(make a store with edgemoe convert)")
+    return {}
+
+
+def _warn(message: str) -> None:
+    sys.stdout.flush()
+    print(f"\nwarning: {message}", file=sys.stderr, flush=True)
 
 
 def _print_run_stats(model) -> None:
@@ -104,67 +237,101 @@ def _print_run_stats(model) -> None:
 def convert(
     model: Path = typer.Argument(..., help="Hugging Face checkpoint directory."),
     out: Path = typer.Option(..., "--out", "-o", help="Store directory to create."),
-    bits: int = typer.Option(4, "--bits", help="Width of every expert: 2, 4 or 8."),
+    bits: int = typer.Option(4, "--bits", callback=_checked(options.one_of, (2, 4, 8)),
+                             help="Width of every expert: 2, 4 or 8."),
     widths: Optional[Path] = typer.Option(None, "--widths", help='Per-expert widths, JSON {"widths": '
                                           '{"<layer>": [bits, ...]}}, overriding --bits.'),
-    group_size: Optional[int] = typer.Option(None, "--group-size", help="Quantization group along the input "
-                                             "dimension (default: one group per row)."),
-    method: str = typer.Option("rtn", "--method", help="rtn (round to nearest) or hqq (refined zero points)."),
-    compress: Optional[str] = typer.Option(None, "--compress", help="zstd: compress each expert blob."),
-    force: bool = typer.Option(False, "--force", help="Replace an existing store."),
-    workers: Optional[int] = typer.Option(None, "--workers", help="Quantization threads (default: all cores)."),
+    group_size: Optional[int] = typer.Option(None, "--group-size", callback=_checked(options.integer_at_least, 1),
+                                             help="Quantization group along the input dimension (default: one "
+                                             "group per row)."),
+    method: str = typer.Option("rtn", "--method", callback=_checked(options.one_of, ("rtn", "hqq")),
+                               help="rtn (round to nearest) or hqq (refined zero points)."),
+    compress: Optional[str] = typer.Option(None, "--compress", callback=_checked(options.one_of, ("zstd",)),
+                                           help="zstd: compress each expert blob."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing store (never anything else)."),
+    workers: Optional[int] = typer.Option(None, "--workers", callback=_checked(options.integer_at_least, 1),
+                                          help="Quantization threads (default: as --threads)."),
     calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration text: profile the store's routing "
                                          "on it, and search widths on it with --budget (default for the "
                                          "bundled model: its calib.txt)."),
     budget: Optional[str] = typer.Option(None, "--budget", help="Quality loss allowed, e.g. 5%: per-expert "
                                          "widths from 2/4/8, the store as small as possible within it."),
-    metric: str = typer.Option("ppl", "--metric", help="Loss for --budget: ppl (relative perplexity increase), "
-                               "top1 (1 - top-1 agreement) or kl (mean KL, nats/token)."),
+    metric: str = typer.Option("ppl", "--metric", callback=_checked(options.one_of, METRICS),
+                               help="Loss for --budget: ppl (relative perplexity increase), top1 (1 - top-1 "
+                               "agreement) or kl (mean KL, nats/token)."),
     heldout: Optional[Path] = typer.Option(None, "--heldout", help="Held-out text to confirm the budget on "
                                            "(default for the bundled model: its eval.txt)."),
-    calib_tokens: Optional[int] = typer.Option(None, "--calib-tokens", help="Use at most this many "
-                                               "calibration tokens for --budget."),
-    confidence: float = typer.Option(0.95, "--confidence", help="--budget must hold for this one-sided "
-                                     "upper confidence bound of the calibration loss (0.5: the estimate)."),
+    calib_tokens: Optional[int] = typer.Option(None, "--calib-tokens", callback=_checked(options.integer_at_least, 2),
+                                               help="Use at most this many calibration tokens for --budget."),
+    confidence: float = typer.Option(0.95, "--confidence", callback=_checked(_confidence),
+                                     help="--budget must hold for this one-sided upper confidence bound of the "
+                                     "calibration loss, in [0.5, 1) (0.5: the estimate)."),
+    threads: Optional[int] = _threads_option(),
+    quiet: bool = _quiet_option(),
 ):
     """Quantize a checkpoint's experts into a tiered store (and profile its routing on --calib)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    import time
 
     from edgemoe.checkpoint import Checkpoint
     from edgemoe.store import convert as convert_store, read_widths
+    from edgemoe.store.writer import check_destination
     from .loader import read_spec
+    from .progress import progress_bar
+    from .threads import idle_cores
 
+    start = time.perf_counter()
     calib = calib or _bundled_text(model, "calib.txt")
+    inputs = [model, *(p for p in (widths, calib, heldout) if p is not None)]
+    check_destination(out, force, inputs)
+    workers = workers or threads or idle_cores()
     if budget is not None:
         if widths is not None:
-            raise typer.BadParameter("--budget chooses the widths: give it or --widths, not both", param_hint="--budget")
+            raise EdgeMoEError("--budget chooses the widths: give it or --widths, not both")
         if calib is None:
-            raise typer.BadParameter("--budget needs calibration text: --calib FILE (the bundled model uses its "
-                                     "calib.txt)", param_hint="--calib")
-        _convert_with_budget(model, out, budget, metric, calib, heldout or _bundled_text(model, "eval.txt"),
-                             calib_tokens, group_size, method, force, confidence)
+            raise EdgeMoEError("--budget needs calibration text: --calib FILE (the bundled model uses its calib.txt)")
+        _convert_with_budget(model, out, _budget(budget, metric), metric, calib,
+                             heldout or _bundled_text(model, "eval.txt"), calib_tokens, group_size, method, force,
+                             confidence, threads, quiet, start)
         return
     width_map = read_widths(widths, read_spec(Checkpoint(model))) if widths else None
-    with Progress(TextColumn("quantizing experts"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  transient=True) as progress:
-        task = progress.add_task("experts", total=None)
-        report = convert_store(model, out, bits=bits, widths=width_map, group_size=group_size, method=method,
-                               compress=compress, force=force, workers=workers,
-                               on_progress=lambda done, total: progress.update(task, completed=done, total=total))
+    with progress_bar("quantizing experts", quiet) as report:
+        result = convert_store(model, out, bits=bits, widths=width_map, group_size=group_size, method=method,
+                               compress=compress, force=force, workers=workers, on_progress=report)
     if calib is not None:
-        from .profiling import profile_store
-        profile_store(out, text=_read_text(calib))
-        print(f"profiled routing on {calib}")
-    widths_text = ", ".join(f"INT{b}: {n}" for b, n in report.widths.items())
-    print(f"wrote {report.store}: {report.experts} experts ({widths_text}), expert bytes {_size(report.expert_bytes)}"
-          f" ({report.bits_per_weight:.3f} bits/weight), dense {_size(report.dense_bytes)}, "
-          f"{report.seconds:.1f} s, peak RSS {_size(report.peak_rss_bytes)}")
+        _profile(out, calib, threads, quiet)
+    widths_text = ", ".join(f"INT{b}: {n}" for b, n in result.widths.items())
+    print(f"wrote {result.store}: {result.experts} experts ({widths_text}), expert bytes "
+          f"{_size(result.expert_bytes)} ({result.bits_per_weight:.3f} bits/weight), dense "
+          f"{_size(result.dense_bytes)}; {time.perf_counter() - start:.1f} s in all, peak RSS "
+          f"{_size(result.peak_rss_bytes)}")
+
+
+def _budget(text: str, metric: str) -> float:
+    """--budget as a fraction; ppl and top1 losses are shares (at most 100%), kl is in nats."""
+    from .budget import parse_budget
+
+    limit = parse_budget(text)
+    if limit <= 0 or (metric != "kl" and limit > 1):
+        expected = "a loss above 0" if metric == "kl" else "a loss in (0%, 100%]"
+        raise options.OptionError("--budget", text, f"expected {expected} for --metric {metric} (a budget that "
+                                  f"allows every expert at INT2 is --bits 2)")
+    return limit
+
+
+def _profile(store: Path, calib: Path, threads, quiet: bool) -> None:
+    from .profiling import profile_store
+    from .progress import progress_bar
+
+    with progress_bar(f"profiling routing on {calib.name}", quiet) as report:
+        profile_store(store, text=_read_text(calib), threads=threads, on_progress=report)
+    print(f"profiled routing on {calib}")
 
 
 @app.command()
 def inspect(
     store: Path = typer.Argument(..., help="Store directory."),
-    ram: Optional[str] = typer.Option(None, "--ram", help="Show where experts would be placed with this RAM budget."),
+    ram: Optional[str] = _ram_option(help_text="Show where experts would be placed with this RAM budget "
+                                     "(bytes or a share of the expert bytes)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Draw the width map (layer x expert) to this PNG "
                                         "(needs matplotlib: pip install 'edgemoe[plot]')."),
     as_json: bool = typer.Option(False, "--json"),
@@ -188,7 +355,7 @@ def inspect(
     m = summary["model"]
     console.print(f"{store}: {m['model_type']}, {m['layers']} layers, {m['experts']} experts/layer, top-{m['top_k']}, "
                   f"hidden {m['hidden']}, expert hidden {m['expert_hidden']}; format v{summary['version']}, "
-                  f"{summary['quantization']}")
+                  f"{_quantization_text(summary['quantization'])}")
     console.print(f"experts {_size(summary['expert_bytes'])} at {summary['bits_per_weight']:.3f} bits/weight, "
                   f"dense {_size(summary['dense_bytes'])}")
     table = Table("layer", *[f"INT{b}" for b in (2, 4, 8)], "bytes", *(["in RAM"] if ram else []))
@@ -204,33 +371,29 @@ def inspect(
         console.print(f"width map drawn to {plot}")
 
 
-def _convert_with_budget(model, out, budget, metric, calib, heldout, calib_tokens, group_size, method, force,
-                         confidence):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+def _quantization_text(q: dict) -> str:
+    group = f"groups of {q['group_size']}" if q.get("group_size") else "one group per row"
+    return f"quantized by {q.get('method', '?')}, {group}"
 
-    from .budget import convert_with_budget, parse_budget
-    from .profiling import profile_store
 
-    limit = parse_budget(budget)
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  transient=True) as progress:
-        tasks: dict = {}
+def _convert_with_budget(model, out, limit, metric, calib, heldout, calib_tokens, group_size, method, force,
+                         confidence, threads, quiet, start):
+    import time
 
-        def show(stage, done, total):
-            if stage not in tasks:
-                tasks[stage] = progress.add_task(stage, total=total)
-            progress.update(tasks[stage], completed=done, total=total)
+    from .budget import convert_with_budget
+    from .progress import staged_progress
 
+    with staged_progress(quiet) as report:
         done = convert_with_budget(model, out, limit, metric, _read_text(calib),
                                    _read_text(heldout) if heldout else None, calib_tokens=calib_tokens,
                                    group_size=group_size, method=method, force=force, confidence=confidence,
-                                   progress=show)
-        profile_store(out, text=_read_text(calib))
+                                   threads=threads, progress=report)
+    _profile(out, calib, threads, quiet)
     r, s = done.report, done.search
     widths_text = ", ".join(f"INT{b}: {n}" for b, n in r.widths.items())
     uniform = ", ".join(f"INT{b} {v:+.4f}" for b, v in s.uniform_loss.items())
     print(f"wrote {r.store}: {r.experts} experts ({widths_text}), expert bytes {_size(r.expert_bytes)} "
-          f"({r.bits_per_weight:.3f} bits/weight), {r.seconds + sum(v for k, v in s.seconds.items() if k != 'total'):.1f} s")
+          f"({r.bits_per_weight:.3f} bits/weight); {time.perf_counter() - start:.1f} s in all")
     print(f"budget {metric} <= {limit:.4f}: calibration loss {s.loss:.4f} (bound {s.loss_bound:.4f})"
           + (f", held-out loss {done.heldout_loss:.4f}" if done.heldout_loss is not None else "")
           + f" (uniform: {uniform}; floor INT{s.floor}, ceiling INT{s.ceiling}, {s.moved_down} experts at the floor)")
@@ -258,16 +421,23 @@ def trace(
     model: Path = typer.Argument(..., help="Store or checkpoint directory."),
     text: Path = typer.Option(..., "--text", help="UTF-8 text to run through the model."),
     out: Path = typer.Option(..., "--out", "-o", help="Trace file to write (JSON lines, docs/trace-format.md)."),
-    context: Optional[int] = typer.Option(None, help="Window length in tokens (default: as edgemoe eval)."),
+    context: Optional[int] = typer.Option(None, callback=_checked(options.integer_at_least, 2),
+                                          help="Window length in tokens (default: as edgemoe eval)."),
+    threads: Optional[int] = _threads_option(),
+    quiet: bool = _quiet_option(),
 ):
     """Record the routers' choices over a text as a trace."""
     import edgemoe
     from edgemoe.store.profile import write_trace
     from .loader import is_store
     from .profiling import trace_text
+    from .progress import progress_bar
 
-    m = edgemoe.load(model, **({"preload": "none"} if is_store(model) else {}))
-    records = trace_text(m, _read_text(text), context)
+    content = _read_text(text)
+    m = edgemoe.load(model, threads=threads, **({"preload": "none"} if is_store(model) else {}))
+    options.window_length(context, "--context", m.context_length)
+    with progress_bar("tracing", quiet) as report:
+        records = trace_text(m, content, context, report)
     write_trace(out, records)
     print(f"wrote {out}: {len(records)} records ({len({(r.seq, r.token) for r in records})} tokens)")
 
@@ -277,15 +447,28 @@ def profile(
     store: Path = typer.Argument(..., help="Store directory."),
     text: Optional[Path] = typer.Option(None, "--text", help="Calibration text to run through the store."),
     trace_file: Optional[Path] = typer.Option(None, "--trace", help="Or: build the profile from this trace."),
-    context: Optional[int] = typer.Option(None, help="Window length in tokens."),
-    min_count: int = typer.Option(3, "--min-count", help="Back off from a correlation key seen fewer times."),
+    context: Optional[int] = typer.Option(None, callback=_checked(options.integer_at_least, 2),
+                                          help="Window length in tokens."),
+    min_count: int = typer.Option(3, "--min-count", callback=_checked(options.integer_at_least, 1),
+                                  help="Back off from a correlation key seen fewer times."),
+    threads: Optional[int] = _threads_option(),
+    quiet: bool = _quiet_option(),
 ):
     """Store the routing profile (popularity, correlation table) used for placement and preload."""
+    from edgemoe.store import read_manifest
+    from .loader import is_store
     from .profiling import profile_store
+    from .progress import progress_bar
 
     if (text is None) == (trace_file is None):
-        raise typer.BadParameter("give --text or --trace (exactly one)")
-    result = profile_store(store, _read_text(text) if text else None, trace_file, context, min_count)
+        raise EdgeMoEError("profile: give --text or --trace (exactly one)")
+    if not is_store(store):
+        raise EdgeMoEError(f"{store}: not a store; a routing profile belongs to a store (make one with "
+                           f"edgemoe convert, which profiles it when given --calib)")
+    options.window_length(context, "--context", read_manifest(store).spec.max_position_embeddings)
+    content = _read_text(text) if text else None
+    with progress_bar("profiling routing", quiet) as report:
+        result = profile_store(store, content, trace_file, context, min_count, threads, report)
     print(f"profiled {store}: {sum(result.counts[result.moe_layers[0]]) // result.top_k} tokens, "
           f"{sum(len(t) for t in result.given_prev2.values())} correlation keys; saved to {store}/profile.json")
 
@@ -293,41 +476,65 @@ def profile(
 @app.command()
 def bench(
     store: Path = typer.Argument(..., help="Store directory."),
-    ram: str = typer.Option("25%", "--ram", help="RAM budget for experts: bytes (e.g. 1GiB) or a share of the "
-                            "store's expert bytes (e.g. 25%)."),
-    mode: List[str] = typer.Option([], "--mode", help="all-in-ram, on-demand-lru or edgemoe (repeatable; "
-                                   "default: all three)."),
-    prefill: List[int] = typer.Option([], "--prefill", help="Prompt length in tokens (repeatable; default 512 "
-                                      "and 2048)."),
-    decode_tokens: int = typer.Option(32, "--decode-tokens", help="Timed decode steps per run."),
-    warmup_tokens: int = typer.Option(4, "--warmup-tokens", help="Decode steps before the timed ones."),
-    repeats: int = typer.Option(3, "--repeats", help="Runs per mode and prompt length (medians reported)."),
+    ram: str = _ram_option("25%", "RAM budget for experts: bytes (e.g. 1GiB) or a share of the store's expert "
+                           "bytes (e.g. 25%)."),
+    mode: List[str] = typer.Option([], "--mode", callback=_checked(_bench_mode),
+                                   help="all-in-ram, on-demand-lru or edgemoe (repeatable; default: all three)."),
+    prefill: List[int] = typer.Option([], "--prefill", callback=_checked(options.integer_at_least, 1),
+                                      help="Prompt length in tokens (repeatable; default 512 and 2048, those that "
+                                      "fit the model's context)."),
+    decode_tokens: int = typer.Option(32, "--decode-tokens", callback=_checked(options.integer_at_least, 1),
+                                      help="Timed decode steps per run."),
+    warmup_tokens: int = typer.Option(4, "--warmup-tokens", callback=_checked(options.integer_at_least, 0),
+                                      help="Decode steps before the timed ones."),
+    repeats: int = typer.Option(3, "--repeats", callback=_checked(options.integer_at_least, 1),
+                                help="Runs per mode and prompt length (medians reported)."),
     cold: bool = typer.Option(False, "--cold", help="Drop the store's files from the page cache before each run."),
     replay: Optional[Path] = typer.Option(None, "--replay", help="Route by this trace (a random-weight model "
-                                          "routed as a real one was)."),
-    memory_limit: Optional[str] = typer.Option(None, "--memory-limit", help="Run inside a cgroup v1 memory "
-                                               "limit of this size, page cache included (Linux, root)."),
+                                          "routed as a real one was); the edgemoe mode uses the store's profile."),
+    routing: str = typer.Option("generated", "--routing", callback=_checked(options.one_of, ("generated", "model")),
+                                help="Without --replay: generated (Mixtral-like routing for the model's shape, "
+                                "and the profile of another generated text) or model (its own routers)."),
+    memory_limit: Optional[str] = typer.Option(None, "--memory-limit", callback=_checked(_byte_size),
+                                               help="Run inside a cgroup v1 memory limit of this size, page cache "
+                                               "included (Linux, root)."),
     as_json: bool = typer.Option(False, "--json", help="Print the records as JSON."),
     dtype: str = _dtype_option(),
+    threads: Optional[int] = _threads_option(),
+    quiet: bool = _quiet_option(),
 ):
     """Time to first token and decode speed under a RAM budget, per mode, next to the physical limit."""
     import json
 
-    from .bench import (MODES, BenchConfig, bench as run_bench, confine_memory, leave_memory_group,
-                        machine_summary, measure_bandwidths, parse_ram)
+    from edgemoe.store import read_manifest
+    from .bench import (MODES, BenchConfig, bench as run_bench, confine_memory, default_prefill, generated_routing,
+                        leave_memory_group, machine_summary, measure_bandwidths, parse_ram)
+    from .progress import progress_bar
 
-    config = BenchConfig(ram=parse_ram(ram, store), modes=tuple(mode) or MODES,
-                         prefill_tokens=tuple(prefill) or (512, 2048), decode_tokens=decode_tokens,
-                         warmup_tokens=warmup_tokens, repeats=repeats, cold=cold,
-                         replay=_replay_for(store, replay), dtype=_dtype(dtype))
+    spec = read_manifest(store).spec
+    steps = warmup_tokens + decode_tokens
+    lengths = tuple(prefill) or default_prefill(spec.max_position_embeddings, steps)
+    profile = None
+    if replay is not None:
+        routed_by, replayer = f"the trace {replay}", _replay_for(spec, replay)
+    elif routing == "generated":
+        routed_by = "generated Mixtral-like routing (edgemoe.store.synthetic_routing, model seed 0)"
+        replayer, profile = generated_routing(spec, max(lengths) + steps)
+    else:
+        routed_by, replayer = "the model's own routers", None
+    config = BenchConfig(ram=parse_ram(ram, store), modes=tuple(mode) or MODES, prefill_tokens=lengths,
+                         decode_tokens=decode_tokens, warmup_tokens=warmup_tokens, repeats=repeats, cold=cold,
+                         replay=replayer, dtype=_dtype(dtype), threads=threads, profile=profile)
     # The bandwidths are measured first, outside the memory limit: their 1 GiB buffer is not the run's.
     bandwidths = measure_bandwidths(store)
     group = confine_memory(memory_limit) if memory_limit is not None else None
-    progress = None if as_json else lambda r: print(
-        f"  {r['mode']:<14} prefill {r['prefill_tokens']}: ttft {r['ttft_s']:.2f} s, "
-        f"decode {r['decode_tok_s']:.2f} tok/s, hit rate {r['hit_rate']:.3f}", file=sys.stderr, flush=True)
+    runs = len(config.modes) * len(config.prefill_tokens) * config.repeats
+    done = []
     try:
-        records, _ = run_bench(store, config, on_run=progress, bandwidths=bandwidths)
+        with progress_bar("benchmark runs", quiet) as report:
+            records, _ = run_bench(store, config, on_run=lambda record: (done.append(record),
+                                                                         report(len(done), runs)),
+                                   bandwidths=bandwidths)
     finally:
         usage = leave_memory_group(group) if group is not None else None
     peak_line = None if usage is None else (f"peak memory of the run, page cache included: {_size(usage[0])}; "
@@ -338,20 +545,19 @@ def bench(
             print(peak_line, file=sys.stderr)
         return
     print(machine_summary(bandwidths, memory_limit))
+    print(f"routing: {routed_by}")
     if peak_line:
         print(peak_line)
     _print_bench_table(records)
 
 
-def _replay_for(store: Path, trace: Optional[Path]):
-    """The trace's routing laid over the store's model (refused here, naming the file, if it does not fit)."""
+def _replay_for(spec, trace: Optional[Path]):
+    """The trace's routing laid over the model (refused here, naming the file, if it does not fit)."""
     if trace is None:
         return None
-    from edgemoe.store import read_manifest
     from edgemoe.store.profile import read_trace
     from .replay import RoutingReplay
 
-    spec = read_manifest(store).spec
     return RoutingReplay(read_trace(trace), spec.moe_layer_ids, spec.num_experts, spec.top_k, str(trace))
 
 
@@ -371,16 +577,28 @@ def _print_bench_table(records: list) -> None:
 
 @app.command("eval")
 def eval_(
-    model: Optional[Path] = typer.Argument(None, help="Checkpoint directory (default: the bundled model)."),
+    model: Optional[Path] = typer.Argument(None, help=MODEL_HELP),
     text: Optional[Path] = typer.Option(None, "--text", help="UTF-8 text file (default with the bundled "
                                         "model: its held-out eval.txt)."),
     reference: Optional[Path] = typer.Option(None, "--reference", help="Also report top-1 agreement and KL "
                                              "divergence against this model."),
-    context: Optional[int] = typer.Option(None, help="Window length in tokens (default: the model's "
+    context: Optional[int] = typer.Option(None, callback=_checked(options.integer_at_least, 2),
+                                          help="Window length in tokens (default: the model's "
                                           "max_position_embeddings, at most 1024)."),
-    stride: Optional[int] = typer.Option(None, help="Window step (default: context / 2)."),
+    stride: Optional[int] = typer.Option(None, callback=_checked(options.integer_at_least, 1),
+                                         help="Window step (default: context / 2)."),
+    ram: Optional[str] = _ram_option(),
+    vram: Optional[str] = _vram_option(),
+    device: Optional[str] = _device_option(),
+    policy: str = _policy_option(),
+    preload: str = _preload_option(),
+    skip_below: float = _skip_option(),
+    decode: bool = typer.Option(False, "--decode", help="Score token by token through the KV cache, as "
+                                "generation runs (slower; for options that act per step: --skip-below, --ram)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     dtype: str = _dtype_option(),
+    threads: Optional[int] = _threads_option(),
+    quiet: bool = _quiet_option(),
     compute: Optional[str] = typer.Option(None, help="A store's expert compute path: auto (default), "
                                           "fused-int, fused-float, dequant or device."),
 ):
@@ -389,25 +607,34 @@ def eval_(
 
     import edgemoe
     from .evaluate import evaluate_text
+    from .progress import progress_bar
 
     if text is None:
         if model is not None:
-            raise typer.BadParameter("--text is required for a model other than the bundled one", param_hint="--text")
+            raise EdgeMoEError("--text is required for a model other than the bundled one")
         from .bundled import bundled_text
         text = bundled_text("eval.txt")
     content = _read_text(text)
-    from .loader import is_store
-
     path = _model_path(model)
-    if compute is not None and not is_store(path):
-        raise EdgeMoEError(f"{path}: --compute applies to stores; this is a checkpoint directory")
-    m = edgemoe.load(path, _dtype(dtype), **({"compute": compute} if compute is not None else {}))
-    ref = edgemoe.load(reference, _dtype(dtype)) if reference is not None else None
-    result = evaluate_text(m, content, context=context, stride=stride, reference=ref)
+    m = edgemoe.load(path, _dtype(dtype), threads, **_store_options(path, ram, vram, device, policy, preload,
+                                                                    skip_below, compute))
+    options.window_length(context, "--context", m.context_length)
+    if stride is not None and stride > (context or m.context_length):
+        raise options.OptionError("--stride", stride, "expected at most the window length (--context)")
+    ref = edgemoe.load(reference, _dtype(dtype), threads) if reference is not None else None
+    with progress_bar("evaluating windows", quiet) as report:
+        result = evaluate_text(m, content, context=context, stride=stride, reference=ref, on_progress=report,
+                               decode=decode)
+    store = getattr(m.experts, "store", None)
+    reads = {} if store is None else {"disk_bytes_per_token": store.stats.disk_bytes_read / m.timings.tokens,
+                                      "skipped_per_token": m.experts.skipped / m.timings.tokens}
     if as_json:
-        print(json.dumps(result.to_dict()))
+        print(json.dumps({**result.to_dict(), **reads}))
         return
     print(f"text: {text} ({result.tokens} tokens scored; context {result.context} tokens, stride {result.stride})")
+    if reads:
+        print(f"store: {reads['disk_bytes_per_token'] / 2**20:.3f} MiB read from disk per token run, "
+              f"{reads['skipped_per_token']:.3f} expert choices skipped per token")
     print(f"perplexity: {result.perplexity:.4f}   (nll {result.nll:.4f} nats/token)")
     if ref is not None:
         print(f"reference perplexity: {result.reference_perplexity:.4f}")
@@ -424,12 +651,78 @@ def _read_text(path: Path) -> str:
         raise EdgeMoEError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
+def _load_served(model: Optional[Path], dtype: str, threads, ram, vram, device, policy: str, preload: str):
+    """The model for serve and chat, with run's store options (refused for a checkpoint directory)."""
+    import edgemoe
+
+    path = _model_path(model)
+    m = edgemoe.load(path, _dtype(dtype), threads, **_store_options(path, ram, vram, device, policy, preload))
+    if m.tokenizer is None:
+        raise EdgeMoEError(f"{path}: no tokenizer.json, cannot generate text")
+    return m
+
+
+@app.command()
+def serve(
+    model: Optional[Path] = typer.Argument(None, help="Checkpoint directory or store (default: the bundled model)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+    port: int = typer.Option(8000, "--port", callback=_checked(_port), help="TCP port (0: any free one)."),
+    model_name: Optional[str] = typer.Option(None, "--model-name", help="Name clients pass as `model` "
+                                             "(default: the directory's name)."),
+    max_batch: int = typer.Option(16, "--max-batch", callback=_checked(options.integer_at_least, 1),
+                                  help="Requests sharing one forward step at most."),
+    ram: Optional[str] = _ram_option(), vram: Optional[str] = _vram_option(), device: Optional[str] = _device_option(),
+    policy: str = _policy_option(), preload: str = _preload_option(), dtype: str = _dtype_option(),
+    threads: Optional[int] = _threads_option(),
+):
+    """OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) with continuous batching."""
+    import logging
+
+    from .server import serve as serve_http
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    m = _load_served(model, dtype, threads, ram, vram, device, policy, preload)
+    serve_http(m, host, port, model_name=model_name, max_batch=max_batch)
+
+
+@app.command()
+def chat(
+    model: Optional[Path] = typer.Argument(None, help="Checkpoint directory or store (default: the bundled model)."),
+    max_new_tokens: int = typer.Option(200, "--max-new-tokens", "-n", callback=_checked(options.integer_at_least, 1),
+                                       help="Longest answer, in tokens."),
+    temperature: Optional[float] = typer.Option(None, callback=_checked(options.finite_at_least),
+                                                help="0 = greedy (default: the model's generation_config)."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", callback=_checked(options.integer_at_least, 0)),
+    top_p: Optional[float] = typer.Option(None, "--top-p", callback=_checked(options.probability)),
+    seed: Optional[int] = typer.Option(None, help="Seed for sampling."),
+    system: Optional[str] = typer.Option(None, "--system", help="A system message before the conversation."),
+    ram: Optional[str] = _ram_option(), vram: Optional[str] = _vram_option(), device: Optional[str] = _device_option(),
+    policy: str = _policy_option(), preload: str = _preload_option(), dtype: str = _dtype_option(),
+    threads: Optional[int] = _threads_option(),
+):
+    """Chat on stdin/stdout through the tokenizer's chat template (/reset, /exit; Ctrl-C stops an answer)."""
+    from .chat import chat_loop
+
+    m = _load_served(model, dtype, threads, ram, vram, device, policy, preload)
+    sampling = {k: v for k, v in dict(temperature=temperature, top_k=top_k, top_p=top_p).items() if v is not None}
+    chat_loop(m, input, sys.stdout, max_new_tokens=max_new_tokens, system=system, seed=seed, **sampling)
+
+
 def main() -> None:
+    """The console script: one line on stderr and exit status 2 for bad input of any kind."""
     try:
-        app()
-    except EdgeMoEError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except (ValueError, OSError) as e:  # bad options reaching the library, unreadable files
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        status = app(standalone_mode=False, prog_name="edgemoe")
+    except typer.TyperException as e:   # the command line itself: unknown option, bad type, missing value
+        command = e.ctx.command_path if getattr(e, "ctx", None) else "edgemoe"
+        _fail(f"{e.format_message()} (see '{command} --help')", getattr(e, "exit_code", 2))
+    except (typer.Abort, KeyboardInterrupt):
+        _fail("interrupted", 130)
+    except (EdgeMoEError, ValueError, OSError) as e:   # bad options reaching the library, unreadable files
+        _fail(str(e), 2)
+    sys.exit(status or 0)
+
+
+def _fail(message: str, status: int) -> None:
+    sys.stdout.flush()
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(status)

@@ -11,3 +11,7 @@ class CheckpointError(EdgeMoEError):
 
 class UnsupportedModelError(CheckpointError):
     """A model_type (architecture) that edgemoe has no model file for."""
+
+
+class ContextLengthError(EdgeMoEError):
+    """A prompt or window longer than the model's context (max_position_embeddings)."""

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
 from .model import MoEModel
+from .options import OptionError, integer_at_least, window_length
 
 
 @dataclass
@@ -48,29 +49,43 @@ def windows(n_tokens: int, context: int, stride: int) -> Iterator[tuple[int, int
 
 
 def default_context(model: MoEModel) -> int:
-    return min(model.spec.max_position_embeddings, 1024)
+    return min(model.context_length, 1024)
 
 
-def _log_probs(model: MoEModel, ids: torch.Tensor, begin: int, end: int, first: int) -> torch.Tensor:
-    """Log-probabilities [n, V] predicting positions first..end-1 from the window begin..end-1."""
-    logits = model.logits(ids[begin:end - 1])            # row j predicts position begin + j + 1
-    return torch.log_softmax(logits[first - begin - 1:], dim=-1)
+def _log_probs(model: MoEModel, ids: torch.Tensor, begin: int, end: int, first: int,
+               decode: bool = False) -> torch.Tensor:
+    """Log-probabilities [n, V] predicting positions first..end-1 from the window begin..end-1. With
+    `decode`, the window's context (begin..first-1) is one prefill step and every scored position
+    one step of its own through the KV cache, as generation runs (for options that act per step)."""
+    if not decode:
+        logits = model.logits(ids[begin:end - 1])        # row j predicts position begin + j + 1
+        return torch.log_softmax(logits[first - begin - 1:], dim=-1)
+    cache = model.new_cache()
+    rows = [model.logits(ids[begin:first], cache)[-1:]]   # predicts position first
+    rows += [model.logits(ids[p:p + 1], cache) for p in range(first, end - 1)]
+    return torch.log_softmax(torch.cat(rows), dim=-1)
 
 
 def evaluate(model: MoEModel, ids: torch.Tensor | list[int], context: int | None = None, stride: int | None = None,
-             reference: MoEModel | None = None) -> EvalResult:
+             reference: MoEModel | None = None, on_progress: Callable[[int, int], None] | None = None,
+             decode: bool = False) -> EvalResult:
+    """Perplexity of `model` over ids (and agreement, KL against `reference`); on_progress(windows
+    done, windows in all) after each window. decode: score token by token (_log_probs)."""
     ids = torch.as_tensor(ids, dtype=torch.long)
     if ids.numel() < 2:
         raise ValueError("evaluate: the text has fewer than 2 tokens")
-    context = context or default_context(model)
-    stride = stride or max(1, context // 2)
+    context = window_length(context, "context=", model.context_length) or default_context(model)
+    stride = integer_at_least(stride, "stride=", 1) or max(1, context // 2)
+    if stride > context:
+        raise OptionError("stride=", stride, f"expected at most the window's {context} tokens")
     if reference is not None and reference.spec.vocab_size != model.spec.vocab_size:
         raise ValueError(f"reference vocab size {reference.spec.vocab_size} != model's {model.spec.vocab_size}")
     nll = ref_nll = kl = 0.0
     agree = count = 0
-    for begin, end, first in windows(ids.numel(), context, stride):
+    spans = list(windows(ids.numel(), context, stride))
+    for done, (begin, end, first) in enumerate(spans, 1):
         targets = ids[first:end]
-        logp = _log_probs(model, ids, begin, end, first)
+        logp = _log_probs(model, ids, begin, end, first, decode)
         nll -= logp.gather(1, targets[:, None]).sum().item()
         count += targets.numel()
         if reference is not None:
@@ -78,6 +93,8 @@ def evaluate(model: MoEModel, ids: torch.Tensor | list[int], context: int | None
             ref_nll -= ref_logp.gather(1, targets[:, None]).sum().item()
             kl += (ref_logp.exp() * (ref_logp - logp)).sum().item()
             agree += (ref_logp.argmax(-1) == logp.argmax(-1)).sum().item()
+        if on_progress:
+            on_progress(done, len(spans))
     result = EvalResult(count, context, stride, math.exp(nll / count), nll / count)
     if reference is not None:
         result.top1_agreement = agree / count

@@ -6,11 +6,13 @@ Sampling applies temperature, then top-k, then top-p, as transformers' logits wa
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 import torch
 
+from .errors import ContextLengthError
 from .model import MoEModel, Segment
 from .tokenizer import StreamDecoder
 
@@ -25,6 +27,7 @@ class GenerationOptions:
     stop_token_ids: Sequence[int] | None = None  # None: the model's eos tokens
     stop_strings: Sequence[str] = field(default_factory=tuple)
     prefill_chunk: int = 512          # prompt tokens per step: each expert is read once per chunk
+    truncate: bool = False            # a prompt past the context: keep its last tokens (else refuse it)
 
     def __post_init__(self):
         if self.max_new_tokens < 0:
@@ -72,7 +75,30 @@ def next_token(logits: torch.Tensor, opts: GenerationOptions, generator: torch.G
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def _generator(seed: int | None) -> torch.Generator:
+def fit_context(model: MoEModel, prompt_ids: Sequence[int], opts: GenerationOptions,
+                warn: Callable[[str], None]) -> list[int]:
+    """The prompt as it fits the model's context (positions 0 .. context - 1). One that leaves no room
+    for a new token is refused, or with opts.truncate cut from the left: its last tokens are kept,
+    leaving room for max_new_tokens but at most half the context."""
+    limit, n = model.context_length, len(prompt_ids)
+    if n < limit:
+        return list(prompt_ids)
+    if not opts.truncate:
+        raise ContextLengthError(f"the prompt has {n} tokens and the model's context is {limit} "
+                                 f"(max_position_embeddings): shorten it, or truncate it from the left "
+                                 f"(--truncate, truncate=True)")
+    keep = limit - min(max(opts.max_new_tokens, 1), limit // 2)
+    warn(f"prompt truncated from the left to its last {keep} of {n} tokens (the model's context is {limit})")
+    return list(prompt_ids[n - keep:])
+
+
+def new_token_limit(model: MoEModel, prompt_length: int, opts: GenerationOptions) -> int:
+    """New tokens a sequence may get: max_new_tokens, or fewer where the context ends first."""
+    return min(opts.max_new_tokens, model.context_length - prompt_length)
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    """The sampling generator: seeded, or from fresh entropy."""
     g = torch.Generator()
     if seed is None:
         g.seed()
@@ -81,18 +107,23 @@ def _generator(seed: int | None) -> torch.Generator:
     return g
 
 
-def generate_batch(model: MoEModel, prompts: Sequence[Sequence[int]], opts: GenerationOptions) -> list[list[int]]:
+def generate_batch(model: MoEModel, prompts: Sequence[Sequence[int]], opts: GenerationOptions,
+                   warn: Callable[[str], None] | None = None) -> list[list[int]]:
     """Generate for several prompts together. Every step feeds each unfinished sequence its next
     tokens: up to prefill_chunk prompt tokens while it is prefilling (long prompts in chunks), then
-    one new token; all in one forward step. Returns the new token ids of each (stop token excluded)."""
+    one new token; all in one forward step. Returns the new token ids of each (stop token excluded).
+    Prompts past the context are refused or truncated (fit_context); no sequence outgrows it."""
     if any(len(p) == 0 for p in prompts):
         raise ValueError("generate: a prompt is empty")
+    warn = warn or _warn
+    prompts = [fit_context(model, p, opts, warn) for p in prompts]
+    limits = [new_token_limit(model, len(p), opts) for p in prompts]
     stops = set(opts.stop_token_ids if opts.stop_token_ids is not None else eos_token_ids(model))
-    generator = _generator(opts.seed)
+    generator = make_generator(opts.seed)
     caches = [model.new_cache() for _ in prompts]
     outputs: list[list[int]] = [[] for _ in prompts]
     pending = [list(p) for p in prompts]            # tokens each sequence still has to feed
-    live = list(range(len(prompts))) if opts.max_new_tokens else []
+    live = [i for i in range(len(prompts)) if limits[i] > 0]
     while live:
         feed = {i: pending[i][:opts.prefill_chunk] for i in live}
         tokens = torch.tensor([t for i in live for t in feed[i]])
@@ -108,63 +139,110 @@ def generate_batch(model: MoEModel, prompts: Sequence[Sequence[int]], opts: Gene
                 continue
             outputs[i].append(token)
             pending[i] = [token]
-            if len(outputs[i]) < opts.max_new_tokens:
+            if len(outputs[i]) < limits[i]:
                 still_live.append(i)
+            elif limits[i] < opts.max_new_tokens:
+                warn(f"sequence {i} stopped at the model's context of {model.context_length} tokens")
         live = still_live
     return outputs
 
 
-def stream_tokens(model: MoEModel, prompt_ids: Sequence[int], opts: GenerationOptions) -> Iterator[int]:
-    """New token ids for one prompt, yielded as soon as each is chosen (prompt fed in chunks)."""
+def stream_tokens(model: MoEModel, prompt_ids: Sequence[int], opts: GenerationOptions,
+                  warn: Callable[[str], None] | None = None) -> Iterator[int]:
+    """New token ids for one prompt, yielded as soon as each is chosen (prompt fed in chunks).
+    A prompt past the context is refused or truncated (fit_context); generation ends at the context."""
     if len(prompt_ids) == 0:
         raise ValueError("generate: the prompt is empty")
+    warn = warn or _warn
+    prompt = fit_context(model, prompt_ids, opts, warn)
+    limit = new_token_limit(model, len(prompt), opts)
     stops = set(opts.stop_token_ids if opts.stop_token_ids is not None else eos_token_ids(model))
-    generator = _generator(opts.seed)
+    generator = make_generator(opts.seed)
     cache = model.new_cache()
-    prompt = list(prompt_ids)
     chunks = [prompt[i:i + opts.prefill_chunk] for i in range(0, len(prompt), opts.prefill_chunk)]
     step = chunks.pop()
     for chunk in chunks:
         model.logits(chunk, cache)
-    for _ in range(opts.max_new_tokens):
+    for _ in range(limit):
         logits = model.logits(step, cache)[-1]
         token = next_token(logits, opts, generator)
         if token in stops:
             return
         yield token
         step = [token]
+    if limit < opts.max_new_tokens:
+        warn(f"stopped at the model's context of {model.context_length} tokens")
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, ContextWarning, stacklevel=3)
+
+
+class ContextWarning(UserWarning):
+    """A prompt cut to fit the context, or a generation that ended at it."""
 
 
 def generate(model: MoEModel, prompt: str | Sequence[int], on_text: Callable[[str], None] | None = None,
-             **options) -> str:
+             on_warning: Callable[[str], None] | None = None, **options) -> str:
     """Generated text for `prompt`; `on_text` receives each piece as soon as it is decoded. Text that
-    could be the start of a stop string is held back until it is known not to be one."""
+    could be the start of a stop string is held back until it is known not to be one. on_warning
+    receives a truncated prompt's or a context-ended generation's notice (default: warnings.warn)."""
     if model.tokenizer is None:
         raise ValueError("generate: this model has no tokenizer")
     opts = GenerationOptions(**{**defaults_from(model.generation_config), **options})
     prompt_ids = model.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     emit = on_text or (lambda piece: None)
-    decoder = StreamDecoder(model.tokenizer)
-    longest_stop = max((len(x) for x in opts.stop_strings), default=0)
-    text, emitted = "", 0
-    for token in stream_tokens(model, prompt_ids, opts):
-        piece = decoder.push(token)
-        text += piece
-        # A stop string can only end in the new piece: search just the tail (linear, not quadratic).
-        tail_start = max(0, len(text) - len(piece) - longest_stop)
-        stop_at = _first_stop(text[tail_start:], opts.stop_strings)
-        if stop_at is not None:
-            text = text[:tail_start + stop_at]
+    stream = StopStringStream(model.tokenizer, opts.stop_strings)
+    for token in stream_tokens(model, prompt_ids, opts, on_warning):
+        piece = stream.push(token)
+        if piece:
+            emit(piece)
+        if stream.stopped:
             break
-        safe = len(text) - _stop_prefix_length(text[-longest_stop:] if longest_stop else "", opts.stop_strings)
-        if safe > emitted:
-            emit(text[emitted:safe])
-            emitted = safe
-    else:
-        text += decoder.flush()
-    if len(text) > emitted:
-        emit(text[emitted:])
-    return text
+    piece = stream.finish()
+    if piece:
+        emit(piece)
+    return stream.text
+
+
+class StopStringStream:
+    """Generated token ids -> text pieces safe to show: decoded as they come (StreamDecoder), cut
+    before the first stop string, with text that could be the start of a stop string held back until
+    it is known not to be one. Used by generate() and by the serving engine (edgemoe/engine.py)."""
+
+    def __init__(self, tokenizer, stop_strings: Sequence[str] = ()):
+        self.decoder = StreamDecoder(tokenizer)
+        self.stop_strings = tuple(stop_strings)
+        self.longest_stop = max((len(x) for x in self.stop_strings), default=0)
+        self.text = ""        # all the text so far (cut before the stop string once stopped)
+        self.emitted = 0      # text[:emitted] has been returned
+        self.stopped = False  # a stop string appeared: push no more tokens
+
+    def push(self, token: int) -> str:
+        """The new text that is safe to show after `token`."""
+        piece = self.decoder.push(token)
+        self.text += piece
+        # A stop string can only end in the new piece: search just the tail (linear, not quadratic).
+        tail_start = max(0, len(self.text) - len(piece) - self.longest_stop)
+        stop_at = _first_stop(self.text[tail_start:], self.stop_strings)
+        if stop_at is not None:
+            self.text = self.text[:tail_start + stop_at]
+            self.stopped = True
+            return self._release(len(self.text))
+        tail = self.text[-self.longest_stop:] if self.longest_stop else ""
+        return self._release(len(self.text) - _stop_prefix_length(tail, self.stop_strings))
+
+    def finish(self) -> str:
+        """The text still held back, once generation has ended."""
+        if not self.stopped:
+            self.text += self.decoder.flush()
+        return self._release(len(self.text))
+
+    def _release(self, end: int) -> str:
+        if end <= self.emitted:
+            return ""
+        piece, self.emitted = self.text[self.emitted:end], end
+        return piece
 
 
 def _first_stop(text: str, stop_strings: Sequence[str]) -> int | None:

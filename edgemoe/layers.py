@@ -1,8 +1,10 @@
-"""The dense math of a decoder layer: RMSNorm, rotary embeddings, attention over a KV cache, SwiGLU,
-routing. Plain functions on tensors, inference only.
+"""The dense math of a decoder layer: RMSNorm / LayerNorm, rotary embeddings, attention over a KV cache,
+SwiGLU, routing (one function per router kind, chosen by ModelSpec.router). Plain functions on tensors,
+inference only.
 
-Shapes: T tokens in the step (all sequences, flattened), D hidden, H query heads, K kv heads, Dh head dim,
-S tokens of one sequence in the step, L cached length of that sequence, E experts, A active per token.
+Shapes: T tokens in the step (all sequences, flattened), D hidden, H query heads, K kv heads, Dh head dim
+(Dk key, Dv value dims when they differ), S tokens of one sequence in the step, L cached length of that
+sequence, E experts, A active per token, G expert groups.
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ import torch.nn.functional as F
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, C] @ weight [R, C]^T (+ bias) -> [T, R] in x's dtype, multiplied in the weight's dtype:
-    weights stay as the checkpoint stores them (a bfloat16 matrix is read at half the bytes of a
-    float32 copy, and torch's bfloat16 GEMM accumulates in float32); activations stay float32."""
+    """x [T, C] @ weight [R, C]^T (+ bias) -> [T, R] in x's dtype, multiplied in the weight's dtype
+    (a bfloat16 matrix is read at half the bytes of a float32 copy, and torch's bfloat16 GEMM
+    accumulates in float32; its output is rounded to bfloat16); activations stay float32."""
     if x.dtype != weight.dtype:
         y = F.linear(x.to(weight.dtype), weight).to(x.dtype)
         return y if bias is None else y + bias
@@ -27,12 +29,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
-def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, Dh] for the given absolute positions [T] (half-split layout, as Llama/HF)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, Dh/2]
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.layer_norm(x, weight.shape, weight, bias, eps)
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, inv_freq: tuple[float, ...] | None = None,
+                scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, Dh] for the given absolute positions [T] (half-split layout, as Llama/HF), from
+    theta's frequencies or the given (scaled) ones [Dh/2], times `scale`."""
+    if inv_freq is None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = positions.float()[:, None] * torch.as_tensor(inv_freq, dtype=torch.float32)[None, :]  # [T, Dh/2]
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
+    return emb.cos() * scale, emb.sin() * scale
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -40,6 +49,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """Reorder the last dim from pairs (x0, x1), (x2, x3), ... to (x0, x2, ..., x1, x3, ...), so that the
+    half-split apply_rope turns the pairs DeepSeek's interleaved layout rotates together. Queries and
+    keys get the same permutation, so their dot products are those of the interleaved rotation."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
 def attention_mask(q_pos: torch.Tensor, kv_len: int, window: int | None) -> torch.Tensor | None:
@@ -54,9 +70,12 @@ def attention_mask(q_pos: torch.Tensor, kv_len: int, window: int | None) -> torc
     return mask
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """q [S, H, Dh], k/v [K, L, Dh] -> [S, H*Dh] (grouped-query attention)."""
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, enable_gqa=True)  # [H, S, Dh]
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           scale: float | None = None) -> torch.Tensor:
+    """q [S, H, Dk], k [K, L, Dk], v [K, L, Dv] -> [S, H*Dv] (grouped-query attention; scale None =
+    1/sqrt(Dk))."""
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, enable_gqa=True,
+                                         scale=scale)  # [H, S, Dv]
     return out.transpose(0, 1).reshape(q.shape[0], -1)
 
 
@@ -67,8 +86,76 @@ def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Te
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax router, top-k. x [T, D], router [E, D] -> (weights [T, A] float32, experts [T, A] int64)."""
-    probs = torch.softmax(linear(x, router).float(), dim=-1)  # [T, E]
+    return softmax_topk(linear(x, router).float(), top_k, normalize)
+
+
+def softmax_topk(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    probs = torch.softmax(logits, dim=-1)  # [T, E]
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+def group_limited_topk(choice: torch.Tensor, spec, group_score) -> torch.Tensor:
+    """Experts [T, A] with the top_k highest `choice` scores [T, E] among the topk_group groups of
+    experts that group_score ([T, G, E/G] -> [T, G]) ranks highest."""
+    T = choice.shape[0]
+    grouped = choice.view(T, spec.n_group, -1)                                   # [T, G, E/G]
+    kept = torch.topk(group_score(grouped), spec.topk_group, dim=-1).indices      # [T, topk_group]
+    in_kept = torch.zeros(T, spec.n_group, dtype=torch.bool).scatter_(1, kept, True)
+    choice = grouped.masked_fill(~in_kept[..., None], float("-inf")).view(T, -1)
+    return torch.topk(choice, spec.top_k, dim=-1).indices
+
+
+def route_softmax(logits, spec, bias):
+    """Mixtral, Qwen, OLMoE, DeepSeek-V2 "greedy": the top_k softmax probabilities."""
+    return softmax_topk(logits, spec.top_k, spec.norm_topk_prob)
+
+
+def route_softmax_group(logits, spec, bias):
+    """DeepSeek-V2 "group_limited_greedy": softmax, experts only from the groups with the highest best score."""
+    probs = torch.softmax(logits, dim=-1)
+    experts = group_limited_topk(probs, spec, lambda g: g.max(dim=-1).values)
+    return probs.gather(1, experts), experts
+
+
+def route_sigmoid_group(logits, spec, bias):
+    """DeepSeek-V3: sigmoid scores; the bias [E] only steers selection (groups ranked by the sum of their
+    two best biased scores); weights are the unbiased scores, renormalised if norm_topk_prob."""
+    scores = torch.sigmoid(logits)
+    experts = group_limited_topk(scores + bias, spec, lambda g: g.topk(2, dim=-1).values.sum(dim=-1))
+    weights = scores.gather(1, experts)
+    if spec.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights, experts
+
+
+def route_sparsemixer(logits, spec, bias):
+    """Phi-3.5-MoE's sparsemixer at inference: the best expert, then the best of the rest; each weighs
+    its softmax among the experts whose score is within a relative gap 2 * router_jitter_eps of it."""
+    first_weight, first = _sparsemixer_pick(logits, logits, spec.router_jitter_eps)
+    rest = logits.scatter(-1, first, float("-inf"))
+    second_weight, second = _sparsemixer_pick(rest, logits, spec.router_jitter_eps)
+    return torch.cat((first_weight, second_weight), dim=-1), torch.cat((first, second), dim=-1)
+
+
+def _sparsemixer_pick(candidates: torch.Tensor, scores: torch.Tensor, eps: float):
+    """The best of `candidates` [T, E] (-inf: not a candidate) and its weight, both [T, 1]."""
+    best, index = candidates.max(dim=-1, keepdim=True)
+    too_far = (best - scores) / scores.abs().clamp(min=best) > 2 * eps
+    weights = torch.softmax(candidates.masked_fill(too_far, float("-inf")), dim=-1)
+    return weights.gather(-1, index), index
+
+
+ROUTERS = {"softmax": route_softmax, "softmax_group": route_softmax_group, "sigmoid_group": route_sigmoid_group,
+           "sparsemixer": route_sparsemixer}
+
+
+def route_by_spec(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | None, spec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The spec's router: x [T, D], router [E, D] (bias [E] for sigmoid_group) -> (weights [T, A]
+    float32, experts [T, A] int64), weights scaled by routed_scaling_factor."""
+    weights, experts = ROUTERS[spec.router](linear(x, router).float(), spec, bias)
+    if spec.routed_scaling_factor != 1.0:
+        weights = weights * spec.routed_scaling_factor
     return weights, experts

@@ -14,6 +14,7 @@ from .experts import DenseExpert, InMemoryExperts
 from .model import MoEModel
 from .models import architecture
 from .models.spec import ModelSpec
+from .precision import compute_dtype
 from .tokenizer import Tokenizer
 from .weights import iter_experts, plan_weights, read_dense
 
@@ -34,22 +35,25 @@ def read_text_config(directory: Path) -> tuple[Tokenizer | None, dict]:
 
 
 def weights_in(dense: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """Dense weights as the model keeps them: matrices in `dtype` (None: as the checkpoint stores
-    them), vectors (norms, biases: a few KB, added to float32 activations) in float32."""
-    return {name: t.float() if t.dim() < 2 else t if dtype is None else t.to(dtype) for name, t in dense.items()}
+    """Weights as the model keeps them: matrices in `dtype` (None: auto, the stored type where the CPU
+    computes it natively, else float32: edgemoe.precision), vectors (norms, biases: a few KB, added to
+    float32 activations) in float32."""
+    return {name: t.float() if t.dim() < 2 else t.to(compute_dtype(t.dtype, dtype)) for name, t in dense.items()}
 
 
-def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype | None = None) -> MoEModel:
-    """Load a checkpoint directory. Weight matrices in `dtype`, by default as stored (a bfloat16
-    checkpoint stays bfloat16: half the memory and bytes per token of float32); activations float32."""
+def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype | None = None, threads: int | None = None) -> MoEModel:
+    """Load a checkpoint directory. Weight matrices in `dtype`; by default (None) as stored where the
+    CPU computes that type natively (a bfloat16 checkpoint stays bfloat16 on AVX-512 BF16: half the
+    bytes per token of float32), else float32. Activations float32."""
     ckpt = Checkpoint(path)
     spec = read_spec(ckpt)
     plan = plan_weights(ckpt, spec, architecture(spec.model_type).tensor_names(spec))
     dense = weights_in(read_dense(ckpt, plan), dtype)
-    experts = {key: DenseExpert(**weights) for key, weights in iter_experts(ckpt, plan, dtype)}
+    experts = {key: DenseExpert(**weights_in(weights, dtype)) for key, weights in iter_experts(ckpt, plan, dtype)}
     ckpt.close()
     tokenizer, generation_config = read_text_config(Path(path))
-    return MoEModel(spec, dense, InMemoryExperts(experts), tokenizer, generation_config, name=Path(path).name)
+    return MoEModel(spec, dense, InMemoryExperts(experts), tokenizer, generation_config, name=Path(path).name,
+                    threads=threads)
 
 
 
@@ -62,7 +66,8 @@ def is_store(path: str | os.PathLike) -> bool:
 
 def load_store(path: str | os.PathLike, ram=None, vram=0, device=None, policy: str = "lru", io: str = "buffered",
                dtype: torch.dtype | None = None, compute: str = "auto", preload: str = "auto",
-               place_popular: bool = True) -> MoEModel:
+               place_popular: bool = True, threads: int | None = None, profile=None,
+               skip_below: float = 0.0) -> MoEModel:
     """A model whose experts stay in a tiered store (budgets: bytes or strings like "512MiB")."""
     from safetensors import safe_open
 
@@ -72,7 +77,8 @@ def load_store(path: str | os.PathLike, ram=None, vram=0, device=None, policy: s
     from .preload import Preloader
     from .quantized import StoreExperts
 
-    store = TieredStore(path, ram=ram, vram=vram, device=device, policy=policy, io=io, place_popular=place_popular)
+    store = TieredStore(path, ram=ram, vram=vram, device=device, policy=policy, io=io, place_popular=place_popular,
+                        profile=profile)
     dense_info = store.manifest.data["dense"]
     dense_path = store.path / dense_info["file"]
     if crc32(dense_path.read_bytes()) != dense_info["crc32"]:
@@ -88,19 +94,26 @@ def load_store(path: str | os.PathLike, ram=None, vram=0, device=None, policy: s
     directory = Path(path)
     tokenizer, generation_config = read_text_config(directory)
     # preload="none" is pure on-demand loading (the baseline): no background reads of any kind.
-    model = MoEModel(store.spec, dense, StoreExperts(store, compute, overlap=preload != "none"), tokenizer,
-                     generation_config,
-                     name=directory.name)
+    experts = StoreExperts(store, compute, overlap=preload != "none", skip_below=skip_below)
+    model = MoEModel(store.spec, dense, experts, tokenizer,
+                     generation_config, name=directory.name, threads=threads)
     model.preloader = Preloader(model, store, preload, store.routing_profile).attach()
     return model
 
 
-def load(path: str | os.PathLike, dtype: torch.dtype | None = None, **store_options) -> MoEModel:
+def load(path: str | os.PathLike, dtype: torch.dtype | None = None, threads: int | None = None,
+         **store_options) -> MoEModel:
     """A model from a Hugging Face checkpoint directory (all in RAM) or from a store (experts tiered;
-    options ram=, vram=, device=, policy=, io=, compute=, preload=, place_popular=). Dense weight
-    matrices in `dtype`, by default as the checkpoint stores them; activations are float32."""
+    options ram= (bytes, "512MiB" or a share of the expert bytes like "25%"), vram=, device=, policy=,
+    io=, compute=, preload=, place_popular=, profile= (a RoutingProfile instead of the store's),
+    skip_below= (adaptive top-k: a non-resident expert chosen only below this weight is not read)).
+    Dense weight matrices in `dtype`, by default as the checkpoint stores them where the CPU computes that type natively, else float32; activations
+    float32. threads: the kernels' thread count (None: the
+    cores other processes leave free, followed as the machine's load changes)."""
     if is_store(path):
-        return load_store(path, dtype=dtype, **store_options)
+        return load_store(path, dtype=dtype, threads=threads, **store_options)
     if store_options:
-        raise ValueError(f"{path}: {sorted(store_options)} apply to stores only; this is a checkpoint directory")
-    return load_checkpoint(path, dtype)
+        options = ", ".join(f"{k}=" for k in sorted(store_options))
+        raise ValueError(f"{path}: {options} apply to stores only, and this is a checkpoint directory "
+                         f"(make a store with edgemoe convert)")
+    return load_checkpoint(path, dtype, threads)

@@ -4,7 +4,12 @@ A step takes the new tokens of one or more sequences, flattened: tokens [T], wit
 sequence (its KV cache and its run of tokens). Everything but attention works on the flat [T, D]
 batch, so the expert path never depends on how many sequences, beams or positions arrive.
 
-Shapes: T tokens in the step, D hidden, V vocab, H heads, K kv heads, Dh head dim, S tokens of one sequence.
+The parts that differ between architectures are chosen by spec fields: the q/k/v projections by
+spec.attention (edgemoe/attention.py), the router by spec.router (edgemoe/layers.py), the norm kind
+by spec.norm; shared experts (gated or not) and dense-MLP layers are dense weights like attention.
+
+Shapes: T tokens in the step, D hidden, V vocab, H heads, K kv heads, Dk / Dv key / value dims per head,
+S tokens of one sequence.
 """
 
 from __future__ import annotations
@@ -15,10 +20,12 @@ from typing import Sequence
 
 import torch
 
+from .attention import QKV_PROJECTIONS
 from .cache import KVCache
 from .experts import ExpertBatches, ExpertProvider
-from .layers import apply_rope, attend, attention_mask, linear, rms_norm, rope_tables, route, swiglu
+from .layers import attend, attention_mask, layer_norm, linear, rms_norm, rope_tables, route_by_spec, swiglu
 from .models.spec import ModelSpec
+from .threads import ThreadGovernor
 
 
 @dataclass(frozen=True)
@@ -50,7 +57,8 @@ class Timings:
 
 class MoEModel:
     def __init__(self, spec: ModelSpec, dense: dict[str, torch.Tensor], experts: ExpertProvider,
-                 tokenizer=None, generation_config: dict | None = None, name: str = ""):
+                 tokenizer=None, generation_config: dict | None = None, name: str = "",
+                 threads: int | None = None):
         self.spec = spec
         self.experts = experts
         self.tokenizer = tokenizer
@@ -59,7 +67,10 @@ class MoEModel:
         self.dtype = torch.float32   # activations, residual stream, KV cache; weights keep their own
         self.embed = dense["embed"]
         self.final_norm = dense["norm"]
+        self.final_norm_bias = dense.get("norm_bias")
         self.lm_head = dense["embed"] if spec.tie_word_embeddings else dense["lm_head"]
+        self.lm_head_bias = dense.get("lm_head_bias")
+        self._qkv = QKV_PROJECTIONS[spec.attention]
         self.layers = [{key.split(".", 2)[2]: t for key, t in dense.items() if key.startswith(f"layers.{l}.")}
                        for l in range(spec.num_layers)]
         # Observers of each MoE layer's routing: hook(layer, experts [T, A], weights [T, A], positions [T],
@@ -70,11 +81,13 @@ class MoEModel:
         # (layer, positions [T]) -> (weights, experts) replacing the routers (edgemoe.replay).
         self.routing_override = None
         self.timings = Timings()
+        self.threads = ThreadGovernor(threads)   # None: the cores other processes leave free
+        self.context_length = spec.max_position_embeddings   # positions a sequence may occupy
 
     # ---- public API -------------------------------------------------------------------------------
     def new_cache(self) -> KVCache:
         s = self.spec
-        return KVCache(s.num_layers, s.num_kv_heads, s.head_dim, dtype=self.dtype)
+        return KVCache(s.num_layers, s.num_kv_heads, s.key_dim, dtype=self.dtype, value_dim=s.value_dim)
 
     @torch.inference_mode()
     def logits(self, token_ids: Sequence[int] | torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
@@ -93,6 +106,7 @@ class MoEModel:
             raise ValueError("forward: segments do not cover the tokens")
         if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.spec.vocab_size):
             raise ValueError(f"forward: token id outside [0, {self.spec.vocab_size})")
+        self.threads.step()
         t = self.timings
         start = time.perf_counter()
         positions = torch.cat([torch.arange(s.cache.length, s.cache.length + s.num_tokens) for s in segments])
@@ -116,16 +130,16 @@ class MoEModel:
         """Decoder layers start.. on hidden states x [T, D] (the caches are not advanced).
         on_layer_input(l, x) sees each layer's input (the budget search caches them)."""
         t = self.timings
-        cos, sin = rope_tables(positions, self.spec.head_dim, self.spec.rope_theta)
+        s = self.spec
+        cos, sin = rope_tables(positions, s.rope_dim, s.rope_theta, s.rope_inv_freq, s.rope_attention_factor)
         for l in range(start, self.spec.num_layers):
             if on_layer_input is not None:
                 on_layer_input(l, x)
             w = self.layers[l]
             t0 = time.perf_counter()
-            x = x + self._attention(l, w, rms_norm(x, w["attn_norm"], self.spec.rms_norm_eps),
-                                    positions, cos, sin, segments)
+            x = x + self._attention(l, w, self._norm(x, w, "attn_norm"), positions, cos, sin, segments)
             t1 = time.perf_counter()
-            x = x + self._mlp(l, w, rms_norm(x, w["mlp_norm"], self.spec.rms_norm_eps), positions, segments)
+            x = x + self._mlp(l, w, self._norm(x, w, "mlp_norm"), positions, segments)
             t.attention += t1 - t0
             t.experts += time.perf_counter() - t1
         return x
@@ -136,39 +150,44 @@ class MoEModel:
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: hidden [T, D] -> float32 logits [T, V]."""
-        return linear(rms_norm(x, self.final_norm, self.spec.rms_norm_eps), self.lm_head).float()
+        if self.spec.norm == "layer":
+            x = layer_norm(x, self.final_norm, self.final_norm_bias, self.spec.rms_norm_eps)
+        else:
+            x = rms_norm(x, self.final_norm, self.spec.rms_norm_eps)
+        return linear(x, self.lm_head, self.lm_head_bias).float()
+
+    def dense_weights(self) -> dict[str, torch.Tensor]:
+        """The dense weights under their canonical names (to build a twin with other experts)."""
+        top = {"embed": self.embed, "norm": self.final_norm, "norm_bias": self.final_norm_bias,
+               "lm_head": None if self.spec.tie_word_embeddings else self.lm_head, "lm_head_bias": self.lm_head_bias}
+        dense = {name: t for name, t in top.items() if t is not None}
+        for l, weights in enumerate(self.layers):
+            dense.update({f"layers.{l}.{name}": t for name, t in weights.items()})
+        return dense
+
+    def route(self, l: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer l's router on its MoE input x [T, D] -> (weights [T, A] float32, experts [T, A])."""
+        w = self.layers[l]
+        return route_by_spec(x, w["router"], w.get("router_bias"), self.spec)
 
     # ---- layers -----------------------------------------------------------------------------------
-    def _qkv(self, w: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        s = self.spec
-        q = linear(x, w["q"], w.get("q_bias"))      # [T, H*Dh]
-        k = linear(x, w["k"], w.get("k_bias"))      # [T, K*Dh]
-        v = linear(x, w["v"], w.get("v_bias"))
-        if s.qk_norm == "proj":
-            q, k = rms_norm(q, w["q_norm"], s.rms_norm_eps), rms_norm(k, w["k_norm"], s.rms_norm_eps)
-        if s.clip_qkv is not None:
-            q, k, v = (t.clamp(-s.clip_qkv, s.clip_qkv) for t in (q, k, v))
-        T = x.shape[0]
-        q = q.view(T, s.num_heads, s.head_dim)
-        k = k.view(T, s.num_kv_heads, s.head_dim)
-        v = v.view(T, s.num_kv_heads, s.head_dim)
-        if s.qk_norm == "head":
-            q, k = rms_norm(q, w["q_norm"], s.rms_norm_eps), rms_norm(k, w["k_norm"], s.rms_norm_eps)
-        return q, k, v
+    def _norm(self, x: torch.Tensor, w: dict, name: str) -> torch.Tensor:
+        if self.spec.norm == "layer":
+            return layer_norm(x, w[name], w[name + "_bias"], self.spec.rms_norm_eps)
+        return rms_norm(x, w[name], self.spec.rms_norm_eps)
 
     def _attention(self, l: int, w: dict, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
-        q, k, v = self._qkv(w, x)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self._qkv(self.spec, w, x, cos, sin)
         window = self.spec.sliding_windows[l]
         outputs, start = [], 0
         for seg in segments:
             end = start + seg.num_tokens
             keys, values = seg.cache.append(l, k[start:end].transpose(0, 1), v[start:end].transpose(0, 1))
             mask = attention_mask(positions[start:end], keys.shape[1], window)
-            outputs.append(attend(q[start:end], keys, values, mask))   # [S, H*Dh]
+            outputs.append(attend(q[start:end], keys, values, mask, self.spec.attention_scale))   # [S, H*Dv]
             start = end
-        return linear(torch.cat(outputs), w["o"])
+        return linear(torch.cat(outputs), w["o"], w.get("o_bias"))
 
     def _mlp(self, l: int, w: dict, x: torch.Tensor, positions: torch.Tensor, segments) -> torch.Tensor:
         if not self.spec.moe_layers[l]:
@@ -178,7 +197,7 @@ class MoEModel:
         if self.routing_override is not None:
             weights, experts = self.routing_override(l, positions)
         else:
-            weights, experts = route(x, w["router"], self.spec.top_k, self.spec.norm_topk_prob)
+            weights, experts = self.route(l, x)
         batches = ExpertBatches.from_routing(weights, experts)
         self.experts.prepare(l, batches)
         for hook in self.routing_hooks:
@@ -186,7 +205,9 @@ class MoEModel:
         out = self.experts.run(l, x, batches)
         if self.spec.shared_expert_hidden:
             shared = swiglu(x, w["shared.gate"], w["shared.up"], w["shared.down"])
-            out = out + torch.sigmoid(linear(x, w["shared_gate"])) * shared
+            if self.spec.shared_expert_gated:
+                shared = torch.sigmoid(linear(x, w["shared_gate"])) * shared
+            out = out + shared
         return out
 
     # ---- generation (see generate.py) ---------------------------------------------------------------

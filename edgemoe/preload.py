@@ -35,7 +35,6 @@ import time
 
 import torch
 
-from .layers import route
 
 PREDICTORS = ("auto", "correlation", "lookahead", "none")
 MIN_PROBABILITY = 0.5
@@ -76,7 +75,7 @@ class Preloader:
         if nxt is None:
             return
         spec = self.model.spec
-        weights, experts = route(hidden, self.model.layers[nxt]["router"], spec.top_k, spec.norm_topk_prob)
+        weights, experts = self.model.route(nxt, hidden)
         scores = torch.zeros(spec.num_experts).index_add_(0, experts.reshape(-1), weights.reshape(-1).float())
         self._issue(nxt, scores, hidden.shape[0], least=1e-9, certain=True)
 

@@ -8,27 +8,34 @@ its own sequence (trace "seq" = window number), so every token is routed once.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from edgemoe.store.profile import RoutingProfile, TraceRecord, TraceRecorder, read_trace
 
 from .evaluate import default_context
+from .options import window_length
 from .replay import records_for_model
 
 
-def trace_text(model, text: str, context: int | None = None) -> list[TraceRecord]:
+def trace_text(model, text: str, context: int | None = None,
+               on_progress: Callable[[int, int], None] | None = None) -> list[TraceRecord]:
+    """Every token's routing, window by window; on_progress(windows done, windows in all)."""
     if model.tokenizer is None:
         raise ValueError("trace: this model has no tokenizer")
     ids = torch.tensor(model.tokenizer.encode(text, add_special_tokens=False))
     if ids.numel() == 0:
         raise ValueError("trace: the text has no tokens")
-    context = context or default_context(model)
+    context = window_length(context, "context=", model.context_length) or default_context(model)
     records: list[TraceRecord] = []
-    for window, start in enumerate(range(0, ids.numel(), context)):
+    starts = range(0, ids.numel(), context)
+    for window, start in enumerate(starts):
         with TraceRecorder(model, seq=window) as recorder:
             model.logits(ids[start:start + context])
         records += recorder.records
+        if on_progress:
+            on_progress(window + 1, len(starts))
     return records
 
 
@@ -39,18 +46,19 @@ def build_profile(model, records: list[TraceRecord], min_count: int = 3) -> Rout
 
 
 def profile_store(store: str | Path, text: str | None = None, trace: str | Path | None = None,
-                  context: int | None = None, min_count: int = 3) -> RoutingProfile:
+                  context: int | None = None, min_count: int = 3, threads: int | None = None,
+                  on_progress: Callable[[int, int], None] | None = None) -> RoutingProfile:
     """Profile a store from a text (run the store's own quantized model) or a recorded trace; save it."""
     import edgemoe
 
     if (text is None) == (trace is None):
         raise ValueError("profile: give a text or a trace (exactly one)")
-    model = edgemoe.load(store, preload="none")
+    model = edgemoe.load(store, threads=threads, preload="none")
     try:
-        if trace is not None:   # a trace of a shallower model is laid over this one's layers, as replayed
-            records = records_for_model(read_trace(trace), model.spec.moe_layer_ids)
+        if trace is not None:   # numbered as this model's layers, as replayed
+            records = records_for_model(read_trace(trace), model.spec.moe_layer_ids, str(trace))
         else:
-            records = trace_text(model, text, context)
+            records = trace_text(model, text, context, on_progress)
         profile = build_profile(model, records, min_count)
         profile.save(store)
     finally:

@@ -55,7 +55,9 @@ class QuantizedExpert:
 class StoreExperts(ExpertProvider):
     """The ExpertProvider of a model loaded from a store."""
 
-    def __init__(self, store: TieredStore, compute: str = "auto", overlap: bool = True):
+    def __init__(self, store: TieredStore, compute: str = "auto", overlap: bool = True, skip_below: float = 0.0):
+        if not 0.0 <= skip_below < 1.0:
+            raise ValueError(f"skip_below={skip_below!r}: expected a routing weight in [0, 1)")
         if compute not in COMPUTE_CHOICES:
             raise ValueError(f"compute={compute!r}: expected one of {COMPUTE_CHOICES}")
         if compute == "device" and store.device is None:
@@ -65,6 +67,9 @@ class StoreExperts(ExpertProvider):
         self.overlap = overlap       # read a layer's other experts in the background while one computes
         self._latency = None
         self.io_wait_seconds = 0.0   # time the compute spent waiting for experts to arrive
+        self.skip_below = skip_below  # adaptive top-k: drop non-resident experts only weakly chosen
+        self.skipped = 0              # (token, expert) pairs dropped so far
+        self._kept: ExpertBatches | None = None
 
     @property
     def latency(self):
@@ -87,9 +92,33 @@ class StoreExperts(ExpertProvider):
         return QuantizedExpert(resident, self.choose, self.store.device)
 
     def prepare(self, layer: int, batches: ExpertBatches) -> None:
-        self.store.begin_layer(layer, needed=((layer, e) for e in batches.experts))
+        self._kept = self._skip_weak_misses(layer, batches) if self.skip_below else batches
+        self.store.begin_layer(layer, needed=((layer, e) for e in self._kept.experts))
 
     def run(self, layer: int, x: torch.Tensor, batches: ExpertBatches) -> torch.Tensor:
+        batches = self._kept if self._kept is not None else batches
+        self._kept = None
         if self.overlap:
             self.store.prefetch(((layer, e) for e in batches.experts[1:]), urgent=True)
         return super().run(layer, x, batches)
+
+    def _skip_weak_misses(self, layer: int, batches: ExpertBatches) -> ExpertBatches:
+        """Adaptive top-k: an expert that is not resident and that every one of its tokens chose with
+        a weight below skip_below (never as its strongest) is not read; each token's remaining
+        weights are scaled to keep their sum. Results then depend on what is resident."""
+        missing = set(self.store.missing([(layer, e) for e in batches.experts]))
+        tokens = torch.cat(batches.tokens)
+        weights = torch.cat(batches.weights)
+        count = int(tokens.max()) + 1
+        strongest = torch.zeros(count).scatter_reduce_(0, tokens, weights, "amax", include_self=False)
+        total = torch.zeros(count).index_add_(0, tokens, weights)
+        skip = {e for e, t, w in batches if (layer, e) in missing
+                and bool((w < self.skip_below).all()) and bool((w < strongest[t]).all())}
+        if not skip:
+            return batches
+        kept = [(e, t, w) for e, t, w in batches if e not in skip]
+        self.skipped += sum(len(t) for e, t, _ in batches if e in skip)
+        remaining = torch.zeros(count).index_add_(0, torch.cat([t for _, t, _ in kept]),
+                                                  torch.cat([w for _, _, w in kept]))
+        scale = total / remaining
+        return ExpertBatches([e for e, _, _ in kept], [t for _, t, _ in kept], [w * scale[t] for _, t, w in kept])

@@ -69,6 +69,11 @@ class Tokenizer:
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the rendered chat template. The template writes the special tokens it wants
+        (bos_token...), so none are added again (as transformers' apply_chat_template(tokenize=True))."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
 
 class StreamDecoder:
     """Turns generated ids into text pieces as they come, never splitting a character.

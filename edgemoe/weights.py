@@ -85,7 +85,8 @@ def plan_weights(ckpt: Checkpoint, spec: ModelSpec, names: TensorNames) -> Weigh
     for src in experts.values():
         used.update((src.names.fused_gate_up, src.names.fused_down) if src.fused
                     else src.names.per_expert(src.expert).values())
-    unused = [n for n in sorted(set(ckpt.tensors) - used) if not n.endswith(names.ignored_suffixes)]
+    unused = [n for n in sorted(set(ckpt.tensors) - used)
+              if not n.endswith(names.ignored_suffixes) and not n.startswith(names.ignored_prefixes)]
     if unused:
         problems.append("unused tensors " + _short_list(unused))
     if problems:

@@ -13,8 +13,8 @@
 
 from .format import ExpertEntry, Manifest, StoreError, read_manifest
 from .inspect import inspect_store
-from .tiers import ResidentExpert, StoreStats, TieredStore, open_store, parse_bytes
+from .tiers import ResidentExpert, StoreStats, TieredStore, check_device, open_store, parse_bytes
 from .writer import ConvertReport, convert, read_widths
 
 __all__ = ["ConvertReport", "ExpertEntry", "Manifest", "ResidentExpert", "StoreError", "StoreStats", "TieredStore",
-           "convert", "inspect_store", "open_store", "parse_bytes", "read_manifest", "read_widths"]
+           "check_device", "convert", "inspect_store", "open_store", "parse_bytes", "read_manifest", "read_widths"]

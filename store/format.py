@@ -116,6 +116,11 @@ class Manifest:
     def quantization(self) -> dict:
         return self.data["quantization"]
 
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of every expert as held in RAM (decoded blobs): what a RAM share like 25% is of."""
+        return sum(e.length for e in self.experts.values())
+
 
 def write_json_atomic(path: Path, data: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")

@@ -85,14 +85,17 @@ def read_trace(path) -> list[TraceRecord]:
     """Read a JSON-lines trace; blank lines are skipped; ValueError naming file and line otherwise."""
     path = Path(path)
     records = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                records.append(_parse_record(json.loads(line)))
-            except (json.JSONDecodeError, ValueError) as exc:
-                raise ValueError(f"{path}:{lineno}: malformed trace record: {exc}") from None
+    try:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    records.append(_parse_record(json.loads(line)))
+                except (json.JSONDecodeError, ValueError) as exc:
+                    raise ValueError(f"{path}:{lineno}: malformed trace record: {exc}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not a trace (JSON lines of UTF-8 text; {e.reason} at byte {e.start})") from None
     return records
 
 

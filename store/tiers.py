@@ -14,6 +14,8 @@ flight is shared by every thread that asks for the same expert.
 
 from __future__ import annotations
 
+import math
+import numbers
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -26,6 +28,7 @@ from edgemoe.quant import QuantizedTensor, dequantize_reference, get_format, gro
 
 from .disk import DiskTier
 from .format import ARRAY_NAMES, PROFILE, ExpertEntry, StoreError, decode_blob, read_manifest
+from .guard import GUARD_WINDOW_TOKENS, GuardedPolicy, SchemeGuard
 from .loads import LoadQueue
 from .policies import make_policy
 from .profile import RoutingProfile, read_profile_json
@@ -187,18 +190,67 @@ class _Tier:
         return item
 
 
-def parse_bytes(value: int | str | None, option: str = "budget") -> int | None:
-    """'512MiB', '2GB', '1.5G', 1048576 -> bytes; None stays None (unlimited)."""
-    if value is None or isinstance(value, int):
-        return value
-    units = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-             "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_bytes(value: int | str | None, option: str, share_of: int | None = None,
+              allow_share: bool = False) -> int | str | None:
+    """'512MiB', '2GB', '1.5G', 1048576 -> bytes; '25%' -> that share of `share_of` bytes (a store's
+    expert bytes). Without `share_of`, a valid share is returned as given (allow_share), to be resolved
+    where the total is known. None stays None (no limit)."""
+    if value is None:
+        return None
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        if value < 0:
+            raise _option_error(option, value, "expected a size >= 0")
+        return int(value)
     text = str(value).strip().lower()
+    if text.endswith("%") and (allow_share or share_of is not None):
+        share = _number(text[:-1])
+        if share is None or not 0 <= share <= 100:
+            raise _option_error(option, value, "expected a percentage in [0, 100]")
+        return text if share_of is None else int(share / 100 * share_of)
     number = text.rstrip("kmgtib")
+    amount, unit = _number(number), _UNITS.get(text[len(number):])
+    if amount is None or unit is None or amount < 0:
+        shares = " or a share of the store's expert bytes like 25%" if allow_share or share_of is not None else ""
+        raise _option_error(option, value, f"expected a size like 512MiB, 2GB or 1048576{shares}")
+    return int(amount * unit)
+
+
+def _number(text: str) -> float | None:
     try:
-        return int(float(number) * units[text[len(number):]])
-    except (ValueError, KeyError):
-        raise StoreError(f"--{option} {value!r}: expected bytes like 512MiB, 2GB or 1048576") from None
+        x = float(text)
+    except ValueError:
+        return None
+    return x if math.isfinite(x) else None
+
+
+def check_device(value, option: str):
+    """The VRAM tier's device, one this build of torch can use ('cuda', 'cuda:1', 'mps'; 'cpu' is a
+    stand-in for tests). A torch.device or name; returned unchanged."""
+    if value is None:
+        return None
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError):
+        raise _option_error(option, value, "not a torch device name (e.g. cuda, cuda:0, cpu)") from None
+    if device.type == "cpu":
+        return value
+    module = getattr(torch, device.type, None)
+    available = getattr(module, "is_available", None)
+    if available is None or not available():
+        raise _option_error(option, value, f"this torch build ({torch.__version__}) has no usable "
+                                         f"{device.type} device")
+    if device.index is not None and device.index >= module.device_count():
+        raise _option_error(option, value, f"there are {module.device_count()} {device.type} devices")
+    return value
+
+
+def _option_error(option: str, value, expected: str) -> StoreError:
+    sep = "" if option.endswith("=") else " "
+    return StoreError(f"{option}{sep}{value!r}: {expected}")
 
 
 class TieredStore:
@@ -206,27 +258,37 @@ class TieredStore:
 
     def __init__(self, path, ram: int | str | None = None, vram: int | str | None = 0,
                  device: str | torch.device | None = None, policy: str = "lru", io: str = "buffered",
-                 verify: str = "first", preload_queue: int = 64, place_popular: bool = True):
+                 verify: str = "first", preload_queue: int = 64, place_popular: bool = True,
+                 profile: RoutingProfile | None = None, guard: bool = True):
+        """profile: a routing profile to use instead of the store's profile.json (a benchmark's, built
+        from the routing it replays). guard: with a RAM budget (and no VRAM tier), measure the scheme
+        against a ghost on-demand LRU cache and fall back when it reads more (store/guard.py)."""
         self.manifest = read_manifest(Path(path))
         self.path = self.manifest.path
         self.spec = self.manifest.spec
         self.disk = DiskTier(self.manifest, io=io, verify=verify)
         self.stats = StoreStats()
-        profile_json = read_profile_json(self.path / PROFILE)
+        profile_json = read_profile_json(self.path / PROFILE) if profile is None else {
+            "popularity": {str(l): row for l, row in profile.popularity.items()}}
         self.popularity = self._popularity(profile_json)
-        ram_budget = parse_bytes(ram, "ram")
-        vram_budget = parse_bytes(vram, "vram") or 0
+        ram_budget = parse_bytes(ram, "ram=", share_of=self.manifest.expert_bytes)
+        vram_budget = parse_bytes(vram, "vram=", share_of=self.manifest.expert_bytes) or 0
         if vram_budget and device is None:
             device = "cuda" if torch.cuda.is_available() else None
             if device is None:
-                raise StoreError("--vram: no GPU here; give a device explicitly (e.g. device='cpu' as a stand-in)")
+                raise StoreError(f"vram={vram!r}: no GPU here; give a device explicitly (device='cpu' is a "
+                                 f"stand-in for tests)")
+        check_device(device, "device=")
         self.device = torch.device(device) if vram_budget else None
         self.policy_name = policy
         # for the preloader and the policies that predict (expected-use)
-        self.routing_profile = RoutingProfile.from_profile_json(self.path / PROFILE, profile_json)
+        self.routing_profile = profile or RoutingProfile.from_profile_json(self.path / PROFILE, profile_json)
         make = lambda: make_policy(policy, self.spec.num_layers, self.popularity, self.routing_profile)  # noqa: E731
         self.vram = _Tier("vram", vram_budget, make(), self.stats.vram) if vram_budget else None
-        self.ram = _Tier("ram", ram_budget if ram_budget is not None else 1 << 62, make(), self.stats.ram)
+        self.guard = (SchemeGuard(ram_budget, GUARD_WINDOW_TOKENS * len(self.spec.moe_layer_ids))
+                      if guard and ram_budget is not None and not vram_budget else None)
+        ram_policy = GuardedPolicy(make(), self.guard) if self.guard else make()
+        self.ram = _Tier("ram", ram_budget if ram_budget is not None else 1 << 62, ram_policy, self.stats.ram)
         self._lock = threading.RLock()
         self._in_flight: dict[Key, threading.Event] = {}
         self._preloaded: set[Key] = set()   # loaded on a prediction, not yet asked for
@@ -298,6 +360,8 @@ class TieredStore:
         neither resident nor being read, and admitted by the eviction policy of the tier an expert
         leaves the cache from (_Tier.admit), beside the running layer's experts and the unused
         preloads of the keys' layers. The simulator (tools/simulate_cache.py) asks the same."""
+        if self.guard and not self.guard.allow_preload:
+            return []
         with self._lock:
             wanted = [(key, self.manifest.experts[key].length, p) for key, p in predictions
                       if key in self.manifest.experts and not self._present(key)]
@@ -322,6 +386,9 @@ class TieredStore:
         layer distance, and nothing placed until the next begin_layer evicts a needed expert."""
         with self._lock:
             self._pinned = {(int(l), int(e)) for l, e in needed}
+            if self.guard:
+                self.guard.observe_layer(((k, self.manifest.experts[k].length) for k in sorted(self._pinned)),
+                                         self.stats.disk_bytes_read)
             for tier in (self.vram, self.ram):
                 if tier:
                     tier.policy.set_layer(layer, self._pinned)

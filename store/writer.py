@@ -66,6 +66,25 @@ def read_widths(path: str | os.PathLike, spec: ModelSpec) -> dict[tuple[int, int
     return widths
 
 
+def check_destination(out: Path, force: bool, inputs: list[Path]) -> None:
+    """Refuse, before any work, a destination whose replacement could lose data: `out` may exist only
+    with `force` and only as a store (a directory with a manifest); it may not be, hold or lie inside
+    an input of the command (the checkpoint, a calibration text...). Nothing is touched here."""
+    out = Path(out)
+    target = out.resolve()
+    for source in inputs:
+        src = Path(source).resolve()
+        if src == target or target in src.parents:
+            raise StoreError(f"{out}: is or contains the input {source}; choose another output directory")
+    if not out.exists() and not out.is_symlink():
+        return
+    if not force:
+        raise StoreError(f"{out}: already exists (use --force to replace a store)")
+    if out.is_symlink() or not out.is_dir() or not (out / MANIFEST).is_file():
+        raise StoreError(f"{out}: not an edgemoe store (no {MANIFEST}); --force replaces only a store, "
+                         f"so it was left untouched")
+
+
 def _stale_partials(out: Path) -> list[Path]:
     return list(out.parent.glob(out.name + ".partial-*"))
 
@@ -100,8 +119,7 @@ def convert(model_dir: str | os.PathLike, out: str | os.PathLike, bits: int = 4,
         raise StoreError(f"--compress {compress!r}: expected zstd or nothing")
     start = time.perf_counter()
     out = Path(out)
-    if out.exists() and not force:
-        raise StoreError(f"{out}: already exists (use --force to replace it)")
+    check_destination(out, force, inputs=[Path(model_dir)])
     ckpt = Checkpoint(model_dir)
     spec = read_spec(ckpt)
     plan = plan_weights(ckpt, spec, architecture(spec.model_type).tensor_names(spec))

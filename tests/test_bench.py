@@ -74,18 +74,18 @@ def test_prefill_reads_each_expert_at_most_once_per_chunk(store):
 
 
 def test_replay_drives_the_routing(store, tiny_model):
-    source = edgemoe.load(tiny_model("qwen3_moe", num_hidden_layers=2, num_experts=6, seed=5))
+    source = edgemoe.load(tiny_model("qwen3_moe", num_hidden_layers=4, num_experts=6, seed=5))
     records = trace_text(source, TEXT, context=64)
     config = BenchConfig(ram=expert_bytes(store), modes=("on-demand-lru",), prefill_tokens=(2,), decode_tokens=6,
                          warmup_tokens=0, repeats=1, replay=replay_of(records, store))
     (record,), _ = bench(store, config, bandwidths=FIXED)
-    # Positions 0..7 take the trace's first tokens; 2 trace layers drive 4 model layers.
+    # Positions 0..7 take the trace's first tokens; trace layer i drives model layer i.
     routing = {}
     for r in records:
         if r.seq == 0:
             routing.setdefault(r.token, {})[r.layer] = r.experts
     def used(positions):
-        return {(layer, e) for t in positions for layer in range(4) for e in routing[t][layer % 2]}
+        return {(layer, e) for t in positions for layer in range(4) for e in routing[t][layer]}
     first_read_in_decode = used(range(8)) - used(range(2))
     assert first_read_in_decode   # the check below is not vacuous
     # The whole store fits in RAM: decode reads exactly the experts it uses that prefill did not.
@@ -103,7 +103,8 @@ def test_edgemoe_mode_needs_a_routing_profile(tiny_model, tmp_path):
 def test_ram_budget_as_bytes_or_a_share_of_the_experts(store):
     assert parse_ram("25%", store) == int(0.25 * expert_bytes(store))
     assert parse_ram("1MiB", store) == 1 << 20
-    for bad in ("0%", "150%", "lots%"):
+    assert parse_ram("0%", store) == 0   # streaming only, as --ram 0
+    for bad in ("150%", "lots%", "-5%", "nan%", "inf"):
         with pytest.raises(ValueError, match="--ram"):
             parse_ram(bad, store)
     with pytest.raises(ValueError, match="--mode 'fast'"):
@@ -169,3 +170,22 @@ def test_bench_command_names_a_trace_that_does_not_fit(store, tmp_path, monkeypa
         main()
     assert exit_info.value.code == 2
     assert f"{trace}: its routing" in capsys.readouterr().err
+
+
+def test_default_prompt_lengths_fit_the_models_context():
+    from edgemoe.bench import default_prefill
+    assert default_prefill(32768, 36) == (512, 2048)
+    assert default_prefill(1024, 36) == (512,)
+    assert default_prefill(256, 36) == (128,)
+
+
+def test_generated_routing_fits_the_model_and_profiles_another_text(store):
+    from edgemoe.bench import generated_routing
+    spec = read_manifest(store).spec
+    replay, profile = generated_routing(spec, tokens=40)
+    assert len(replay.stream) == 40 and set(replay.layer_of) == set(spec.moe_layer_ids)
+    assert profile.moe_layers == list(spec.moe_layer_ids) and profile.num_experts == spec.num_experts
+    config = BenchConfig(ram=expert_bytes(store) // 4, modes=("edgemoe",), prefill_tokens=(20,), decode_tokens=4,
+                         warmup_tokens=1, repeats=1, replay=replay, profile=profile)
+    (record,), _ = bench(store, config, bandwidths=FIXED)
+    assert record["mode"] == "edgemoe" and record["decode_tok_s"] > 0

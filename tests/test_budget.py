@@ -113,3 +113,18 @@ def test_inspect_prints_the_width_map_and_draws_it(checkpoint, tmp_path, monkeyp
     row = next(line for line in width_table if line.strip("│ ").startswith("1 "))
     assert [int(c) for c in row.replace("│", " ").split()[1:]] == [widths[1, e] for e in range(spec.num_experts)]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_cached_layer_inputs_stay_exact_with_latent_attention_dense_layers_and_shared_experts(tiny_model):
+    """DeepSeek-V3's shape: a dense first layer (no experts to widen), always-on shared experts, and
+    cached keys and values of different widths when re-running from a layer."""
+    model = edgemoe.load(tiny_model("deepseek_v3"))
+    ids = torch.tensor(model.tokenizer.encode(TEXT, add_special_tokens=False))
+    search = BudgetSearch(model, Calibration(model, ids, context=48, metric="kl"))
+    assert {layer for layer, _ in search.keys} == set(model.spec.moe_layer_ids) == {1, 2}
+    base = {key: 4 for key in search.keys}
+    search._cache_layer_inputs(base)
+    for key in [(1, 5), (2, 0)]:
+        partial = search.loss({**base, key: 2}, start_layer=key[0])
+        full = search.loss({**base, key: 2}, start_layer=0)
+        assert partial == pytest.approx(full, rel=1e-6, abs=1e-9)

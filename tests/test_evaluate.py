@@ -30,8 +30,9 @@ def test_windows_score_every_position_once():
             assert end - begin <= context and begin < first
 
 
-def test_perplexity_of_a_short_text_is_the_plain_cross_entropy(tiny_model):
-    path = tiny_model("qwen3_moe")
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2", "deepseek_v3", "phimoe"])
+def test_perplexity_of_a_short_text_is_the_plain_cross_entropy(tiny_model, arch):
+    path = tiny_model(arch)
     model = edgemoe.load(path)
     ids = torch.tensor(model.tokenizer.encode(TEXT, add_special_tokens=False))
     logp = reference_log_probs(path, ids)
@@ -104,3 +105,12 @@ def test_eval_defaults_to_the_bundled_model_and_its_held_out_text(monkeypatch, c
     record = json.loads(capsys.readouterr().out)
     assert info.value.code == 0 and record["context"] == 128 and record["tokens"] > 10000
     assert record["perplexity"] < 200       # a trained model: far below its 4096-token vocabulary
+
+
+def test_decode_mode_scores_the_same_tokens_as_the_batched_mode(tiny_model):
+    from edgemoe.evaluate import evaluate
+    model = edgemoe.load(tiny_model("mixtral"), torch.float32)
+    ids = torch.randint(3, model.spec.vocab_size, (70,), generator=torch.Generator().manual_seed(0))
+    batched = evaluate(model, ids, context=32, stride=16)
+    stepped = evaluate(model, ids, context=32, stride=16, decode=True)
+    assert stepped.tokens == batched.tokens and abs(stepped.nll - batched.nll) <= 1e-5

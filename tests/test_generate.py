@@ -87,3 +87,54 @@ def test_stream_decoder_pieces_equal_the_whole_decode_for_any_ids(model):
         decoder = StreamDecoder(model.tokenizer)
         text = "".join(decoder.push(i) for i in ids) + decoder.flush()
         assert text == model.tokenizer.decode(ids)
+
+
+@pytest.fixture(scope="module")
+def short_model(tiny_model):
+    """A model whose context is 64 positions."""
+    return edgemoe.load(tiny_model("mixtral", max_position_embeddings=64))
+
+
+def prompt_of(model, n):
+    return torch.randint(3, model.spec.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+
+
+def test_a_prompt_past_the_context_is_refused_naming_the_limit(short_model):
+    from edgemoe.errors import ContextLengthError
+    for run in (lambda o: list(edgemoe.generate.stream_tokens(short_model, prompt_of(short_model, 64), o)),
+                lambda o: edgemoe.generate.generate_batch(short_model, [prompt_of(short_model, 64)], o)):
+        with pytest.raises(ContextLengthError, match="64 tokens and the model's context is 64"):
+            run(GenerationOptions(max_new_tokens=5))
+
+
+def test_truncate_keeps_the_prompts_last_tokens(short_model):
+    ids = prompt_of(short_model, 100)
+    notices = []
+    opts = GenerationOptions(max_new_tokens=10, stop_token_ids=[], truncate=True)
+    cut = list(edgemoe.generate.stream_tokens(short_model, ids, opts, notices.append))
+    assert cut == list(edgemoe.generate.stream_tokens(short_model, ids[-54:], opts))   # 64 - 10 new tokens
+    assert len(notices) == 1 and "last 54 of 100 tokens" in notices[0]
+
+
+def test_generation_ends_at_the_context(short_model):
+    notices = []
+    opts = GenerationOptions(max_new_tokens=10, stop_token_ids=[])
+    single = list(edgemoe.generate.stream_tokens(short_model, prompt_of(short_model, 60), opts, notices.append))
+    assert len(single) == 4 and "context of 64" in notices[0]
+    batch = edgemoe.generate.generate_batch(short_model, [prompt_of(short_model, 60), prompt_of(short_model, 10)],
+                                            opts, notices.append)
+    assert [len(b) for b in batch] == [4, 10] and batch[0] == single
+
+
+def test_run_refuses_or_truncates_a_long_prompt(tiny_model):
+    import subprocess
+    import sys
+    path = str(tiny_model("mixtral", max_position_embeddings=64))
+    prompt = "To be, or not to be, that is the question " * 20
+    refused = subprocess.run([sys.executable, "-m", "edgemoe", "run", path, "-p", prompt, "-n", "4"],
+                             capture_output=True, text=True)
+    assert refused.returncode == 2 and refused.stderr.strip().count("\n") == 0
+    assert "the model's context is 64" in refused.stderr and "--truncate" in refused.stderr
+    cut = subprocess.run([sys.executable, "-m", "edgemoe", "run", path, "-p", prompt, "-n", "4", "--truncate"],
+                         capture_output=True, text=True)
+    assert cut.returncode == 0 and "warning: prompt truncated from the left" in cut.stderr

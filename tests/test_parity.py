@@ -31,7 +31,24 @@ CONFIGS = [
     ("olmoe", {}),
     ("olmoe", {"norm_topk_prob": True, "clip_qkv": 0.5}),
     ("olmoe", {"num_experts_per_tok": 1, "num_key_value_heads": 1}),
+    ("deepseek_v2", {}),                                                      # V2-Lite: plain q projection
+    ("deepseek_v2", {"q_lora_rank": 24, "topk_method": "group_limited_greedy", "n_group": 3, "topk_group": 2,
+                     "routed_scaling_factor": 1.5}),
+    ("deepseek_v2", {"attention_bias": True, "first_k_dense_replace": 0, "num_experts_per_tok": 1}),
+    ("deepseek_v3", {}),                                                      # q latent, 4 groups keep 2
+    ("deepseek_v3", {"rope_interleave": False, "q_lora_rank": None, "norm_topk_prob": False}),
+    ("deepseek_v3", {"n_group": 1, "topk_group": 1, "num_experts_per_tok": 3, "first_k_dense_replace": 2,
+                     "attention_bias": True}),
+    ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "beta_fast": 4,
+                                         "beta_slow": 1, "original_max_position_embeddings": 64, "mscale": 1.0,
+                                         "mscale_all_dim": 0.8}}),           # rotary dims 0-3 blended
+    ("deepseek_v2", {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                      "mscale": 0.707, "mscale_all_dim": 0.707}}),   # transformers 4 spelling
+    ("phimoe", {}),                                                           # attention and LM-head biases
+    ("phimoe", {"attention_bias": False, "lm_head_bias": False, "sliding_window": 5}),
+    ("phimoe", {"tie_word_embeddings": True, "num_key_value_heads": 1, "router_jitter_noise": 0.2}),
 ]
+ARCHITECTURES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "phimoe"]
 
 
 def _ids(config):
@@ -63,7 +80,7 @@ def test_prefill_and_decode_logits_match_transformers(tiny_model, arch, override
     assert cache.length == 13
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_greedy_generation_matches_transformers_generate(tiny_model, arch):
     path = tiny_model(arch)
     ref, ours = reference(path), edgemoe.load(path)
@@ -76,7 +93,7 @@ def test_greedy_generation_matches_transformers_generate(tiny_model, arch):
     assert generated[0] == expected
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "olmoe"])
+@pytest.mark.parametrize("arch", ["mixtral", "olmoe", "deepseek_v3"])
 def test_fused_and_sharded_checkpoints_load_to_the_same_model(tiny_model, arch):
     plain = edgemoe.load(tiny_model(arch))
     tokens = random_tokens(7, plain.spec.vocab_size)
@@ -88,12 +105,13 @@ def test_fused_and_sharded_checkpoints_load_to_the_same_model(tiny_model, arch):
 
 def test_bfloat16_checkpoint_matches_transformers_in_float32(tiny_model):
     path = tiny_model("qwen2_moe", dtype="bfloat16")
-    ref, exact, default = reference(path), edgemoe.load(path, dtype=torch.float32), edgemoe.load(path)
+    ref, exact = reference(path), edgemoe.load(path, dtype=torch.float32)
+    default = edgemoe.load(path, dtype=torch.bfloat16)
     tokens = random_tokens(10, exact.spec.vocab_size)
     with torch.no_grad():
         expected = ref(tokens[None]).logits[0]
     assert (exact.logits(tokens) - expected).abs().max() <= TOL
-    # By default matrices stay bfloat16 (multiplied in bfloat16, accumulated in float32), vectors and
+    # Kept bfloat16, matrices are multiplied in bfloat16 (accumulated in float32), vectors and
     # activations float32: the logits differ by bfloat16 rounding of the activations (measured: max
     # 0.9-1.4% of the largest logit, KL 3-4e-5 on tiny qwen2_moe and mixtral models).
     assert default.layers[0]["q"].dtype == torch.bfloat16 and default.layers[0]["attn_norm"].dtype == torch.float32
@@ -115,6 +133,17 @@ def test_bundled_model_matches_transformers():
     cache = ours.new_cache()
     got = torch.cat([ours.logits(tokens[:150], cache)] + [ours.logits(tokens[t:t + 1], cache) for t in range(150, 160)])
     assert (got - expected).abs().max() <= TOL
-    default = edgemoe.load(path).logits(tokens)          # bfloat16 matrices: bfloat16 rounding only
+    default = edgemoe.load(path, dtype=torch.bfloat16).logits(tokens)   # bfloat16 rounding only
     kl = torch.nn.functional.kl_div(default.log_softmax(-1), expected.log_softmax(-1), log_target=True, reduction="batchmean")
     assert kl <= 1e-3 and (default.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.95
+
+
+def test_auto_precision_keeps_bfloat16_only_where_the_cpu_computes_it(tiny_model, monkeypatch):
+    from edgemoe import precision
+    path = tiny_model("qwen2_moe", dtype="bfloat16")
+    for native, expected in ((frozenset(), torch.float32), (frozenset({torch.bfloat16}), torch.bfloat16)):
+        monkeypatch.setattr(precision, "native_types", lambda native=native: native)
+        model = edgemoe.load(path)
+        assert model.layers[0]["q"].dtype == expected and model.embed.dtype == expected
+        assert model.experts.expert(1, 0).gate.dtype == expected
+    assert edgemoe.load(path, dtype=torch.bfloat16).layers[0]["q"].dtype == torch.bfloat16   # explicit wins

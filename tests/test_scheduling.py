@@ -182,3 +182,30 @@ def test_a_preload_starts_only_after_the_running_layers_reads(store):
         s.get(0, 0)
         s.drain()
         assert set(s.resident()) == {(0, 0), (2, 0)}
+
+
+def test_lookahead_predicts_with_the_next_layers_own_router(tiny_model, tmp_path):
+    """DeepSeek-V3 picks experts by biased sigmoid scores within the best groups, not by softmax top-k:
+    the lookahead's predictions are those of transformers' own router on the same hidden states."""
+    from transformers import AutoConfig
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    checkpoint = tiny_model("deepseek_v3")
+    convert(checkpoint, tmp_path / "s", bits=8)
+    model = edgemoe.load(tmp_path / "s", preload="lookahead", place_popular=False)
+    router = DeepseekV3TopkRouter(AutoConfig.from_pretrained(checkpoint))
+    nxt = model.spec.moe_layer_ids[1]
+    router.weight.data.copy_(model.layers[nxt]["router"])
+    router.e_score_correction_bias.copy_(model.layers[nxt]["router_bias"])
+    first = model.spec.moe_layer_ids[0]
+    seen, issued = [], []
+    model.moe_input_hooks.append(lambda layer, x: layer == first and seen.append(x.clone()))
+    model.preloader._issue = lambda layer, scores, tokens, **kw: issued.append((layer, scores))
+    cache = model.new_cache()
+    for token in model.tokenizer.encode(TEXT, add_special_tokens=False)[:8]:   # one token per step: top-2 of 8
+        model.logits([token], cache)
+    assert len(issued) == len(seen) == 8
+    for (layer, scores), x in zip(issued, seen):
+        with torch.inference_mode():
+            _, _, expected = router(x)
+        assert layer == nxt and set(scores.nonzero().flatten().tolist()) == set(expected.flatten().tolist())

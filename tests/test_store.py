@@ -3,6 +3,7 @@ tier budgets and policies, background loader, and greedy output independent of a
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -102,6 +103,29 @@ def test_vram_tier_on_a_cpu_stand_in_matches_ram_logits(store):
     model = edgemoe.load(store, ram=0, vram="1GB", device="cpu")
     assert (model.logits(ids) - ram_logits).abs().max() <= 1e-4
     assert set(model.experts.store.resident().values()) == {"vram"}
+
+
+def test_vram_stand_in_and_ram_agree_on_the_bundled_model(tmp_path):
+    """The device path sums in another order than the CPU kernels: float32 rounding only. With float32
+    dense matrices greedy text is the same; bfloat16 ones round each GEMM's output to bfloat16, which
+    turns that rounding into bfloat16 steps of the logits (measured: at most 0.125 at logits of 12-17,
+    KL 3e-6 to 2e-5; docs/architecture.md)."""
+    from edgemoe.bundled import bundled_model_path
+    store = tmp_path / "bundled"
+    convert(bundled_model_path(), store, bits=4)
+    ram = edgemoe.load(store, torch.float32, preload="none")
+    vram = edgemoe.load(store, torch.float32, preload="none", ram=0, vram="1GB", device="cpu")
+    for prompt in ("ROMEO:", "JULIET:\nO", "To be, or not"):
+        ids = ram.tokenizer.encode(prompt)
+        assert (ram.logits(ids) - vram.logits(ids)).abs().max() <= 1e-4
+        assert ram.generate(prompt, max_new_tokens=100, temperature=0) == \
+            vram.generate(prompt, max_new_tokens=100, temperature=0)
+    ram16 = edgemoe.load(store, torch.bfloat16, preload="none")
+    vram16 = edgemoe.load(store, torch.bfloat16, preload="none", ram=0, vram="1GB", device="cpu")
+    ids = ram16.tokenizer.encode("ROMEO:")
+    a, b = ram16.logits(ids), vram16.logits(ids)
+    kl = torch.nn.functional.kl_div(b.log_softmax(-1), a.log_softmax(-1), log_target=True, reduction="batchmean")
+    assert (a - b).abs().max() <= 0.02 * a.abs().max() and kl <= 1e-4 and torch.equal(a.argmax(-1), b.argmax(-1))
 
 
 def test_tiers_are_exclusive_and_demote_from_vram_to_ram(store):
@@ -212,6 +236,38 @@ def test_existing_output_is_refused_unless_forced(checkpoint, store, tmp_path):
     assert {e.bits for e in read_manifest(out).experts.values()} == {2}
 
 
+def snapshot(path):
+    """Every file under path (or path itself) with its bytes."""
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    return {str(f): f.read_bytes() for f in files}
+
+
+@pytest.mark.parametrize("where", ["the checkpoint", "its parent"])
+def test_force_never_replaces_an_input(checkpoint, tmp_path, where):
+    source = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, source)
+    out = source if where == "the checkpoint" else tmp_path
+    before = snapshot(source)
+    with pytest.raises(StoreError, match="is or contains the input"):
+        convert(source, out, bits=4, force=True)
+    assert snapshot(source) == before
+
+
+@pytest.mark.parametrize("kind", ["directory", "file"])
+def test_force_replaces_only_a_store(checkpoint, tmp_path, kind):
+    out = tmp_path / "out"
+    if kind == "directory":
+        out.mkdir()
+        (out / "notes.txt").write_text("keep me")
+    else:
+        out.write_text("keep me")
+    before = snapshot(out)
+    with pytest.raises(StoreError, match="not an edgemoe store.*left untouched"):
+        convert(checkpoint, out, bits=4, force=True)
+    assert snapshot(out) == before
+    assert list(tmp_path.iterdir()) == [out]   # no partial store left behind
+
+
 def test_a_failed_convert_leaves_nothing_that_opens(checkpoint, tmp_path):
     def fail(done, total):
         if done == 3:
@@ -310,15 +366,26 @@ def test_two_processes_read_one_store_at_once(store):
     assert outputs == [expected, expected]
 
 
-def test_budget_strings_and_errors():
+def test_budget_strings_and_errors(store):
     from edgemoe.store import parse_bytes
-    assert parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("2GB") == 2 * 10**9 and parse_bytes(4096) == 4096
-    assert parse_bytes("1.5k") == 1500
-    with pytest.raises(StoreError, match="--ram 'lots'"):
-        parse_bytes("lots", "ram")
+    assert parse_bytes("512MiB", "ram=") == 512 * 2**20 and parse_bytes("2GB", "ram=") == 2 * 10**9
+    assert parse_bytes(4096, "ram=") == 4096 and parse_bytes("1.5k", "ram=") == 1500
+    assert parse_bytes("25%", "ram=", share_of=1000) == 250
+    for bad in ("lots", "inf", "nan", "-5", "-1MiB", "25%"):   # a share needs the total it is a share of
+        with pytest.raises(StoreError, match=f"--ram {bad!r}"):
+            parse_bytes(bad, "--ram")
+    with pytest.raises(StoreError, match="ram=-5"):
+        parse_bytes(-5, "ram=")
+    with pytest.raises(StoreError, match="ram='150%': expected a percentage"):
+        open_store(store, ram="150%")
+    with open_store(store, ram="50%") as s:
+        assert s.ram.budget == int(0.5 * s.manifest.expert_bytes)
+    if not torch.cuda.is_available():
+        with pytest.raises(StoreError, match="device='cuda'.*no usable cuda"):
+            open_store(store, vram="1GB", device="cuda")
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "phimoe"])
 def test_convert_run_and_inspect_every_architecture(tiny_model, tmp_path, arch):
     path = tiny_model(arch, fused_experts=arch == "olmoe")
     convert(path, tmp_path / "s", bits=4)

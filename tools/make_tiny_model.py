@@ -4,6 +4,7 @@
     python tools/make_tiny_model.py --arch mixtral --out /tmp/tiny-mixtral
     python tools/make_tiny_model.py --arch qwen2_moe --out DIR --set num_experts=6 --set norm_topk_prob=true
     python tools/make_tiny_model.py --arch olmoe --out DIR --fused-experts --shards 3
+    python tools/make_tiny_model.py --arch deepseek_v3 --out DIR --set q_lora_rank=null
 
 The model is built and saved by transformers itself (so it is a real checkpoint of that architecture),
 with a byte-level BPE tokenizer trained on a built-in paragraph, a tokenizer_config.json with a chat
@@ -43,6 +44,16 @@ ARCH_DEFAULTS = {
                       intermediate_size=128),
     "qwen3_moe": dict(num_experts=4, moe_intermediate_size=48, intermediate_size=128, head_dim=16),
     "olmoe": dict(num_experts=4, intermediate_size=96),
+    # Multi-head latent attention: every head has its own key and value (num_key_value_heads = heads);
+    # key (12 + 8) and value (20) dims differ; one dense layer first.
+    "deepseek_v2": dict(n_routed_experts=6, moe_intermediate_size=32, n_shared_experts=2, intermediate_size=96,
+                        first_k_dense_replace=1, num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=16,
+                        q_lora_rank=None, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=20),
+    "deepseek_v3": dict(n_routed_experts=8, moe_intermediate_size=32, n_shared_experts=1, intermediate_size=96,
+                        first_k_dense_replace=1, num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=16,
+                        q_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=20, n_group=4,
+                        topk_group=2, routed_scaling_factor=2.5),
+    "phimoe": dict(num_local_experts=4, intermediate_size=96, attention_bias=True, lm_head_bias=True),
 }
 
 
@@ -136,11 +147,14 @@ def _randomize(model, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 1:  # norms and biases
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g) if "norm" in name
+            if p.dim() == 1:  # norm weights and biases
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g) if "norm" in name and name.endswith("weight")
                         else 0.1 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * (1.0 / p.shape[-1]) ** 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):   # DeepSeek-V3's selection-only router bias
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
 
 
 def main() -> None:

@@ -3,10 +3,11 @@ EdgeMoE's correlation preload, and Belady's optimal eviction as the ceiling.
 
     python tools/simulate_cache.py TRACE.jsonl --cache-experts N [N ...] [--profile-from OTHER.jsonl]
                                    [--preload-k K] [--min-count C] [--min-probability P]
-                                   [--model-layers L] [--policy NAME ...] [--tokens T] [--json]
+                                   [--policy NAME ...] [--tokens T] [--json] [--stats]
 
---model-layers L lays the traces over L MoE layers as `edgemoe run --replay` does on a deeper model
-(edgemoe.replay.records_for_model), so that the simulation sees the routing a replayed run sees.
+--stats prints the trace's routing statistics first (edgemoe.store.routing_stats: stay probability,
+popularity skew, next-layer predictability, second-expert weights), to compare a generated trace
+(tools/make_routing_trace.py) with a recorded one.
 
 Model of the cache: N experts of equal size, starting empty, held in TieredStore's own tier class
 (store/tiers.py _Tier, a budget of N experts of size 1). Each token walks its MoE layers in order;
@@ -45,9 +46,10 @@ import sys
 from typing import NamedTuple
 
 from edgemoe.preload import MIN_PROBABILITY
-from edgemoe.replay import records_for_model
 from edgemoe.store.policies import POLICIES, make_policy
+from edgemoe.store.guard import GUARD_WINDOW_TOKENS, GuardedPolicy, SchemeGuard
 from edgemoe.store.profile import RoutingProfile, read_trace, tokens_from_trace
+from edgemoe.store.routing_stats import routing_statistics
 from edgemoe.store.tiers import TierStats, _Tier
 
 Key = tuple[int, int]          # (layer, expert)
@@ -56,12 +58,12 @@ POLICY_NAMES = ("lru", "lfu", "edgemoe", "expected-use")
 
 def simulate(tokens, cache_experts: int, policy: str, preload_profile: RoutingProfile | None = None,
              preload_k: int | None = None, prior: RoutingProfile | None = None,
-             min_probability: float = MIN_PROBABILITY) -> dict:
+             min_probability: float = MIN_PROBABILITY, guard: bool = False) -> dict:
     """Replay tokens (list of {layer: experts}) through a cache of cache_experts experts.
     policy: a name in POLICIES or "belady"; preload_profile enables correlation preload (of
     predictions with P >= min_probability); prior: the routing profile the policy gets (its
     popularity, and its predictions for "expected-use"; default preload_profile), as the store
-    passes profile.json's."""
+    passes profile.json's. guard: the store's SchemeGuard against a ghost LRU (edgemoe.store.guard)."""
     if cache_experts < 1:
         raise ValueError(f"--cache-experts {cache_experts}: expected >= 1")
     if preload_k is not None and preload_k < 1:
@@ -74,11 +76,11 @@ def simulate(tokens, cache_experts: int, policy: str, preload_profile: RoutingPr
         result = _belady(tokens, cache_experts)
     elif policy in POLICIES:
         result = _replay(tokens, cache_experts, policy, preload_profile, preload_k, prior or preload_profile,
-                         min_probability)
+                         min_probability, guard)
     else:
         raise ValueError(f"policy={policy!r}: expected one of {sorted(POLICIES) + ['belady']}")
     return {"policy": policy, "preload": "correlation" if preload_profile else "none",
-            "cache_experts": cache_experts, **result}
+            "cache_experts": cache_experts, "guard": guard, **result}
 
 
 def _result(hits: int, total: int, tokens: int, preloads: int = 0, preload_hits: int = 0, evictions: int = 0,
@@ -132,7 +134,7 @@ class _Cache:
 
 
 def _replay(tokens, capacity: int, name: str, profile: RoutingProfile | None, preload_k: int | None,
-            prior: RoutingProfile | None, min_probability: float) -> dict:
+            prior: RoutingProfile | None, min_probability: float, guarded: bool = False) -> dict:
     layers = sorted({l for routing in tokens for l in routing})
     if profile is not None and not set(layers) <= set(profile.moe_layers):
         raise ValueError(f"the profile's MoE layers {profile.moe_layers} do not cover the trace's {layers}")
@@ -141,6 +143,9 @@ def _replay(tokens, capacity: int, name: str, profile: RoutingProfile | None, pr
                   if prior else None)
     # EdgeMoE's layer distance wraps at num_layers: the model's layer count, at least 1 + the last MoE layer.
     policy = make_policy(name, max(layers, default=0) + 1, popularity, prior)
+    guard = SchemeGuard(capacity, window_layers=GUARD_WINDOW_TOKENS * len(layers)) if guarded else None
+    if guard:
+        policy = GuardedPolicy(policy, guard)
     cache = _Cache(capacity, policy)
     hits = total = preloads = preload_hits = 0
     pending: set[Key] = set()     # preloaded for the next layer, not yet scored
@@ -149,11 +154,13 @@ def _replay(tokens, capacity: int, name: str, profile: RoutingProfile | None, pr
         order = sorted(routing)
         for i, layer in enumerate(order):
             needed = {(layer, e) for e in routing[layer]}
+            if guard:   # as TieredStore.begin_layer: reads so far = misses + preloads
+                guard.observe_layer(((key, 1) for key in sorted(needed)), total - hits + preloads)
             policy.set_layer(layer, needed)
             preload_hits += len(pending & needed)
             pending = set()
             history[layer] = tuple(routing[layer])
-            if profile and i + 1 < len(order):
+            if profile and i + 1 < len(order) and (guard is None or guard.allow_preload):
                 # As the runtime: the next layer's predictions are placed while this layer runs,
                 # never evicting this layer's experts.
                 nxt = order[i + 1]
@@ -195,22 +202,25 @@ def _belady(tokens, capacity: int) -> dict:
 
 
 def run(trace_tokens, profile: RoutingProfile, cache_sizes, preload_k: int | None, policies=POLICY_NAMES,
-        min_probability: float = MIN_PROBABILITY) -> list[dict]:
+        min_probability: float = MIN_PROBABILITY, guard: bool = False) -> list[dict]:
     results = []
     for n in cache_sizes:
         for name in policies:
             for preload in (None, profile):
-                results.append(simulate(trace_tokens, n, name, preload, preload_k, profile, min_probability))
+                for guarded in (False, True) if guard else (False,):
+                    results.append(simulate(trace_tokens, n, name, preload, preload_k, profile, min_probability,
+                                            guarded))
         results.append(simulate(trace_tokens, n, "belady"))
     return results
 
 
 def _table(results: list[dict], note: str) -> str:
-    lines = [note, f"{'cache':>6} {'policy':<12} {'preload':<12} {'reads/token':>11} {'hit rate':>8} "
+    lines = [note, f"{'cache':>6} {'policy':<12} {'preload':<12} {'guard':<5} {'reads/token':>11} {'hit rate':>8} "
                    f"{'preloads/token':>14} {'preload prec.':>13}"]
     for r in results:
         precision = "-" if r["preload_precision"] is None else f"{r['preload_precision']:.3f}"
-        lines.append(f"{r['cache_experts']:>6} {r['policy']:<12} {r['preload']:<12} {r['reads_per_token']:>11.1f} "
+        guarded = "yes" if r.get("guard") else "no"
+        lines.append(f"{r['cache_experts']:>6} {r['policy']:<12} {r['preload']:<12} {guarded:<5} {r['reads_per_token']:>11.1f} "
                      f"{r['hit_rate']:>8.3f} {r['preloads_per_token']:>14.1f} {precision:>13}")
     return "\n".join(lines)
 
@@ -227,33 +237,34 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", nargs="+", choices=POLICY_NAMES, default=list(POLICY_NAMES),
                     help="eviction policies to compare (default: all; Belady is always shown)")
     ap.add_argument("--tokens", type=int, help="score only the first N tokens (fast iteration)")
-    ap.add_argument("--model-layers", type=int, help="replay the traces over this many MoE layers (a deeper model)")
+    ap.add_argument("--stats", action="store_true", help="print the trace's routing statistics first")
+    ap.add_argument("--guard", action="store_true", help="also run each scheme with the store's guard against "
+                    "a ghost on-demand LRU cache (edgemoe.store.guard)")
     ap.add_argument("--json", action="store_true", help="print a JSON list of records instead of a table")
     args = ap.parse_args(argv)
     try:
         results, note = _run_cli(args)
     except (OSError, ValueError) as exc:    # unreadable or malformed trace, bad option: one line, no traceback
         raise SystemExit(f"simulate_cache: {exc}") from None
+    if args.stats:
+        stats = routing_statistics(read_trace(args.trace))
+        print(json.dumps(stats.to_dict()) if args.json else "\n".join(stats.lines()))
     print(json.dumps(results, indent=1) if args.json else _table(results, note))
     return 0
 
 
-def _read_nonempty(path, model_layers: int | None) -> list:
+def _read_nonempty(path) -> list:
     records = read_trace(path)
     if not records:
         raise ValueError(f"{path}: the trace is empty")
-    if model_layers is not None:
-        if model_layers < 1:
-            raise ValueError(f"--model-layers {model_layers}: must be at least 1")
-        records = records_for_model(records, list(range(model_layers)))
     return records
 
 
 def _run_cli(args) -> tuple[list[dict], str]:
-    records = _read_nonempty(args.trace, args.model_layers)
+    records = _read_nonempty(args.trace)
     tokens = tokens_from_trace(records)
     if args.profile_from:
-        other = _read_nonempty(args.profile_from, args.model_layers)
+        other = _read_nonempty(args.profile_from)
         profile = _profile(other, records, args.min_count)
         note = f"profile: {args.profile_from}; scored: all {len(tokens)} tokens of {args.trace}"
     else:
@@ -269,7 +280,8 @@ def _run_cli(args) -> tuple[list[dict], str]:
             raise ValueError(f"--tokens {args.tokens}: expected >= 1")
         tokens = tokens[:args.tokens]
         note += f" (the first {len(tokens)} of them)"
-    return run(tokens, profile, args.cache_experts, args.preload_k, args.policy, args.min_probability), note
+    return run(tokens, profile, args.cache_experts, args.preload_k, args.policy, args.min_probability,
+               args.guard), note
 
 
 def _token_ids(records, n: int) -> set:

@@ -5,8 +5,9 @@ from __future__ import annotations
 from .spec import config_value, rope_theta
 
 
-def attention_fields(config: dict) -> dict:
-    """ModelSpec fields that every supported architecture reads the same way from config.json."""
+def attention_fields(config: dict, rope_types: tuple[str, ...] = ("default",)) -> dict:
+    """ModelSpec fields that every supported architecture reads the same way from config.json
+    (rotary types other than `rope_types` are refused)."""
     hidden = config_value(config, "hidden_size")
     heads = config_value(config, "num_attention_heads")
     num_layers = config_value(config, "num_hidden_layers")
@@ -18,7 +19,7 @@ def attention_fields(config: dict) -> dict:
         num_kv_heads=config_value(config, "num_key_value_heads", default=heads),
         head_dim=config_value(config, "head_dim", default=hidden // heads),
         rms_norm_eps=float(config_value(config, "rms_norm_eps", default=1e-6)),
-        rope_theta=rope_theta(config),
+        rope_theta=rope_theta(config, rope_types),
         max_position_embeddings=config_value(config, "max_position_embeddings", default=4096),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         hidden_act=config_value(config, "hidden_act", default="silu"),

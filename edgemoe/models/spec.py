@@ -5,13 +5,18 @@ place where its checkpoint's names are mapped to them.
 
 Canonical dense roles (shapes; D hidden, V vocab, H heads, K kv heads, Dh head dim, F dense MLP hidden,
 S shared-expert hidden, E experts):
-    embed [V, D]   norm [D]   lm_head [V, D] (absent when tied to embed)
-    layers.{l}.attn_norm [D]  .mlp_norm [D]
-    layers.{l}.q [H*Dh, D]  .k [K*Dh, D]  .v [K*Dh, D]  .o [D, H*Dh]  (+ .q_bias .k_bias .v_bias)
+    embed [V, D]   norm [D]   lm_head [V, D] (absent when tied to embed)  (+ lm_head_bias [V])
+    layers.{l}.attn_norm [D]  .mlp_norm [D]   (norm="layer": + norm_bias, .attn_norm_bias, .mlp_norm_bias [D])
+    layers.{l}.q [H*Dh, D]  .k [K*Dh, D]  .v [K*Dh, D]  .o [D, H*Dh]  (+ .q_bias .k_bias .v_bias, + .o_bias [D])
     layers.{l}.q_norm / .k_norm  [Dh] ("head" norms) or [H*Dh] / [K*Dh] ("proj" norms)
-    layers.{l}.router [E, D]
-    layers.{l}.shared.gate / .up [S, D]  .shared.down [D, S]  .shared_gate [1, D]
+    layers.{l}.router [E, D]  (+ .router_bias [E]: the sigmoid router's selection-only bias)
+    layers.{l}.shared.gate / .up [S, D]  .shared.down [D, S]  .shared_gate [1, D] (absent when ungated)
     layers.{l}.mlp.gate / .up [F, D]  .mlp.down [D, F]       (dense-MLP layers)
+Multi-head latent attention (attention="mla"; N nope dims, R rope dims, Dv value dims per head,
+Cq / Ckv query / key-value latent ranks) replaces q, k, v, o by:
+    layers.{l}.q [H*(N+R), D] when Cq = 0, else .q_a [Cq, D]  .q_a_norm [Cq]  .q_b [H*(N+R), Cq]
+    layers.{l}.kv_a [Ckv+R, D]  .kv_a_norm [Ckv]  .kv_b [H*(N+Dv), Ckv]  .o [D, H*Dv]
+    (+ .q_a_bias [Cq], .kv_a_bias [Ckv+R] and .o_bias [D] with attention biases)
 Experts (I expert hidden): (layer, expert) -> gate [I, D], up [I, D], down [D, I].
 """
 
@@ -21,6 +26,10 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ..errors import CheckpointError
+
+
+POSITIVE_INTEGERS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "max_position_embeddings", "num_experts", "top_k", "expert_hidden")
 
 
 @dataclass(frozen=True)
@@ -50,8 +59,34 @@ class ModelSpec:
     clip_qkv: float | None = None
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
+    # Optional parts of newer architectures; the defaults are the Llama-style model above.
+    norm: str = "rms"                     # "rms" (RMSNorm) or "layer" (LayerNorm with bias, Phi-3.5-MoE)
+    o_bias: bool = False                  # bias on the attention output projection
+    lm_head_bias: bool = False
+    attention: str = "gqa"                # "gqa" or "mla" (DeepSeek's multi-head latent attention)
+    q_lora_rank: int = 0                  # MLA: query latent rank, 0 = a plain q projection
+    kv_lora_rank: int = 0                 # MLA: key/value latent rank
+    qk_nope_head_dim: int = 0             # MLA: per-head query/key dims without rotary embedding
+    qk_rope_head_dim: int = 0             # MLA: per-head query/key dims with rotary embedding
+    v_head_dim: int = 0                   # MLA: per-head value dims
+    attention_scale: float | None = None  # softmax scale of q.k; None = 1/sqrt(key dims)
+    rope_interleave: bool = False         # rotary pairs are adjacent dims (2i, 2i+1), not (i, i+Dh/2)
+    rope_inv_freq: tuple[float, ...] | None = None  # scaled rotary frequencies [Dh/2] (YaRN); None: theta's
+    rope_attention_factor: float = 1.0    # multiplies the rotary cos and sin (YaRN)
+    router: str = "softmax"               # a ROUTERS name in edgemoe/layers.py
+    n_group: int = 1                      # group-limited routing: expert groups, and groups kept per token
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0    # multiplies the routed experts' weights
+    router_jitter_eps: float = 0.0        # sparsemixer: relative score gap that still counts as a tie
+    shared_expert_gated: bool = True      # shared expert behind a sigmoid gate (Qwen2-MoE) or always on
+    skipped_layers: int = 0               # checkpoint layers after the decoder's that generation does not
+                                          # use (DeepSeek-V3's multi-token prediction): their tensors are skipped
 
     def __post_init__(self):
+        for name in POSITIVE_INTEGERS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise CheckpointError(f"config: {name} must be a positive integer, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise CheckpointError(f"config: num_attention_heads={self.num_heads} is not a multiple of "
                                   f"num_key_value_heads={self.num_kv_heads}")
@@ -59,6 +94,28 @@ class ModelSpec:
             raise CheckpointError(f"config: num_experts_per_tok={self.top_k} with {self.num_experts} experts")
         if self.hidden_act != "silu":
             raise CheckpointError(f"config: hidden_act={self.hidden_act!r} (only 'silu' is supported)")
+        choices = {"norm": ("rms", "layer"), "attention": ("gqa", "mla"),
+                   "router": ("softmax", "softmax_group", "sigmoid_group", "sparsemixer")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise CheckpointError(f"config: {name}={getattr(self, name)!r} (expected one of {allowed})")
+        if self.router in ("softmax_group", "sigmoid_group"):
+            self._check_groups()
+        if self.router == "sparsemixer" and self.top_k != 2:
+            raise CheckpointError(f"config: num_experts_per_tok={self.top_k}: sparsemixer routing picks 2 experts")
+
+    def _check_groups(self) -> None:
+        if self.n_group < 1 or self.num_experts % self.n_group:
+            raise CheckpointError(f"config: n_group={self.n_group} does not divide {self.num_experts} experts")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise CheckpointError(f"config: topk_group={self.topk_group} outside 1..n_group={self.n_group}")
+        if self.router == "sigmoid_group" and self.num_experts // self.n_group < 2:
+            raise CheckpointError(f"config: n_group={self.n_group} leaves fewer than 2 experts per group "
+                                  "(groups are ranked by their two best scores)")
+        kept = self.topk_group * self.num_experts // self.n_group
+        if self.top_k > kept:
+            raise CheckpointError(f"config: num_experts_per_tok={self.top_k} exceeds the {kept} experts "
+                                  f"of topk_group={self.topk_group} groups")
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -68,34 +125,87 @@ class ModelSpec:
         d = dict(d)
         d["moe_layers"] = tuple(d["moe_layers"])
         d["sliding_windows"] = tuple(d["sliding_windows"])
+        if d.get("rope_inv_freq") is not None:
+            d["rope_inv_freq"] = tuple(d["rope_inv_freq"])
         return cls(**d)
+
+    @property
+    def key_dim(self) -> int:
+        """Dims per head of queries and keys (and of the KV cache's keys)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.v_head_dim if self.attention == "mla" else self.head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """Dims per head that the rotary embedding turns (MLA: only the rope part)."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
 
     def dense_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every canonical dense role this model has, with its shape."""
-        D, Dh = self.hidden_size, self.head_dim
-        q_out, kv_out = self.num_heads * Dh, self.num_kv_heads * Dh
-        shapes: dict[str, tuple[int, ...]] = {"embed": (self.vocab_size, D), "norm": (D,)}
+        D, V = self.hidden_size, self.vocab_size
+        shapes: dict[str, tuple[int, ...]] = {"embed": (V, D), "norm": (D,)}
         if not self.tie_word_embeddings:
-            shapes["lm_head"] = (self.vocab_size, D)
+            shapes["lm_head"] = (V, D)
+        if self.lm_head_bias:
+            shapes["lm_head_bias"] = (V,)
+        norms = ["norm"]
         for l in range(self.num_layers):
             p = f"layers.{l}."
-            shapes.update({p + "attn_norm": (D,), p + "mlp_norm": (D,), p + "q": (q_out, D),
-                           p + "k": (kv_out, D), p + "v": (kv_out, D), p + "o": (D, q_out)})
-            if self.qkv_bias:
-                shapes.update({p + "q_bias": (q_out,), p + "k_bias": (kv_out,), p + "v_bias": (kv_out,)})
-            if self.qk_norm == "head":
-                shapes.update({p + "q_norm": (Dh,), p + "k_norm": (Dh,)})
-            elif self.qk_norm == "proj":
-                shapes.update({p + "q_norm": (q_out,), p + "k_norm": (kv_out,)})
-            if self.moe_layers[l]:
-                shapes[p + "router"] = (self.num_experts, D)
-                if self.shared_expert_hidden:
-                    S = self.shared_expert_hidden
-                    shapes.update({p + "shared.gate": (S, D), p + "shared.up": (S, D),
-                                   p + "shared.down": (D, S), p + "shared_gate": (1, D)})
-            else:
-                F = self.dense_hidden
-                shapes.update({p + "mlp.gate": (F, D), p + "mlp.up": (F, D), p + "mlp.down": (D, F)})
+            shapes.update({p + "attn_norm": (D,), p + "mlp_norm": (D,)})
+            norms += [p + "attn_norm", p + "mlp_norm"]
+            attention = self._mla_shapes() if self.attention == "mla" else self._gqa_shapes()
+            shapes.update({p + role: shape for role, shape in attention.items()})
+            if self.o_bias:
+                shapes[p + "o_bias"] = (D,)
+            shapes.update({p + role: shape for role, shape in self._mlp_shapes(l).items()})
+        if self.norm == "layer":
+            shapes.update({name + "_bias": (D,) for name in norms})
+        return shapes
+
+    def _gqa_shapes(self) -> dict[str, tuple[int, ...]]:
+        D, Dh = self.hidden_size, self.head_dim
+        q_out, kv_out = self.num_heads * Dh, self.num_kv_heads * Dh
+        shapes = {"q": (q_out, D), "k": (kv_out, D), "v": (kv_out, D), "o": (D, q_out)}
+        if self.qkv_bias:
+            shapes.update({"q_bias": (q_out,), "k_bias": (kv_out,), "v_bias": (kv_out,)})
+        if self.qk_norm == "head":
+            shapes.update({"q_norm": (Dh,), "k_norm": (Dh,)})
+        elif self.qk_norm == "proj":
+            shapes.update({"q_norm": (q_out,), "k_norm": (kv_out,)})
+        return shapes
+
+    def _mla_shapes(self) -> dict[str, tuple[int, ...]]:
+        D, H, Cq, Ckv = self.hidden_size, self.num_heads, self.q_lora_rank, self.kv_lora_rank
+        R, Dv = self.qk_rope_head_dim, self.v_head_dim
+        q_out = H * self.key_dim
+        shapes = {"kv_a": (Ckv + R, D), "kv_a_norm": (Ckv,), "kv_b": (H * (self.qk_nope_head_dim + Dv), Ckv),
+                  "o": (D, H * Dv)}
+        if Cq:
+            shapes.update({"q_a": (Cq, D), "q_a_norm": (Cq,), "q_b": (q_out, Cq)})
+        else:
+            shapes["q"] = (q_out, D)
+        if self.qkv_bias:
+            shapes["kv_a_bias"] = (Ckv + R,)
+            if Cq:
+                shapes["q_a_bias"] = (Cq,)
+        return shapes
+
+    def _mlp_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
+        D = self.hidden_size
+        if not self.moe_layers[layer]:
+            F = self.dense_hidden
+            return {"mlp.gate": (F, D), "mlp.up": (F, D), "mlp.down": (D, F)}
+        shapes: dict[str, tuple[int, ...]] = {"router": (self.num_experts, D)}
+        if self.router == "sigmoid_group":
+            shapes["router_bias"] = (self.num_experts,)
+        if self.shared_expert_hidden:
+            S = self.shared_expert_hidden
+            shapes.update({"shared.gate": (S, D), "shared.up": (S, D), "shared.down": (D, S)})
+            if self.shared_expert_gated:
+                shapes["shared_gate"] = (1, D)
         return shapes
 
     def expert_shapes(self) -> dict[str, tuple[int, int]]:
@@ -140,8 +250,10 @@ class TensorNames:
 
     dense: dict[str, str]
     experts: dict[int, ExpertNames] = field(default_factory=dict)
-    # Checkpoint tensors that carry no weights we need (e.g. cached rotary frequencies).
+    # Checkpoint tensors that carry no weights we need (e.g. cached rotary frequencies, DeepSeek-V3's
+    # multi-token prediction layers).
     ignored_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq",)
+    ignored_prefixes: tuple[str, ...] = ()
 
 
 def config_value(config: dict, *keys: str, default: Any = ...) -> Any:
@@ -154,10 +266,22 @@ def config_value(config: dict, *keys: str, default: Any = ...) -> Any:
     return default
 
 
-def rope_theta(config: dict) -> float:
-    """rope_theta from a config of transformers 4 (top level) or 5 (rope_parameters)."""
-    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise CheckpointError(f"config.json: rope type {rope_type!r} is not supported (only 'default')")
+def rope_parameters(config: dict) -> dict:
+    """The rotary parameters of a config of transformers 5 (rope_parameters) or 4 (rope_scaling, with
+    rope_theta at the top level), with "rope_type" always set; "field" names where they came from."""
+    for field_name in ("rope_parameters", "rope_scaling"):
+        params = config.get(field_name)
+        if params:
+            return {**params, "rope_type": params.get("rope_type", params.get("type", "default")),
+                    "field": field_name}
+    return {"rope_type": "default", "field": "rope_parameters"}
+
+
+def rope_theta(config: dict, supported: tuple[str, ...] = ("default",)) -> float:
+    """rope_theta from a config of transformers 4 (top level) or 5 (rope_parameters); a rotary type
+    outside `supported` is refused, naming the field."""
+    params = rope_parameters(config)
+    if params["rope_type"] not in supported:
+        raise CheckpointError(f"{params['field']} type {params['rope_type']!r} is not supported "
+                              f"(supported: {', '.join(repr(t) for t in supported)})")
     return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))

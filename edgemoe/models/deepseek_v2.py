@@ -1,0 +1,120 @@
+"""DeepSeek-V2 / V2-Lite: multi-head latent attention, always-on shared experts, dense first layers,
+softmax routing (greedy or group-limited) scaled by routed_scaling_factor; default or YaRN rotary
+embeddings (models/yarn.py).
+
+Checkpoint names (per layer l, prefix model.layers.{l}.):
+    self_attn.q_proj.weight (q_lora_rank null, V2-Lite) or self_attn.q_a_proj / q_a_layernorm / q_b_proj,
+    self_attn.kv_a_proj_with_mqa / kv_a_layernorm / kv_b_proj / o_proj .weight (+ .bias with attention_bias);
+    MoE layers: mlp.gate.weight (router), mlp.experts.{e}.{gate,up,down}_proj.weight,
+    mlp.shared_experts.{gate,up,down}_proj.weight; dense layers: mlp.{gate,up,down}_proj.weight.
+A layer is MoE when l >= first_k_dense_replace and l % moe_layer_freq == 0 (DeepSeek's rule).
+"""
+
+from __future__ import annotations
+
+from ..errors import CheckpointError
+from .common import attention_fields, llama_style_names, qwen_style_mlp_names
+from .spec import ModelSpec, TensorNames, config_value, rope_parameters
+from .yarn import yarn_fields
+
+MODEL_TYPE = "deepseek_v2"
+TOPK_METHODS = {"greedy": "softmax", "group_limited_greedy": "softmax_group"}
+
+
+def moe_layer_flags(config: dict, num_layers: int) -> tuple[bool, ...]:
+    first_dense = config_value(config, "first_k_dense_replace", default=0)
+    freq = config_value(config, "moe_layer_freq", default=1)
+    return tuple(l >= first_dense and l % freq == 0 for l in range(num_layers))
+
+
+def mla_fields(config: dict) -> dict:
+    """The ModelSpec fields of multi-head latent attention (and of the DeepSeek family's common parts)."""
+    fields = attention_fields(config, rope_types=("default", "yarn"))
+    if config.get("mlp_bias", False):
+        raise CheckpointError("mlp_bias=true is not supported")
+    nope = config_value(config, "qk_nope_head_dim")
+    rope = config_value(config, "qk_rope_head_dim")
+    num_layers = fields["num_layers"]
+    # Every head has its own key and value (expanded from the latent): K = H, whatever
+    # num_key_value_heads says; head_dim is the key's (nope + rope) dims.
+    fields.update(num_kv_heads=fields["num_heads"], head_dim=nope + rope)
+    params = rope_parameters(config)
+    if params["rope_type"] == "yarn":
+        fields.update(yarn_fields(config, params, rope_dim=rope, key_dim=nope + rope, base=fields["rope_theta"]))
+    shared = config_value(config, "n_shared_experts", default=0)
+    expert_hidden = config_value(config, "moe_intermediate_size")
+    return dict(
+        attention="mla",
+        q_lora_rank=config.get("q_lora_rank") or 0,
+        kv_lora_rank=config_value(config, "kv_lora_rank"),
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope,
+        v_head_dim=config_value(config, "v_head_dim"),
+        qkv_bias=bool(config.get("attention_bias", False)),
+        o_bias=bool(config.get("attention_bias", False)),
+        num_experts=config_value(config, "n_routed_experts", "num_experts", "num_local_experts"),
+        top_k=config_value(config, "num_experts_per_tok"),
+        expert_hidden=expert_hidden,
+        moe_layers=moe_layer_flags(config, num_layers),
+        sliding_windows=(None,) * num_layers,
+        dense_hidden=config_value(config, "intermediate_size"),
+        shared_expert_hidden=shared * expert_hidden,
+        shared_expert_gated=False,
+        routed_scaling_factor=float(config_value(config, "routed_scaling_factor", default=1.0)),
+        **fields,
+    )
+
+
+def parse_config(config: dict) -> ModelSpec:
+    method = config_value(config, "topk_method", default="greedy")
+    if method not in TOPK_METHODS:
+        raise CheckpointError(f"topk_method={method!r} is not supported "
+                              f"(supported: {', '.join(TOPK_METHODS)})")
+    if config.get("norm_topk_prob", False):
+        # transformers' DeepSeek-V2 ignores it, DeepSeek's own code renormalises without the scaling
+        # factor: refuse rather than pick one.
+        raise CheckpointError("norm_topk_prob=true is not supported for deepseek_v2")
+    grouped = method == "group_limited_greedy"
+    return ModelSpec(
+        model_type=MODEL_TYPE,
+        norm_topk_prob=False,
+        router=TOPK_METHODS[method],
+        n_group=config_value(config, "n_group") if grouped else 1,
+        topk_group=config_value(config, "topk_group") if grouped else 1,
+        rope_interleave=True,   # V2 rotates adjacent pairs (complex multiplication)
+        **mla_fields(config),
+    )
+
+
+def mla_names(spec: ModelSpec, names: dict[str, str]) -> None:
+    """Replace the Llama-style q/k/v/o names by MLA's."""
+    for l in range(spec.num_layers):
+        src, dst = f"model.layers.{l}.self_attn.", f"layers.{l}."
+        for role in "qkvo":
+            names.pop(dst + role)
+        roles = {"kv_a": "kv_a_proj_with_mqa.weight", "kv_a_norm": "kv_a_layernorm.weight",
+                 "kv_b": "kv_b_proj.weight", "o": "o_proj.weight"}
+        if spec.q_lora_rank:
+            roles.update(q_a="q_a_proj.weight", q_a_norm="q_a_layernorm.weight", q_b="q_b_proj.weight")
+        else:
+            roles["q"] = "q_proj.weight"
+        if spec.qkv_bias:
+            roles.update(kv_a_bias="kv_a_proj_with_mqa.bias", o_bias="o_proj.bias")
+            if spec.q_lora_rank:
+                roles["q_a_bias"] = "q_a_proj.bias"
+        names.update({dst + role: src + name for role, name in roles.items()})
+
+
+def deepseek_names(spec: ModelSpec) -> TensorNames:
+    names = llama_style_names(spec.num_layers, spec.tie_word_embeddings)
+    mla_names(spec, names)
+    experts = qwen_style_mlp_names(spec, names)
+    for l in experts:
+        src, dst = f"model.layers.{l}.mlp.", f"layers.{l}."
+        for role in ("gate", "up", "down"):
+            names[dst + f"shared.{role}"] = src + f"shared_experts.{role}_proj.weight"
+    return TensorNames(names, experts)
+
+
+def tensor_names(spec: ModelSpec) -> TensorNames:
+    return deepseek_names(spec)

@@ -1,0 +1,60 @@
+"""YaRN rotary scaling as DeepSeek-V2/V3 configure it (rope_scaling / rope_parameters of type "yarn").
+
+Rotary frequencies: each of the R/2 frequencies is blended between theta's own (extrapolation, for
+the fast-turning dims) and theta's divided by `factor` (interpolation, for the slow ones), with a
+linear ramp between the dims that turn beta_fast and beta_slow times over the original context.
+cos and sin are multiplied by an attention factor (mscale(factor, mscale) / mscale(factor,
+mscale_all_dim)), and DeepSeek also multiplies the softmax scale by mscale(factor, mscale_all_dim)^2.
+
+Shapes: R rotary dims per head.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .spec import config_value
+
+
+def mscale(factor: float, scale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+
+def _correction_dim(rotations: float, dim: int, base: float, context: int) -> float:
+    """The (fractional) dim index whose frequency turns `rotations` times over `context` positions."""
+    return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+
+def yarn_inv_freq(dim: int, base: float, factor: float, context: int, beta_fast: float, beta_slow: float,
+                  truncate: bool) -> torch.Tensor:
+    """The scaled inverse frequencies [R/2], float32."""
+    low, high = _correction_dim(beta_fast, dim, base, context), _correction_dim(beta_slow, dim, base, context)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001   # a step, not a division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extrapolated = 1 - ramp     # share of theta's own frequency
+    return (1.0 / (factor * freqs)) * (1 - extrapolated) + (1.0 / freqs) * extrapolated
+
+
+def yarn_fields(config: dict, params: dict, rope_dim: int, key_dim: int, base: float) -> dict:
+    """ModelSpec fields (rope_inv_freq, rope_attention_factor, attention_scale) of a "yarn" config."""
+    context = (config.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+               or config_value(config, "max_position_embeddings"))
+    factor = params.get("factor") or config_value(config, "max_position_embeddings") / context
+    inv_freq = yarn_inv_freq(rope_dim, base, float(factor), int(context), params.get("beta_fast") or 32,
+                             params.get("beta_slow") or 1, params.get("truncate", True))
+    scale, scale_all = params.get("mscale"), params.get("mscale_all_dim")
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = mscale(factor, scale) / mscale(factor, scale_all) if scale and scale_all else mscale(factor)
+    softmax_scale = key_dim ** -0.5
+    if scale_all:
+        softmax_scale *= mscale(factor, scale_all) ** 2
+    return dict(rope_inv_freq=tuple(inv_freq.tolist()), rope_attention_factor=float(attention_factor),
+                attention_scale=softmax_scale)

@@ -1,0 +1,144 @@
+"""Never read more than plain on-demand LRU: the cache measures its own scheme against a ghost.
+
+A scheme (an eviction policy and preloading) pays only if it reads fewer bytes per token than LRU
+without preloading would in the same budget; on routing where its predictions are weak (a real
+Mixtral's: docs/scheduling.md) it reads more. So a SchemeGuard keeps a ghost LRU cache of the same
+byte budget (keys and sizes only), fed every layer's requests, and compares, over windows of
+`window_layers` layers, the bytes the real cache read from disk (demand misses and preloads) with
+the bytes the ghost would have read. A window worse by more than `margin` steps the scheme down a
+level:
+
+    0 "full"        the configured policy and preloading
+    1 "no-preload"  the configured policy, no preloads
+    2 "lru"         LRU eviction (GuardedPolicy), no preloads: what the ghost does
+
+At a lower level it probes the level above for one window after `probe_every` windows, and stays
+there if that window is not worse; each failed probe doubles the wait (up to MAX_PROBE_GAP windows),
+so that a scheme that does not pay costs little more than LRU. Routing that changes its character (a new kind of prompt) is
+followed both ways. Both the runtime store (TieredStore) and the simulator (tools/simulate_cache.py)
+use this class, fed the same way.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterable
+
+from .policies import LRUPolicy
+
+Key = tuple[int, int]
+LEVELS = ("full", "no-preload", "lru")
+GUARD_WINDOW_TOKENS = 8    # a window of this many tokens' layers: enough requests to compare reads
+MAX_PROBE_GAP = 128
+
+
+class GhostLRU:
+    """The reads of on-demand LRU with `budget` bytes, keys and sizes only. As the store, placing an
+    expert never evicts one the running layer needs (`pinned`)."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.items: OrderedDict[Key, int] = OrderedDict()
+        self.bytes = 0
+        self.read_bytes = 0
+
+    def request(self, key: Key, nbytes: int, pinned: frozenset = frozenset()) -> None:
+        if key in self.items:
+            self.items.move_to_end(key)
+            return
+        self.read_bytes += nbytes
+        if nbytes > self.budget:          # streamed, as the store serves an expert larger than a tier
+            return
+        while self.bytes + nbytes > self.budget:
+            victim = next((k for k in self.items if k not in pinned), None)
+            if victim is None:            # only pinned experts could make room: served uncached
+                return
+            self.bytes -= self.items.pop(victim)
+        self.items[key] = nbytes
+        self.bytes += nbytes
+
+
+class SchemeGuard:
+    def __init__(self, budget: int, window_layers: int, margin: float = 0.02, probe_every: int = 16):
+        self.ghost = GhostLRU(budget)
+        self.window_layers, self.margin, self.probe_every = window_layers, margin, probe_every
+        self.level = 0
+        self.changes: list[tuple[int, str]] = []   # (layer calls so far, level entered)
+        self._layers = self._window = self._windows_down = 0
+        self._real_start = self._ghost_start = 0
+        self._probing = False
+        self._probe_gap = probe_every
+
+    @property
+    def allow_preload(self) -> bool:
+        return self.level == 0
+
+    @property
+    def use_lru(self) -> bool:
+        return self.level == 2
+
+    def observe_layer(self, requests: Iterable[tuple[Key, int]], real_read_bytes: int) -> None:
+        """A layer's requests ((key, bytes), in the order the cache serves them) and the bytes the real
+        cache has read from disk so far, demand and preloads."""
+        requests = list(requests)
+        pinned = frozenset(key for key, _ in requests)
+        for key, nbytes in requests:
+            self.ghost.request(key, nbytes, pinned - {key})
+        self._layers += 1
+        self._window += 1
+        if self._window >= self.window_layers:
+            self._judge(real_read_bytes)
+
+    def _judge(self, real_read_bytes: int) -> None:
+        real = real_read_bytes - self._real_start
+        ghost = self.ghost.read_bytes - self._ghost_start
+        worse = real > ghost * (1 + self.margin)
+        if self._probing:
+            self._probing = False
+            if worse:
+                self._set(self.level + 1)
+                self._probe_gap = min(2 * self._probe_gap, MAX_PROBE_GAP)
+            else:
+                self._probe_gap = self.probe_every
+        elif worse and self.level < len(LEVELS) - 1:
+            self._set(self.level + 1)
+        elif self.level > 0:
+            self._windows_down += 1
+            if self._windows_down >= self._probe_gap:
+                self._set(self.level - 1)
+                self._probing = True
+        self._window, self._real_start, self._ghost_start = 0, real_read_bytes, self.ghost.read_bytes
+
+    def _set(self, level: int) -> None:
+        self.level, self._windows_down = level, 0
+        self.changes.append((self._layers, LEVELS[level]))
+
+
+class GuardedPolicy:
+    """A policy and LRU fed the same events; victims come from LRU while the guard says so, so that
+    switching loses no history."""
+
+    def __init__(self, primary, guard: SchemeGuard):
+        self.primary, self.lru, self.guard = primary, LRUPolicy(), guard
+        self.name = primary.name
+
+    def touch(self, key: Key) -> None:
+        self.primary.touch(key)
+        self.lru.touch(key)
+
+    def insert(self, key: Key) -> None:
+        self.primary.insert(key)
+        self.lru.insert(key)
+
+    def remove(self, key: Key) -> None:
+        self.primary.remove(key)
+        self.lru.remove(key)
+
+    def set_layer(self, layer: int, needed: Iterable[Key] = ()) -> None:
+        self.primary.set_layer(layer, needed)
+
+    def victim(self, candidates: Iterable[Key]) -> Key:
+        return (self.lru if self.guard.use_lru else self.primary).victim(candidates)
+
+    def admits(self, probability: float, victim: Key | None) -> bool:
+        return self.primary.admits(probability, victim)

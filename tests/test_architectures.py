@@ -1,0 +1,133 @@
+"""Architecture-specific pieces on their own: the routers against transformers' own modules on many
+tokens, DeepSeek's MoE-layer rule, multi-token prediction tensors skipped, and the configurations we
+refuse (one error naming config.json and the field)."""
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+import edgemoe
+from edgemoe.errors import CheckpointError
+from edgemoe.layers import route_by_spec
+from edgemoe.models import deepseek_v2
+from edgemoe.models.spec import ModelSpec
+
+D = 32
+
+ROUTER_CASES = [
+    ("deepseek_v2", dict(n_routed_experts=12, num_experts_per_tok=3, topk_method="greedy", routed_scaling_factor=1.7)),
+    ("deepseek_v2", dict(n_routed_experts=12, num_experts_per_tok=3, topk_method="group_limited_greedy", n_group=4,
+                         topk_group=2, routed_scaling_factor=16.0)),
+    ("deepseek_v3", dict(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2)),
+    ("deepseek_v3", dict(n_routed_experts=16, num_experts_per_tok=4, n_group=8, topk_group=3, norm_topk_prob=False)),
+    ("phimoe", dict(num_local_experts=8, num_experts_per_tok=2)),
+    ("phimoe", dict(num_local_experts=8, num_experts_per_tok=2, router_jitter_noise=0.3)),
+]
+
+
+def transformers_router(arch, overrides):
+    """transformers' router module of `arch`, with random weights (and correction bias), and its config."""
+    config = transformers.AutoConfig.for_model(arch, hidden_size=D, num_attention_heads=4, num_key_value_heads=4,
+                                               **overrides)
+    module = {"deepseek_v2": "DeepseekV2TopkRouter", "deepseek_v3": "DeepseekV3TopkRouter",
+              "phimoe": "PhimoeTopKRouter"}[arch]
+    router = getattr(getattr(transformers.models, arch), f"modeling_{arch}").__dict__[module](config).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=g))
+        if arch == "deepseek_v3":
+            router.e_score_correction_bias.copy_(0.3 * torch.randn(router.e_score_correction_bias.shape, generator=g))
+    return router, config
+
+
+@pytest.mark.parametrize("arch,overrides", ROUTER_CASES, ids=[f"{a}-{i}" for i, (a, _) in enumerate(ROUTER_CASES)])
+def test_routers_match_transformers_on_many_tokens(arch, overrides):
+    router, config = transformers_router(arch, overrides)
+    spec_fields = edgemoe.models.architecture(arch).parse_config(
+        {**config.to_dict(), "num_hidden_layers": 1, "vocab_size": 10, "intermediate_size": 8,
+         "moe_intermediate_size": 8, "kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4,
+         "v_head_dim": 4})
+    x = torch.randn(500, D, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        _, ref_weights, ref_experts = router(x)
+    bias = router.e_score_correction_bias if arch == "deepseek_v3" else None
+    weights, experts = route_by_spec(x, router.weight.detach(), bias, spec_fields)
+    # transformers returns the top-k unsorted: compare each token's experts and weights by expert id
+    ref_order, order = ref_experts.argsort(dim=-1), experts.argsort(dim=-1)
+    assert torch.equal(ref_experts.gather(1, ref_order), experts.gather(1, order))
+    assert torch.allclose(ref_weights.gather(1, ref_order), weights.gather(1, order), atol=1e-6)
+
+
+def test_deepseek_moe_layers_follow_first_k_dense_replace_and_moe_layer_freq():
+    config = {"first_k_dense_replace": 1, "moe_layer_freq": 2}
+    assert deepseek_v2.moe_layer_flags(config, 6) == (False, False, True, False, True, False)
+    assert deepseek_v2.moe_layer_flags({"first_k_dense_replace": 3}, 5) == (False, False, False, True, True)
+
+
+@pytest.fixture
+def copy_of(tiny_model, tmp_path):
+    def make(arch, **overrides):
+        path = tmp_path / arch
+        shutil.copytree(tiny_model(arch, **overrides), path)
+        return path
+    return make
+
+
+def edit_config(path, **changes):
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+def test_multi_token_prediction_layers_are_skipped_and_nothing_else(copy_of):
+    path = copy_of("deepseek_v3")
+    expected = edgemoe.load(path).logits([5, 6, 7])
+    tensors = load_file(path / "model.safetensors")
+    layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    tensors[f"model.layers.{layers}.eh_proj.weight"] = torch.zeros(4, 4)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    edit_config(path, num_nextn_predict_layers=1)
+    assert torch.equal(edgemoe.load(path).logits([5, 6, 7]), expected)
+    edit_config(path, num_nextn_predict_layers=0)
+    with pytest.raises(CheckpointError, match=rf"unused tensors model\.layers\.{layers}\.eh_proj\.weight"):
+        edgemoe.load(path)
+
+
+@pytest.mark.parametrize("arch,changes,message", [
+    ("deepseek_v2", {"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
+     "rope_scaling type 'dynamic' is not supported"),
+    ("phimoe", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
+                                    "long_factor": [1.0] * 8}}, "rope_parameters type 'longrope' is not supported"),
+    ("deepseek_v2", {"norm_topk_prob": True}, "norm_topk_prob=true is not supported for deepseek_v2"),
+    ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method='noaux_tc' is not supported"),
+    ("deepseek_v2", {"mlp_bias": True}, "mlp_bias=true is not supported"),
+    ("deepseek_v3", {"n_group": 3}, "n_group=3 does not divide 8 experts"),
+    ("deepseek_v3", {"n_group": 8, "topk_group": 1}, "n_group=8 leaves fewer than 2 experts per group"),
+    ("deepseek_v3", {"topk_group": 1, "num_experts_per_tok": 3}, "num_experts_per_tok=3 exceeds the 2 experts"),
+    ("phimoe", {"num_experts_per_tok": 3}, "sparsemixer routing picks 2 experts"),
+])
+def test_unsupported_configurations_name_config_json_and_the_field(copy_of, arch, changes, message):
+    path = copy_of(arch)
+    edit_config(path, **changes)
+    with pytest.raises(CheckpointError, match="config.json: .*" + message.replace("(", r"\(")) as info:
+        edgemoe.load(path)
+    assert "\n" not in str(info.value)
+
+
+def test_spec_round_trips_through_a_store_manifest(tiny_model):
+    spec = edgemoe.load(tiny_model("deepseek_v3")).spec
+    assert ModelSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+
+
+@pytest.mark.parametrize("arch", ["phimoe", "deepseek_v3"])
+def test_a_twin_built_from_dense_weights_is_the_same_model(tiny_model, arch):
+    """The budget search builds its quantized twin from dense_weights(): every bias and norm must come along."""
+    from edgemoe.model import MoEModel
+
+    model = edgemoe.load(tiny_model(arch))
+    twin = MoEModel(model.spec, model.dense_weights(), model.experts)
+    assert set(model.dense_weights()) == set(model.spec.dense_shapes())
+    assert torch.equal(twin.logits([5, 6, 7, 8]), model.logits([5, 6, 7, 8]))
