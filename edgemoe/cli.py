@@ -204,14 +204,16 @@ def run(
         _print_run_stats(m)
 
 
-def _store_options(path: Path, ram, vram, device, policy, preload, skip_below=0.0) -> dict:
+def _store_options(path: Path, ram, vram, device, policy, preload, skip_below=0.0, compute=None) -> dict:
     """The store options for `path`; refused, naming the flags, when it is a checkpoint directory."""
     from .loader import is_store
 
     if is_store(path):
-        return dict(ram=ram, vram=vram, device=device, policy=policy, preload=preload, skip_below=skip_below)
+        return dict(ram=ram, vram=vram, device=device, policy=policy, preload=preload, skip_below=skip_below,
+                    **({"compute": compute} if compute is not None else {}))
     given = [flag for flag, value in (("--ram", ram), ("--vram", vram), ("--device", device),
-                                      ("--skip-below", skip_below or None)) if value is not None]
+                                      ("--skip-below", skip_below or None), ("--compute", compute))
+             if value is not None]
     if given:
         verb = "applies" if len(given) == 1 else "apply"
         raise EdgeMoEError(f"{path}: {', '.join(given)} {verb} to stores, and this is a checkpoint directory "
@@ -597,6 +599,8 @@ def eval_(
     dtype: str = _dtype_option(),
     threads: Optional[int] = _threads_option(),
     quiet: bool = _quiet_option(),
+    compute: Optional[str] = typer.Option(None, help="A store's expert compute path: auto (default), "
+                                          "fused-int, fused-float, dequant or device."),
 ):
     """Perplexity over a text (sliding window); with --reference, agreement and KL too."""
     import json
@@ -613,7 +617,7 @@ def eval_(
     content = _read_text(text)
     path = _model_path(model)
     m = edgemoe.load(path, _dtype(dtype), threads, **_store_options(path, ram, vram, device, policy, preload,
-                                                                    skip_below))
+                                                                    skip_below, compute))
     options.window_length(context, "--context", m.context_length)
     if stride is not None and stride > (context or m.context_length):
         raise options.OptionError("--stride", stride, "expected at most the window length (--context)")

@@ -1,7 +1,8 @@
 """Where an expert computes, decided by measured latencies (Fiddler's rule), never by constants in code.
 
 For an expert of width `bits` and shape (I, D), with S tokens routed to it:
-- fused(S): the numba SwiGLU kernel on the packed weights; grows about linearly in S;
+- fused-int(S), fused-float(S): the numba SwiGLU kernel on the packed weights, with int8 or float32
+  activations (edgemoe.kernels.swiglu_expert_int / swiglu_expert); grow about linearly in S;
 - dequant(S): dequantize the three matrices once (numba), then torch matmuls; about constant plus a
   small slope in S.
 A short calibration times both at a few token counts on this machine and fits t = a + b*S per path
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 
 CALIBRATION_TOKENS = (1, 4, 16, 64)
-PATHS = ("fused", "dequant")
+PATHS = ("fused-int", "fused-float", "dequant")
 
 
 def cache_file() -> Path:
@@ -48,7 +49,10 @@ def machine_fingerprint() -> str:
     except OSError:
         pass
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{cpu}|{cores} cores|torch {torch.__version__}|numba {numba.__version__}|threads {torch.get_num_threads()}"
+    from edgemoe.kernels import default_int_path
+
+    return (f"{cpu}|{cores} cores|torch {torch.__version__}|numba {numba.__version__}|threads "
+            f"{torch.get_num_threads()}|int path {default_int_path()}")
 
 
 @dataclass
@@ -66,9 +70,9 @@ class LatencyModel:
         return a + b * tokens + (nbytes * self.copy_seconds_per_byte if path == "device" else 0.0)
 
     def choose(self, bits: int, tokens: int, nbytes: int = 0) -> str:
-        """"fused", "dequant" or (when calibrated) "device": the cheapest for this many tokens, for an
+        """One of PATHS or (when calibrated) "device": the cheapest for this many tokens, for an
         expert of `nbytes` packed bytes held in RAM."""
-        if bits not in self.fits["fused"]:
+        if bits not in self.fits[PATHS[0]]:
             raise KeyError(f"latency model has no calibration for INT{bits}")
         return min(self.fits, key=lambda p: self.predict(p, bits, tokens, nbytes))
 
@@ -129,7 +133,8 @@ def calibrate(shape: tuple[int, int], widths, repeats: int = 3, tokens=CALIBRATI
         for s in tokens:
             x = torch.randn(s, dim, generator=g)
             xn = x.numpy()
-            measured["fused"].append(median_time(lambda: kernels.swiglu_expert(xn, *qts.values()), repeats))
+            measured["fused-int"].append(median_time(lambda: kernels.swiglu_expert_int(xn, *qts.values()), repeats))
+            measured["fused-float"].append(median_time(lambda: kernels.swiglu_expert(xn, *qts.values()), repeats))
             measured["dequant"].append(median_time(
                 lambda: swiglu(x, *(kernels.dequantize(q) for q in qts.values())), repeats))
             if device:
@@ -168,9 +173,10 @@ def load_or_calibrate(shape: tuple[int, int], widths, path: Path | None = None,
         cached = {}
     if key in cached:
         model = LatencyModel.from_json(cached[key])
-        if set(widths) <= set(model.fits["fused"]):
-            return model
-        widths = set(widths) | set(model.fits["fused"])
+        if set(PATHS) <= set(model.fits):   # else an older edgemoe's calibration: redo it
+            if set(widths) <= set(model.fits[PATHS[0]]):
+                return model
+            widths = set(widths) | set(model.fits[PATHS[0]])
     model = calibrate(shape, widths, device=device)
     cached[key] = model.to_json()
     try:

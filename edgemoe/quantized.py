@@ -1,9 +1,10 @@
 """Experts served by a tiered store and computed from their quantized weights.
 
 Where an expert in RAM computes is decided by its width and token count S alone (so that tiering
-never changes results): "fused", the numba SwiGLU kernel on the packed weights, or "dequant",
-dequantize once (numba) then torch matmuls, or, with a VRAM tier, "device": copy the packed bytes
-to the device and compute there. `compute="auto"` picks the cheapest by this machine's measured
+never changes results): "fused-int", the numba SwiGLU kernel on the packed weights with activations
+quantized to int8 and integer dot products (edgemoe.kernels.swiglu_expert_int), "fused-float", the
+same with float32 activations (swiglu_expert), "dequant", dequantize once (numba) then torch
+matmuls, or, with a VRAM tier, "device": copy the packed bytes to the device and compute there. `compute="auto"` picks the cheapest by this machine's measured
 latency model (edgemoe.latency); the others force one. An expert resident on the device (the VRAM
 tier) is dequantized and multiplied there.
 
@@ -24,14 +25,15 @@ from edgemoe.store.tiers import device_swiglu, to_device
 from .experts import ExpertBatches, ExpertProvider
 from .layers import swiglu
 
-COMPUTE_CHOICES = ("auto", "fused", "dequant", "device")
+COMPUTE_CHOICES = ("auto", "fused-int", "fused-float", "dequant", "device")
+FUSED = {"fused-int": kernels.swiglu_expert_int, "fused-float": kernels.swiglu_expert}
 
 
 class QuantizedExpert:
     def __init__(self, resident: ResidentExpert, choose: Callable[[int, int, int], str],
                  device: torch.device | None = None):
         self.resident = resident
-        self.choose = choose          # (bits, tokens, nbytes) -> "fused" | "dequant" | "device"
+        self.choose = choose          # (bits, tokens, nbytes) -> a COMPUTE_CHOICES entry but "auto"
         self.device = device          # the VRAM tier's device, for the "device" path
         self.nbytes = resident.nbytes
 
@@ -42,9 +44,9 @@ class QuantizedExpert:
         path = self.choose(r.bits, x.shape[0], r.nbytes)
         if path == "device":   # copy this RAM expert's packed bytes over and compute there (Fiddler)
             return device_swiglu(x, r.entry.tensors, to_device(r.tensors, self.device))
-        if path == "fused":
+        if path in FUSED:
             t = r.tensors
-            y = kernels.swiglu_expert(x.float().contiguous().numpy(), t["gate"], t["up"], t["down"])
+            y = FUSED[path](x.float().contiguous().numpy(), t["gate"], t["up"], t["down"])
             return torch.from_numpy(y).to(x.dtype)
         w = {role: kernels.dequantize(qt) for role, qt in r.tensors.items()}
         return swiglu(x.float(), w["gate"], w["up"], w["down"]).to(x.dtype)

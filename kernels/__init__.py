@@ -3,12 +3,16 @@
     qmatmul(x, qt)                       # float32 [T, C] -> [T, R], y = x @ W^T, small T
     dequantize(qt, dtype)                # torch float32 / bfloat16 [R, C], for large T via torch
     swiglu_expert(x, gate, up, down)     # fused SwiGLU expert, float32 [T, D] -> [T, D]
+    qmatmul_int(x, qt), swiglu_expert_int(x, gate, up, down)   # the same on int8 activations
+    int_paths(), default_int_path()      # integer code paths this CPU runs ("avx2", "portable")
     set_threads(n)                       # numba and torch thread counts together
 
-Plain torch twins of each kernel: edgemoe.kernels.reference. numba options: edgemoe.kernels._jit.
+Plain torch twins of each kernel: edgemoe.kernels.reference. Integer path: kernels/cpu_int.py. numba options: edgemoe.kernels._jit.
 """
 
 from ._jit import set_threads
-from .ops import dequantize, qmatmul, swiglu_expert
+from .ops import (default_int_path, dequantize, int_paths, qmatmul, qmatmul_int, swiglu_expert,
+                  swiglu_expert_int)
 
-__all__ = ["dequantize", "qmatmul", "set_threads", "swiglu_expert"]
+__all__ = ["default_int_path", "dequantize", "int_paths", "qmatmul", "qmatmul_int", "set_threads",
+           "swiglu_expert", "swiglu_expert_int"]

@@ -28,6 +28,7 @@ setting cannot apply: a warning says so (results then differ in the last bits fr
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
@@ -93,3 +94,14 @@ def set_threads(n: int | None = None) -> int:
 # numba sizes its pool by os.cpu_count(), which counts cores this process may not run on (containers,
 # taskset): start at the cores it may use. torch's own count is left as the user or torch chose.
 numba.set_num_threads(min(numba.config.NUMBA_NUM_THREADS, available_cores()))
+
+
+@functools.cache  # asking LLVM for the host's features takes ~0.2 ms, and they never change
+def target_has(feature: str) -> bool:
+    """Whether numba compiles for a CPU with this LLVM feature ("avx2", ...): NUMBA_CPU_FEATURES if
+    the user (or _allow_512_bit_vectors) set it, else the host's, unless another CPU was named."""
+    if numba.config.CPU_FEATURES is not None:
+        return f"+{feature}" in numba.config.CPU_FEATURES.split(",")
+    if numba.config.CPU_NAME not in (None, "host"):  # compiling for a named (generic) CPU: assume not
+        return False
+    return bool(llvm.get_host_cpu_features().get(feature))

@@ -2,16 +2,27 @@
 
 Shapes: T tokens, R rows, C columns, NG groups, G padded group size, Cp = NG * G, D hidden,
 I expert hidden. Activations are numpy float32 [T, C], C-contiguous; outputs are new arrays.
+
+Float path: qmatmul, swiglu_expert (kernels/cpu.py). Integer path: qmatmul_int, swiglu_expert_int
+(kernels/cpu_int.py), on one of int_paths(): "avx2" where numba compiles for an AVX2 CPU, "portable"
+everywhere. A call's path is its `path` argument, else $EDGEMOE_INT_PATH, else the fastest available.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import torch
 
 from edgemoe.quant import QuantizedTensor
 
-from . import cpu
+from . import cpu, cpu_int
+from ._jit import target_has
+
+INT_PATHS = {"avx2": cpu_int.AVX2, "portable": cpu_int.PORTABLE}  # fastest first
+INT_PATH_ENV = "EDGEMOE_INT_PATH"
+MAX_INT_SUM = 2**31 - 1  # integer sums are int32 in the AVX2 lanes
 
 
 def _check_qt(name: str, qt) -> QuantizedTensor:
@@ -61,12 +72,8 @@ def dequantize(qt: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch
     raise ValueError(f"dtype={dtype}: expected torch.float32 or torch.bfloat16")
 
 
-def swiglu_expert(x: np.ndarray, gate: QuantizedTensor, up: QuantizedTensor,
-                  down: QuantizedTensor) -> np.ndarray:
-    """down(silu(gate x) * (up x)) in one parallel kernel: x float32 [T, D] -> float32 [T, D].
-
-    gate, up: [I, D] with the same bits and group_size (decoded side by side); down: [D, I], any.
-    """
+def _check_expert(gate, up, down) -> tuple[int, int]:
+    """(I, D) of a SwiGLU expert: gate, up [I, D] with the same bits and group_size, down [D, I]."""
     for name, qt in (("gate", gate), ("up", up), ("down", down)):
         _check_qt(name, qt)
     inner, dim = gate.shape
@@ -75,6 +82,16 @@ def swiglu_expert(x: np.ndarray, gate: QuantizedTensor, up: QuantizedTensor,
     if (up.bits, up.group_size) != (gate.bits, gate.group_size):
         raise ValueError(f"up: bits={up.bits}, group_size={up.group_size} must match gate's "
                          f"({gate.bits}, {gate.group_size})")
+    return inner, dim
+
+
+def swiglu_expert(x: np.ndarray, gate: QuantizedTensor, up: QuantizedTensor,
+                  down: QuantizedTensor) -> np.ndarray:
+    """down(silu(gate x) * (up x)) in one parallel kernel: x float32 [T, D] -> float32 [T, D].
+
+    gate, up: [I, D] with the same bits and group_size (decoded side by side); down: [D, I], any.
+    """
+    inner, dim = _check_expert(gate, up, down)
     xp, xsum = _padded(_check_x("x", x, dim), gate)
     ntok = x.shape[0]
     hg, hu = np.empty((ntok, inner), np.float32), np.empty((ntok, inner), np.float32)
@@ -85,4 +102,72 @@ def swiglu_expert(x: np.ndarray, gate: QuantizedTensor, up: QuantizedTensor,
                       up.packed, up.scale, up.zero, xp, xsum,
                       down.bits, down.group, down.packed, down.scale, down.zero, hg, hu, h, hsum, out,
                       cpu.row_blocks())
+    return out
+
+
+def int_paths() -> tuple[str, ...]:
+    """The integer paths numba can run on this CPU, fastest first."""
+    return tuple(p for p in INT_PATHS if p == "portable" or target_has(p))
+
+
+def default_int_path() -> str:
+    """$EDGEMOE_INT_PATH if set, else the fastest of int_paths()."""
+    return os.environ.get(INT_PATH_ENV) or int_paths()[0]
+
+
+def _int_path(path: str | None) -> int:
+    name = default_int_path() if path is None else path
+    if name not in int_paths():
+        source = f"${INT_PATH_ENV}" if path is None else "path"
+        raise ValueError(f"{source}={name!r}: this CPU runs the integer paths {int_paths()}")
+    return INT_PATHS[name]
+
+
+def _check_int_sums(name: str, qt: QuantizedTensor) -> QuantizedTensor:
+    """A group's integer sum, at most qmax * 127 * G in magnitude, must fit int32."""
+    if ((1 << qt.bits) - 1) * 127 * qt.group > MAX_INT_SUM:
+        raise ValueError(f"{name}: groups of {qt.group} columns at {qt.bits} bits overflow the integer "
+                         f"path's int32 sums; quantize with a smaller group_size or use the float path")
+    return qt
+
+
+def quantize_activations(x: np.ndarray, qt: QuantizedTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x float32 [T, C] -> xq int8 [T, Cp] (zero-padded), xs float32 [T, NG], qs int64 [T, NG], on qt's groups."""
+    ntok = x.shape[0]
+    xq = np.zeros((ntok, qt.ngroups * qt.group), np.int8)
+    xs = np.empty((ntok, qt.ngroups), np.float32)
+    qs = np.empty((ntok, qt.ngroups), np.int64)
+    cpu_int.quantize_activations_kernel(x, qt.group, xq, xs, qs)
+    return xq, xs, qs
+
+
+def qmatmul_int(x: np.ndarray, qt: QuantizedTensor, path: str | None = None) -> np.ndarray:
+    """y = x @ W^T on the integer path (x quantized to int8 per token and group): float32 [T, C] -> [T, R]."""
+    code = _int_path(path)
+    _check_int_sums("qt", _check_qt("qt", qt))
+    xq, xs, qs = quantize_activations(_check_x("x", x, qt.shape[1]), qt)
+    out = np.empty((x.shape[0], qt.shape[0]), np.float32)
+    cpu_int.qmatmul_int_kernel(code, qt.bits, qt.group, qt.packed.reshape(-1), qt.scale, qt.zero,
+                               xq.reshape(-1), xs, qs, out, cpu.row_blocks())
+    return out
+
+
+def swiglu_expert_int(x: np.ndarray, gate: QuantizedTensor, up: QuantizedTensor,
+                      down: QuantizedTensor, path: str | None = None) -> np.ndarray:
+    """swiglu_expert on the integer path: x and the intermediate activation quantized to int8."""
+    code = _int_path(path)
+    inner, dim = _check_expert(gate, up, down)
+    for name, qt in (("gate", gate), ("down", down)):  # up has gate's bits and groups
+        _check_int_sums(name, qt)
+    xq, xs, qs = quantize_activations(_check_x("x", x, dim), gate)
+    ntok = x.shape[0]
+    hg, hu, h = (np.empty((ntok, inner), np.float32) for _ in range(3))
+    hq = np.zeros((ntok, down.ngroups * down.group), np.int8)
+    hs = np.empty((ntok, down.ngroups), np.float32)
+    hqs = np.empty((ntok, down.ngroups), np.int64)
+    out = np.empty((ntok, dim), np.float32)
+    cpu_int.swiglu_int_kernel(code, gate.bits, gate.group, gate.packed.reshape(-1), gate.scale, gate.zero,
+                              up.packed.reshape(-1), up.scale, up.zero, xq.reshape(-1), xs, qs,
+                              down.bits, down.group, down.packed.reshape(-1), down.scale, down.zero,
+                              hg, hu, h, hq, hs, hqs, out, cpu.row_blocks())
     return out

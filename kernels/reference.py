@@ -9,7 +9,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from edgemoe.quant import QuantizedTensor, dequantize_reference
+from edgemoe.quant import QuantizedTensor, dequantize_reference, get_format
 
 
 def qmatmul_reference(x: np.ndarray, qt: QuantizedTensor) -> np.ndarray:
@@ -27,3 +27,44 @@ def swiglu_reference(x: np.ndarray, gate: QuantizedTensor, up: QuantizedTensor,
     xt = torch.from_numpy(x)
     h = F.silu(F.linear(xt, dequantize_reference(gate))) * F.linear(xt, dequantize_reference(up))  # [T, I]
     return F.linear(h, dequantize_reference(down)).numpy()
+
+
+def quantize_activations_reference(x: torch.Tensor, group: int, ngroups: int):
+    """x float32 [T, C] -> xq int8 [T, Cp], xs float32 [T, NG], qs int64 [T, NG] (kernels/cpu_int.py's rule):
+    per token and group, xs = max|x| / 127, xq = round half to even of x / xs, 0 where xs = 0."""
+    ntok, cols = x.shape
+    xg = F.pad(x, (0, ngroups * group - cols)).reshape(ntok, ngroups, group)  # [T, NG, G]
+    xs = xg.abs().amax(-1, keepdim=True) / 127
+    xq = torch.where(xs > 0, torch.round(xg / xs).clamp(-127, 127), 0).to(torch.int8)
+    return xq.reshape(ntok, -1), xs.squeeze(-1), xq.sum(-1, dtype=torch.int64)
+
+
+def _int_linear(x: torch.Tensor, qt: QuantizedTensor) -> torch.Tensor:
+    """The integer path's x @ W^T: float32 [T, C] -> [T, R], the epilogue in the kernel's order."""
+    xq, xs, qs = quantize_activations_reference(x, qt.group, qt.ngroups)
+    codes = get_format(qt.bits).unpack(torch.tensor(qt.packed), qt.group).long()  # [R, NG, G]
+    isum = torch.einsum("rgk,tgk->trg", codes, xq.long().reshape(x.shape[0], qt.ngroups, qt.group))
+    scale, zero = torch.tensor(qt.scale), torch.tensor(qt.zero)  # [R, NG]
+    terms = (scale * xs[:, None, :]) * (isum.float() - zero * qs.float()[:, None, :])  # [T, R, NG]
+    y = torch.zeros(x.shape[0], qt.shape[0])
+    for g in range(qt.ngroups):  # the kernel adds groups one by one, in order
+        y = y + terms[:, :, g]
+    return y
+
+
+def qmatmul_int_twin(x: np.ndarray, qt: QuantizedTensor) -> np.ndarray:
+    """qmatmul_int's result, bit for bit: x float32 [T, C] -> float32 [T, R]."""
+    return _int_linear(torch.from_numpy(x), qt).numpy()
+
+
+def silu_mul_twin(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """silu(g) * u as kernels/cpu_int.py computes it: exp in float64, rounded to float32."""
+    return g / (1 + torch.exp((-g).double()).float()) * u
+
+
+def swiglu_int_twin(x: np.ndarray, gate: QuantizedTensor, up: QuantizedTensor,
+                    down: QuantizedTensor) -> np.ndarray:
+    """swiglu_expert_int's result: x float32 [T, D] -> float32 [T, D]."""
+    xt = torch.from_numpy(x)
+    h = silu_mul_twin(_int_linear(xt, gate), _int_linear(xt, up))  # [T, I]
+    return _int_linear(h, down).numpy()

@@ -12,12 +12,15 @@ from edgemoe.store import convert
 
 
 def fake_timings(monkeypatch, fused_slope=1e-3, dequant_base=5e-3):
-    """fused: t = S * fused_slope; dequant: t = dequant_base + 1e-5 * S (as on a real CPU, roughly)."""
+    """fused-int: t = S * fused_slope; fused-float 1.5x that; dequant: t = dequant_base + 1e-5 * S
+    (as on a real CPU, roughly)."""
     calls = []
 
     def fake_calibrate(shape, widths, repeats=3, tokens=latency.CALIBRATION_TOKENS, device=None):
         calls.append(tuple(sorted(widths)))
-        fits = {"fused": {b: latency._fit(tokens, [s * fused_slope * b / 4 for s in tokens]) for b in widths},
+        fits = {"fused-int": {b: latency._fit(tokens, [s * fused_slope * b / 4 for s in tokens]) for b in widths},
+                "fused-float": {b: latency._fit(tokens, [1.5 * s * fused_slope * b / 4 for s in tokens])
+                                for b in widths},
                 "dequant": {b: latency._fit(tokens, [dequant_base + 1e-5 * s for s in tokens]) for b in widths}}
         return LatencyModel(fits, tuple(shape), latency.machine_fingerprint())
 
@@ -29,7 +32,7 @@ def test_choice_switches_at_the_measured_crossover(monkeypatch, tmp_path):
     fake_timings(monkeypatch)
     model = load_or_calibrate((96, 64), [4, 8], path=tmp_path / "l.json")
     # fused 1e-3*S vs dequant 5e-3 + 1e-5*S: dequant is cheaper from S = 6 at INT4; INT8 costs 2x: S = 3
-    assert [model.choose(4, s) for s in (1, 5, 6, 64)] == ["fused", "fused", "dequant", "dequant"]
+    assert [model.choose(4, s) for s in (1, 5, 6, 64)] == ["fused-int", "fused-int", "dequant", "dequant"]
     assert model.crossover(4) == 6 and model.crossover(8) == 3
 
 
@@ -49,24 +52,43 @@ def test_corrupt_cache_is_recalibrated(monkeypatch, tmp_path):
     calls = fake_timings(monkeypatch)
     path = tmp_path / "l.json"
     path.write_text("{not json")
-    assert load_or_calibrate((96, 64), [4], path=path).choose(4, 1) == "fused"
+    assert load_or_calibrate((96, 64), [4], path=path).choose(4, 1) == "fused-int"
     assert calls == [(4,)] and json.loads(path.read_text())
+
+
+def test_a_cache_without_the_integer_path_is_recalibrated(monkeypatch, tmp_path):
+    calls = fake_timings(monkeypatch)
+    path = tmp_path / "l.json"
+    old = LatencyModel({"fused": {4: (0.0, 1e-3)}, "dequant": {4: (5e-3, 1e-5)}}, (96, 64), latency.machine_fingerprint())
+    path.write_text(json.dumps({latency._cache_key((96, 64), old.machine, None): old.to_json()}))
+    assert load_or_calibrate((96, 64), [4], path=path).choose(4, 1) == "fused-int"
+    assert calls == [(4,)]
 
 
 def test_real_calibration_fits_nonnegative_lines():
     model = latency.calibrate((32, 64), [4], repeats=1, tokens=(1, 8))
-    for path in ("fused", "dequant"):
+    for path in latency.PATHS:
         a, b = model.fits[path][4]
         assert a >= 0 and b >= 0 and model.predict(path, 4, 8) >= model.predict(path, 4, 1)
 
 
-@pytest.mark.parametrize("compute", ["auto", "fused", "dequant"])
+@pytest.mark.parametrize("compute", ["auto", "fused-int", "dequant"])
 def test_every_compute_path_gives_the_same_logits(tiny_model, tmp_path, compute):
+    """Float paths agree to float rounding. The integer path (auto's choice for a few tokens when it is
+    the fastest) differs by int8 activation rounding, which on this random model moves the logits by up
+    to 8% of the largest (measured KL 2.9e-4, top-1 agreement 23 of 24 tokens): held to KL <= 2e-3.
+    tests/test_int_kernels.py bounds the kernels themselves; the bundled model's text is checked there."""
     convert(tiny_model("olmoe"), tmp_path / "s", bits=4)
-    fused = edgemoe.load(tmp_path / "s", compute="fused")
+    fused = edgemoe.load(tmp_path / "s", compute="fused-float")
     model = edgemoe.load(tmp_path / "s", compute=compute)
     ids = torch.tensor(fused.tokenizer.encode("All the world's a stage, and all the men and women"))
-    assert (model.logits(ids) - fused.logits(ids)).abs().max() <= 1e-4
+    expected, got = fused.logits(ids), model.logits(ids)
+    if "fused-int" in {model.experts.choose(4, s) for s in range(1, len(ids) + 1)}:
+        kl = torch.nn.functional.kl_div(got.log_softmax(-1), expected.log_softmax(-1), log_target=True,
+                                        reduction="batchmean")
+        assert 0 < kl <= 2e-3
+    else:
+        assert (got - expected).abs().max() <= 1e-4
 
 
 def test_unknown_compute_choice_is_named(tiny_model, tmp_path):
@@ -76,9 +98,10 @@ def test_unknown_compute_choice_is_named(tiny_model, tmp_path):
 
 
 def test_device_path_wins_for_many_tokens_when_the_copy_is_cheap():
-    fits = {"fused": {4: (0.0, 1e-3)}, "dequant": {4: (5e-3, 1e-4)}, "device": {4: (1e-3, 1e-6)}}
+    fits = {"fused-int": {4: (0.0, 1e-3)}, "fused-float": {4: (0.0, 2e-3)}, "dequant": {4: (5e-3, 1e-4)},
+            "device": {4: (1e-3, 1e-6)}}
     model = LatencyModel(fits, (96, 64), "m", device="cuda", copy_seconds_per_byte=1e-9)
-    assert model.choose(4, 1, nbytes=10_000) == "fused"          # 1 ms vs 1.01 ms on the device
+    assert model.choose(4, 1, nbytes=10_000) == "fused-int"      # 1 ms vs 1.01 ms on the device
     assert model.choose(4, 64, nbytes=10_000) == "device"        # 64 ms, 11.4 ms, 1.07 ms
     assert model.choose(4, 64, nbytes=10**8) == "dequant"        # a 0.1 s copy loses to 11.4 ms
     assert LatencyModel.from_json(model.to_json()) == model
@@ -86,13 +109,13 @@ def test_device_path_wins_for_many_tokens_when_the_copy_is_cheap():
 
 def test_real_calibration_with_a_stand_in_device():
     model = latency.calibrate((32, 64), [4], repeats=1, tokens=(1, 8), device="cpu")
-    assert set(model.fits) == {"fused", "dequant", "device"} and model.copy_seconds_per_byte > 0
+    assert set(model.fits) == {*latency.PATHS, "device"} and model.copy_seconds_per_byte > 0
     assert model.choose(4, 8, nbytes=1000) in model.fits
 
 
 def test_device_compute_on_a_cpu_stand_in_gives_the_same_logits(tiny_model, tmp_path):
     convert(tiny_model("qwen2_moe"), tmp_path / "s", bits=4)
-    fused = edgemoe.load(tmp_path / "s", compute="fused")
+    fused = edgemoe.load(tmp_path / "s", compute="fused-float")
     on_device = edgemoe.load(tmp_path / "s", compute="device", ram="1GB", vram=1, device="cpu")
     ids = torch.tensor(fused.tokenizer.encode("All the world's a stage, and all the men"))
     assert (on_device.logits(ids) - fused.logits(ids)).abs().max() <= 1e-4

@@ -48,7 +48,9 @@ def tokens(model, text="To be, or not to be, that is the question"):
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_store_logits_match_plain_torch_dequantized_model(checkpoint, tmp_path, bits):
     convert(checkpoint, tmp_path / "s", bits=bits)
-    model = edgemoe.load(tmp_path / "s")
+    # float experts: the integer path (which "auto" may pick) rounds activations to int8, its own
+    # tests bound that (tests/test_int_kernels.py, tests/test_latency.py)
+    model = edgemoe.load(tmp_path / "s", compute="fused-float")
     reference = dequantized_reference(checkpoint, lambda key: bits)
     ids = tokens(model)
     assert (model.logits(ids) - reference.logits(ids)).abs().max() <= 1e-4
@@ -64,7 +66,7 @@ def test_per_expert_widths_and_compression(checkpoint, tmp_path):
     manifest = read_manifest(tmp_path / "mixed")
     assert all(e.bits == width_map[e.key] and e.compression == "zstd" for e in manifest.experts.values())
     assert all(e.offset % ALIGNMENT == 0 for e in manifest.experts.values())
-    model = edgemoe.load(tmp_path / "mixed")
+    model = edgemoe.load(tmp_path / "mixed", compute="fused-float")
     reference = dequantized_reference(checkpoint, lambda key: width_map[key])
     assert (model.logits(tokens(model)) - reference.logits(tokens(model))).abs().max() <= 1e-4
     assert inspect_store(tmp_path / "mixed")["widths"] == {k: v for k, v in widths.items()}
@@ -97,7 +99,7 @@ def test_greedy_output_is_the_same_whatever_the_budgets_and_policies(store):
 
 def test_vram_tier_on_a_cpu_stand_in_matches_ram_logits(store):
     ids = tokens(edgemoe.load(store))
-    ram_logits = edgemoe.load(store).logits(ids)
+    ram_logits = edgemoe.load(store, compute="fused-float").logits(ids)
     model = edgemoe.load(store, ram=0, vram="1GB", device="cpu")
     assert (model.logits(ids) - ram_logits).abs().max() <= 1e-4
     assert set(model.experts.store.resident().values()) == {"vram"}
@@ -111,14 +113,15 @@ def test_vram_stand_in_and_ram_agree_on_the_bundled_model(tmp_path):
     from edgemoe.bundled import bundled_model_path
     store = tmp_path / "bundled"
     convert(bundled_model_path(), store, bits=4)
-    ram = edgemoe.load(store, torch.float32, preload="none")
+    # RAM experts on the float kernels: the integer path ("auto" may pick it) rounds activations to int8
+    ram = edgemoe.load(store, torch.float32, preload="none", compute="fused-float")
     vram = edgemoe.load(store, torch.float32, preload="none", ram=0, vram="1GB", device="cpu")
     for prompt in ("ROMEO:", "JULIET:\nO", "To be, or not"):
         ids = ram.tokenizer.encode(prompt)
         assert (ram.logits(ids) - vram.logits(ids)).abs().max() <= 1e-4
         assert ram.generate(prompt, max_new_tokens=100, temperature=0) == \
             vram.generate(prompt, max_new_tokens=100, temperature=0)
-    ram16 = edgemoe.load(store, torch.bfloat16, preload="none")
+    ram16 = edgemoe.load(store, torch.bfloat16, preload="none", compute="fused-float")
     vram16 = edgemoe.load(store, torch.bfloat16, preload="none", ram=0, vram="1GB", device="cpu")
     ids = ram16.tokenizer.encode("ROMEO:")
     a, b = ram16.logits(ids), vram16.logits(ids)
@@ -387,7 +390,7 @@ def test_budget_strings_and_errors(store):
 def test_convert_run_and_inspect_every_architecture(tiny_model, tmp_path, arch):
     path = tiny_model(arch, fused_experts=arch == "olmoe")
     convert(path, tmp_path / "s", bits=4)
-    model = edgemoe.load(tmp_path / "s", ram=30_000, policy="edgemoe")
+    model = edgemoe.load(tmp_path / "s", ram=30_000, policy="edgemoe", compute="fused-float")
     reference = dequantized_reference(path, lambda key: 4)
     ids = tokens(model)
     assert (model.logits(ids) - reference.logits(ids)).abs().max() <= 1e-4

@@ -1,6 +1,6 @@
 """Benchmark edgemoe's CPU kernels against this machine's memory read bandwidth.
 
-    python tools/bench_kernels.py [--json results.json] [--parts qmatmul,expert,crossover]
+    python tools/bench_kernels.py [--json results.json] [--parts qmatmul,expert,crossover,int]
                                   [--mixtral-only] [--bundled DIR] [--repeats N]
 
 Measures, in one run:
@@ -9,7 +9,10 @@ Measures, in one run:
    codes + scales + zeros read per second) on 14336x4096 (Mixtral's expert) and on the bundled model's
    expert shapes, beside torch bf16 F.linear on the dequantized weight;
 3. per width, the token count where dequantize (bf16) + torch F.linear overtakes qmatmul;
-4. the fused SwiGLU expert against its three GEMVs.
+4. the fused SwiGLU expert against its three GEMVs;
+5. ("int") the integer path next to the float path on Mixtral's shape, per width, at 1 and 2 threads:
+   qmatmul_int at 1, 2, 4, 8 tokens and swiglu_expert_int at 1 token, on each integer path this CPU
+   runs (the portable one at 1 token only), against qmatmul / swiglu_expert in the same run.
 
 Weights are "cold": each timed call reads a different copy of the packed weight, from a set of copies
 larger than 2x the last-level cache, so bandwidth means DRAM bandwidth. "hot" rows (1 token only)
@@ -36,12 +39,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from edgemoe.kernels import dequantize, qmatmul, set_threads, swiglu_expert
+from edgemoe.kernels import (dequantize, int_paths, qmatmul, qmatmul_int, set_threads, swiglu_expert,
+                             swiglu_expert_int)
 from edgemoe.kernels.cpu import parallel_sum
 from edgemoe.quant import QuantizedTensor, quantize
 
 MIXTRAL = (14336, 4096)  # expert hidden I, hidden D
 TOKENS = (1, 2, 4, 8, 16)
+INT_TOKENS = (1, 2, 4, 8)
 CROSSOVER_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
 COLD_BYTES = 1 << 30  # working set of the rotated copies: 4x this machine's 260 MB L3
 MAX_COPIES = 2048  # small (bundled) shapes: 2048 copies stay under the L3 size, so they run cached
@@ -195,6 +200,45 @@ def bench_expert(shape, bits, bandwidth, repeats):
     return out
 
 
+def bench_int(bits, bandwidth, repeats):
+    """Float and integer paths side by side on Mixtral's shape, at 1 and 2 threads (same copies)."""
+    progress("integer path", f"int{bits}")
+    rows, cols = MIXTRAL
+    qt = quantize(torch.randn(rows, cols) * 0.02, bits)
+    sets = copies([qt])
+    experts = [quantize(torch.randn(*s) * 0.02, bits) for s in ((rows, cols), (rows, cols), (cols, rows))]
+    expert_sets = copies(experts)
+    nbytes = sum(q.nbytes for q in experts)
+    out = []
+    for threads in (1, 2):
+        set_threads(threads)
+        try:
+            for tokens in INT_TOKENS:
+                x = np.random.default_rng(tokens).standard_normal((tokens, cols), dtype=np.float32)
+                kernels = [("qmatmul", lambda q: qmatmul(x, q))]
+                kernels += [(f"qmatmul_int_{p}", lambda q, p=p: qmatmul_int(x, q, p))
+                            for p in int_paths() if tokens == 1 or p != "portable"]
+                for name, fn in kernels:
+                    t = median_time(rotating(fn, sets), repeats)
+                    out.append(record(name, bits, tokens, MIXTRAL, qt.nbytes, t, bandwidth, threads=threads,
+                                      series="int"))
+            x = np.random.default_rng(1).standard_normal((1, cols), dtype=np.float32)
+            if threads == 1:  # the decoding ceiling of one core: a weight that stays in its L2
+                l2 = quantize(torch.randn(L2_ROWS // 2, cols) * 0.02, bits)  # 512 KiB L2 on Zen 3
+                for name, fn in [("qmatmul", qmatmul)] + [(f"qmatmul_int_{p}", lambda x, q, p=p: qmatmul_int(x, q, p))
+                                                          for p in int_paths()]:
+                    t = median_time(lambda: fn(x, l2), repeats * 10)
+                    out.append(record(f"{name}_l2", bits, 1, l2.shape, l2.nbytes, t, bandwidth, threads=1, series="int"))
+            kernels = [("swiglu_expert", lambda g, u, d: swiglu_expert(x, g, u, d))]
+            kernels += [(f"swiglu_int_{p}", lambda g, u, d, p=p: swiglu_expert_int(x, g, u, d, p)) for p in int_paths()]
+            for name, fn in kernels:
+                t = median_time(rotating(fn, expert_sets), repeats)
+                out.append(record(name, bits, 1, MIXTRAL, nbytes, t, bandwidth, threads=threads, series="int"))
+        finally:
+            set_threads()
+    return out
+
+
 def bundled_shape(path: Path):
     config = path / "config.json"
     if not config.exists():
@@ -224,9 +268,9 @@ def cpu_model() -> str:
 
 
 def print_table(records):
-    print(f"{'kernel':<22}{'bits':>5}{'tokens':>7}{'rows':>7}{'cols':>7}{'ms':>10}{'GB/s':>8}{'% bw':>7}")
+    print(f"{'kernel':<24}{'bits':>5}{'tokens':>7}{'rows':>7}{'cols':>7}{'thr':>4}{'ms':>10}{'GB/s':>8}{'% bw':>7}")
     for r in records:
-        print(f"{r['kernel']:<22}{r['bits']:>5}{r['tokens']:>7}{r['rows']:>7}{r['cols']:>7}"
+        print(f"{r['kernel']:<24}{r['bits']:>5}{r['tokens']:>7}{r['rows']:>7}{r['cols']:>7}{r.get('threads', ''):>4}"
               f"{r['ms']:>10.3f}{r['gbps']:>8.1f}{r['pct_of_bandwidth']:>7.1f}")
 
 
@@ -235,8 +279,8 @@ def main():
     ap.add_argument("--json", help="write the records as a JSON list to this file ('-': stdout)")
     ap.add_argument("--bundled", type=Path, default=BUNDLED, help="bundled model dir (its config.json)")
     ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--parts", default="qmatmul,expert,crossover",
-                    help="comma-separated subset of qmatmul,expert,crossover (bandwidth always runs)")
+    ap.add_argument("--parts", default="qmatmul,expert,crossover,int",
+                    help="comma-separated subset of qmatmul,expert,crossover,int (bandwidth always runs)")
     ap.add_argument("--mixtral-only", action="store_true", help="skip the bundled model's shapes")
     args = ap.parse_args()
 
@@ -247,8 +291,13 @@ def main():
     bw = read_bandwidth(args.repeats)
     bandwidth = bw["numba_sum_gbps"]
     print(f"memory read bandwidth (1 GiB): numba sum {bandwidth:.1f} GB/s, torch sum {bw['torch_sum_gbps']:.1f} GB/s")
-
     parts = set(args.parts.split(","))
+    if "int" in parts:
+        set_threads(1)
+        one = read_bandwidth(args.repeats)["numba_sum_gbps"]
+        set_threads()
+        print(f"memory read bandwidth, 1 thread: numba sum {one:.1f} GB/s (the % columns use {bandwidth:.1f})")
+
     small = None if args.mixtral_only else bundled_shape(args.bundled)
     if small is None:
         print(f"bundled model shapes skipped ({args.bundled}): Mixtral shape only")
@@ -277,6 +326,9 @@ def main():
         notes.append("dequantize(bf16) + F.linear beats qmatmul from (tokens, Mixtral shape): "
                      + ", ".join(f"int{b}: {t if t else '>' + str(CROSSOVER_TOKENS[-1])}"
                                  for b, t in crossings.items()))
+    if "int" in parts:
+        for bits in (8, 4, 2):
+            records += bench_int(bits, bandwidth, args.repeats)
     finish(records, args.json, notes)
 
 

@@ -1,0 +1,117 @@
+"""x86 integer dot products written with LLVM intrinsics (numba.extending.intrinsic).
+
+Shapes: P codes per plane (bytes of a group), n = 8 / bits planes, NB = P // 32 blocks of 32 bytes.
+
+avx2_dot(bits)(packed, b0, xq, x0, plane, nblocks) -> int32, exactly
+    sum over blocks i < NB, bytes k < 32, planes j < n of code_j(packed[b0 + 32 i + k]) * xq[x0 + j * plane + 32 i + k]
+with packed a flat uint8 array (planar codes, edgemoe.quant.formats) and xq a flat int8 array; the
+caller adds the bytes past the last whole block. Offsets are uint64 and never bounds-checked: the
+caller guarantees them (kernels/cpu_int.py).
+
+INT2 and INT4: vpmaddubsw (u8 code x s8 activation, adjacent pairs summed to int16), then vpmaddwd
+with ones (pairs of int16 summed to int32). vpmaddubsw saturates at +-32767, which codes up to 15
+cannot reach: a pair is at most 2 * 15 * 127 = 3810, and the planes of one block are added in int16
+before widening (INT4: 2 * 3810, INT2: 4 * 2 * 3 * 127 = 3048), far from the limit. INT8 codes (up to
+255) could saturate vpmaddubsw (2 * 255 * 127 = 64770), so INT8 takes another route, exact with no
+trick: codes zero-extended and activations sign-extended to int16 (vpmovzxbw, vpmovsxbw), then
+vpmaddwd (int16 x int16, pairs summed to int32; a pair is at most 64770). The int32 accumulators
+cannot overflow for the group sizes kernels/ops.py admits (|sum| <= 255 * 127 * G < 2^31).
+
+They run on AVX2 CPUs only: kernels/cpu_int.py calls them on the "avx2" path, which kernels/ops.py
+offers only when numba compiles for a CPU with AVX2. For any other target (aarch64, old x86) they
+compile to a RuntimeError, so that the kernels holding them still compile for the portable path.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from ._jit import target_has
+
+I8, I16, I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+BLOCK = 32  # bytes per 256-bit vector
+
+
+def _vec(t, n):
+    return ir.VectorType(t, n)
+
+
+def _splat(t, n, value):
+    return ir.Constant(_vec(t, n), [value] * n)
+
+
+def _call(builder, name, ret, args):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
+def _load(builder, base, offset, vtype):
+    """Unaligned vector load of vtype from byte pointer base + offset."""
+    ptr = builder.bitcast(builder.gep(base, [offset]), vtype.as_pointer())
+    return builder.load(ptr, align=1)
+
+
+def _hsum(builder, v):
+    total = builder.extract_element(v, ir.Constant(I32, 0))
+    for i in range(1, v.type.count):
+        total = builder.add(total, builder.extract_element(v, ir.Constant(I32, i)))
+    return total
+
+
+def _block_small(builder, bits, pbase, xbase, poff, xoff, plane):
+    """int32x8 partial sums of one 32-byte block at 2 or 4 bits (vpmaddubsw, then vpmaddwd by ones)."""
+    raw = _load(builder, pbase, poff, _vec(I8, 32))
+    mask = _splat(I8, 32, (1 << bits) - 1)
+    pairs = None
+    for j in range(8 // bits):
+        codes = builder.and_(builder.lshr(raw, _splat(I8, 32, j * bits)) if j else raw, mask)
+        xoff_j = builder.add(xoff, builder.mul(plane, ir.Constant(plane.type, j)))
+        x = _load(builder, xbase, xoff_j, _vec(I8, 32))
+        p = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _vec(I16, 16), [codes, x])
+        pairs = p if pairs is None else builder.add(pairs, p)
+    return _call(builder, "llvm.x86.avx2.pmadd.wd", _vec(I32, 8), [pairs, _splat(I16, 16, 1)])
+
+
+def _block_int8(builder, pbase, xbase, poff, xoff):
+    """int32x8 partial sums of one 32-byte block at 8 bits: two halves widened to int16, vpmaddwd."""
+    total = None
+    for half in range(2):
+        step = ir.Constant(poff.type, 16 * half)
+        codes = builder.zext(_load(builder, pbase, builder.add(poff, step), _vec(I8, 16)), _vec(I16, 16))
+        x = builder.sext(_load(builder, xbase, builder.add(xoff, step), _vec(I8, 16)), _vec(I16, 16))
+        p = _call(builder, "llvm.x86.avx2.pmadd.wd", _vec(I32, 8), [codes, x])
+        total = p if total is None else builder.add(total, p)
+    return total
+
+
+def _make_avx2_dot(bits: int):
+    @intrinsic
+    def avx2_dot(typingctx, packed, b0, xq, x0, plane, nblocks):
+        sig = types.int32(packed, b0, xq, x0, plane, nblocks)
+
+        def codegen(context, builder, sig, args):
+            if not target_has("avx2"):  # compiled for another CPU: raise instead of failing to compile
+                with builder.if_then(cgutils.true_bit):
+                    context.call_conv.return_user_exc(builder, RuntimeError, ("AVX2 code on a CPU without AVX2",))
+                return ir.Constant(I32, 0)
+            packed_a, b0_v, xq_a, x0_v, plane_v, nblocks_v = args
+            pbase = cgutils.create_struct_proxy(sig.args[0])(context, builder, value=packed_a).data
+            xbase = cgutils.create_struct_proxy(sig.args[2])(context, builder, value=xq_a).data
+            acc = cgutils.alloca_once_value(builder, _splat(I32, 8, 0))
+            with cgutils.for_range(builder, nblocks_v) as loop:
+                step = builder.mul(loop.index, ir.Constant(loop.index.type, BLOCK))
+                poff, xoff = builder.add(b0_v, step), builder.add(x0_v, step)
+                block = (_block_int8(builder, pbase, xbase, poff, xoff) if bits == 8
+                         else _block_small(builder, bits, pbase, xbase, poff, xoff, plane_v))
+                builder.store(builder.add(builder.load(acc), block), acc)
+            return _hsum(builder, builder.load(acc))
+
+        return sig, codegen
+
+    return avx2_dot
+
+
+avx2_dot2, avx2_dot4, avx2_dot8 = (_make_avx2_dot(b) for b in (2, 4, 8))
