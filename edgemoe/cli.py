@@ -277,13 +277,14 @@ def convert(
     from edgemoe.store.writer import check_destination
     from .loader import read_spec
     from .progress import progress_bar
-    from .threads import idle_cores
+    from .threads import set_command_threads
 
     start = time.perf_counter()
     calib = calib or _bundled_text(model, "calib.txt")
     inputs = [model, *(p for p in (widths, calib, heldout) if p is not None)]
     check_destination(out, force, inputs)
-    workers = workers or threads or idle_cores()
+    cores = set_command_threads(threads)
+    workers = workers or cores
     if budget is not None:
         if widths is not None:
             raise EdgeMoEError("--budget chooses the widths: give it or --widths, not both")

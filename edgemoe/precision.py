@@ -3,7 +3,7 @@
 A bfloat16 (or float16) checkpoint read as stored halves the bytes each token reads, which pays
 where the CPU multiplies that type in hardware (x86 AVX-512 BF16 or AMX, Arm's BF16 / FP16
 extensions). Elsewhere torch emulates it: on an AVX2-only Zen 3 a 1024x1024 bfloat16 `linear` took
-1.8x float32's time at 1 token and 9x at 256 tokens (docs/benchmarks.md), so "auto" widens such
+1.8-2.0x float32's time at 1 token and 6.4-8.3x at 256 tokens (docs/benchmarks.md), so "auto" widens such
 matrices to float32 there. An explicit dtype (--dtype) is always kept.
 """
 

@@ -82,6 +82,15 @@ def idle_cores() -> int:
     return free_cores(sampler.others_busy_cores(), physical_cores())
 
 
+def set_command_threads(threads: int | None) -> int:
+    """For a command without forward steps (convert): `threads`, or the cores free now, applied to
+    the kernels (numba and torch) once; returns the count, e.g. for a worker pool of that size (so
+    that no pool runs two-thread parallel regions next to a busy process)."""
+    n = integer_at_least(threads, "threads=", 1) or idle_cores()
+    kernels.set_threads(n)
+    return n
+
+
 class ThreadGovernor:
     """Sets the kernels' thread count: fixed, or (threads=None) the cores other processes leave free."""
 

@@ -39,10 +39,10 @@ def work(workload: str, threads: int | None) -> float:
     path = bundled_model_path()
     if workload == "convert":
         from edgemoe.store import convert
-        from edgemoe.threads import idle_cores
+        from edgemoe.threads import set_command_threads
         with tempfile.TemporaryDirectory() as tmp:
             start = time.perf_counter()
-            convert(path, os.path.join(tmp, "s"), bits=4, workers=threads or idle_cores())
+            convert(path, os.path.join(tmp, "s"), bits=4, workers=set_command_threads(threads))   # as the CLI
             return 1 / (time.perf_counter() - start)
     model = edgemoe.load(path, threads=threads)
     if workload == "decode":
