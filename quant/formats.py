@@ -11,7 +11,7 @@ codes per byte and P = G / n codes per plane, byte k holds the codes of columns
 
 So unpacking plane j of a group is one shift and one mask over B consecutive bytes, and its P codes
 are consecutive columns: a kernel decodes each plane in its own loop with uint8 constants and
-multiplies against a contiguous slice of x (what makes numba emit wide SIMD, DESIGN.md section 5).
+multiplies against a contiguous slice of x (what makes numba emit wide SIMD).
 INT8 is the degenerate case n = 1 (the codes themselves).
 
 Codes are unsigned (0 .. 2**bits - 1); the value of a code is (code - zero) * scale, with scale and

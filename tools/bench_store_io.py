@@ -4,8 +4,8 @@ checksum's cost, and whether zstd compression of the blobs pays.
 
     python tools/bench_store_io.py STORE [--experts 64] [--json]
 
-Cold: posix_fadvise(DONTNEED) empties the page cache of the data file before each pass (DESIGN.md
-section 5: it does on these machines). Each pass reads the same experts through DiskTier.read; an
+Cold: posix_fadvise(DONTNEED) empties the page cache of the data file before each pass (measured:
+it does on Linux). Each pass reads the same experts through DiskTier.read; an
 expert's checksum is verified on its first read only ("first read (crc)" vs later passes); "crc32" is the checksum alone on bytes in memory. Buffered
 reads drop the pages they read from the cache (the RAM tier is the cache; see store/disk.py), so
 "buffered warm" measures that policy, not a warm page cache. zstd: the compression ratio r of the
