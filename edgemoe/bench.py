@@ -59,6 +59,7 @@ class BenchConfig:
     seed: int = 0
     threads: int | None = None                 # the kernels' threads (None: the cores left free)
     profile: object | None = None              # a RoutingProfile for the edgemoe mode instead of the store's
+    compute: str = "auto"                      # the experts' compute path (edgemoe.quantized)
 
     def __post_init__(self):
         unknown = [m for m in self.modes if m not in MODES]
@@ -225,7 +226,7 @@ def store_options(mode: str, ram: int, profile=None) -> dict:
 def open_model(store_path: Path, mode: str, config: BenchConfig):
     import edgemoe
 
-    model = edgemoe.load(store_path, config.dtype, config.threads, io=config.io,
+    model = edgemoe.load(store_path, config.dtype, config.threads, io=config.io, compute=config.compute,
                          **store_options(mode, config.ram, config.profile))
     if config.replay is not None:
         config.replay.attach(model)

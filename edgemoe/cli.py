@@ -147,6 +147,17 @@ def _skip_weight(value: float, flag: str) -> float:
     return value
 
 
+def _compute_option():
+    return typer.Option(None, "--compute", callback=_checked(_compute_path),
+                        help="Store only: the experts' compute path, auto (default: the fastest measured), "
+                        "fused-int, fused-float, dequant or device.")
+
+
+def _compute_path(value, flag):
+    from .quantized import COMPUTE_CHOICES
+    return options.one_of(value, flag, COMPUTE_CHOICES)
+
+
 def _preload_option():
     return typer.Option("auto", "--preload", callback=_checked(_preload),
                         help="Store only: auto (correlation if the store has a profile, else lookahead), "
@@ -503,6 +514,7 @@ def bench(
     dtype: str = _dtype_option(),
     threads: Optional[int] = _threads_option(),
     quiet: bool = _quiet_option(),
+    compute: Optional[str] = _compute_option(),
 ):
     """Time to first token and decode speed under a RAM budget, per mode, next to the physical limit."""
     import json
@@ -525,7 +537,8 @@ def bench(
         routed_by, replayer = "the model's own routers", None
     config = BenchConfig(ram=parse_ram(ram, store), modes=tuple(mode) or MODES, prefill_tokens=lengths,
                          decode_tokens=decode_tokens, warmup_tokens=warmup_tokens, repeats=repeats, cold=cold,
-                         replay=replayer, dtype=_dtype(dtype), threads=threads, profile=profile)
+                         replay=replayer, dtype=_dtype(dtype), threads=threads, profile=profile,
+                         compute=compute or "auto")
     # The bandwidths are measured first, outside the memory limit: their 1 GiB buffer is not the run's.
     bandwidths = measure_bandwidths(store)
     group = confine_memory(memory_limit) if memory_limit is not None else None
@@ -600,8 +613,7 @@ def eval_(
     dtype: str = _dtype_option(),
     threads: Optional[int] = _threads_option(),
     quiet: bool = _quiet_option(),
-    compute: Optional[str] = typer.Option(None, help="A store's expert compute path: auto (default), "
-                                          "fused-int, fused-float, dequant or device."),
+    compute: Optional[str] = _compute_option(),
 ):
     """Perplexity over a text (sliding window); with --reference, agreement and KL too."""
     import json

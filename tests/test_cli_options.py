@@ -93,6 +93,8 @@ BAD = [
     (["bench", "STORE", "--decode-tokens", "0"], "--decode-tokens"),
     (["bench", "STORE", "--warmup-tokens", "-1"], "--warmup-tokens"),
     (["bench", "STORE", "--memory-limit", "lots"], "--memory-limit"),
+    (["bench", "STORE", "--compute", "gpu"], "--compute"),
+    (["eval", "STORE", "--text", "TEXT", "--compute", "fused"], "--compute"),
 ]
 
 
