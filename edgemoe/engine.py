@@ -23,7 +23,6 @@ from typing import Iterator, Sequence
 import torch
 
 from .cache import KVCache
-from .errors import ContextLengthError
 from .generate import (GenerationOptions, StopStringStream, eos_token_ids, fit_context, make_generator,
                        new_token_limit, next_token)
 from .model import MoEModel, Segment

@@ -1,6 +1,12 @@
 """Domain errors. Each names the file, tensor or option at fault, in one line."""
 
 
+def option_message(option: str, value, expected: str) -> str:
+    """'--ram 'lots': expected ...' on the command line, 'ram='lots': expected ...' from Python."""
+    sep = "" if option.endswith("=") else " "
+    return f"{option}{sep}{value!r}: {expected}"
+
+
 class EdgeMoEError(ValueError):
     """Base class of every error caused by bad input (a file, a tensor, an option)."""
 

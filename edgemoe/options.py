@@ -12,15 +12,14 @@ import math
 import numbers
 from typing import Sequence
 
-from .errors import EdgeMoEError
+from .errors import EdgeMoEError, option_message
 
 
 class OptionError(EdgeMoEError):
     """An option's value that cannot be used."""
 
     def __init__(self, option: str, value, expected: str):
-        sep = "" if option.endswith("=") else " "
-        super().__init__(f"{option}{sep}{value!r}: {expected}")
+        super().__init__(option_message(option, value, expected))
         self.option = option
 
 

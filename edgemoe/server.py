@@ -19,7 +19,6 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass
-from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 

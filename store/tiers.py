@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from edgemoe.errors import option_message
 from edgemoe.quant import QuantizedTensor, dequantize_reference, get_format, group_layout
 
 from .disk import DiskTier
@@ -249,8 +250,7 @@ def check_device(value, option: str):
 
 
 def _option_error(option: str, value, expected: str) -> StoreError:
-    sep = "" if option.endswith("=") else " "
-    return StoreError(f"{option}{sep}{value!r}: {expected}")
+    return StoreError(option_message(option, value, expected))
 
 
 class TieredStore:

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from edgemoe.cli import main
 from edgemoe.store import convert
+from helpers import run_cli
 
 
 @pytest.fixture(scope="module")
@@ -100,13 +100,8 @@ BAD = [
 
 @pytest.mark.parametrize("args, flag", BAD, ids=[" ".join(a) for a, _ in BAD])
 def test_bad_values_exit_2_with_one_line_naming_the_flag(monkeypatch, capsys, paths, args, flag):
-    argv = [paths.get(a, a) for a in args]
-    monkeypatch.setattr(sys, "argv", ["edgemoe", *argv])
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_info:
-        main()
-    err = capsys.readouterr().err.strip()
-    assert exit_info.value.code == 2, err
+    code, err = run_cli(monkeypatch, capsys, *[paths.get(a, a) for a in args])
+    assert code == 2, err
     assert err.count("\n") == 0 and err.startswith("error: ") and flag in err, err
     assert "----" not in err and "Traceback" not in err
     assert not os.path.exists(paths["OUT"])
@@ -121,12 +116,8 @@ def test_a_config_that_is_not_an_object_or_has_a_fractional_count_is_named(monke
     for bad, message in (([config], "expected a JSON object"), ({**config, "num_local_experts": 8.5},
                                                                  "num_experts must be a positive integer")):
         (checkpoint / "config.json").write_text(json.dumps(bad))
-        monkeypatch.setattr(sys, "argv", ["edgemoe", "run", str(checkpoint), "-p", "x"])
-        capsys.readouterr()
-        with pytest.raises(SystemExit) as exit_info:
-            main()
-        err = capsys.readouterr().err.strip()
-        assert exit_info.value.code == 2 and err.count("\n") == 0 and "config.json" in err and message in err, err
+        code, err = run_cli(monkeypatch, capsys, "run", str(checkpoint), "-p", "x")
+        assert code == 2 and err.count("\n") == 0 and "config.json" in err and message in err, err
 
 
 def test_no_progress_output_off_a_terminal_and_convert_reports_its_whole_time(paths, tmp_path):

@@ -5,7 +5,8 @@ import pytest
 
 import edgemoe
 from edgemoe.bundled import bundled_model_path
-from edgemoe.engine import ContextLengthError, Engine
+from edgemoe.engine import Engine
+from edgemoe.errors import ContextLengthError
 from edgemoe.generate import GenerationOptions, generate_batch, stream_tokens
 
 GREEDY = GenerationOptions(max_new_tokens=12, temperature=0.0, stop_token_ids=[])

@@ -11,15 +11,7 @@ from safetensors.torch import load_file, save_file
 import edgemoe
 from edgemoe.cli import main
 from edgemoe.errors import CheckpointError, UnsupportedModelError
-
-
-def run_cli(monkeypatch, capsys, *args):
-    monkeypatch.setattr(sys, "argv", ["edgemoe", *args])
-    capsys.readouterr()  # drop what fixtures printed
-    with pytest.raises(SystemExit) as exit_info:
-        main()
-    err = capsys.readouterr().err.strip()
-    return exit_info.value.code, err
+from helpers import run_cli
 
 
 @pytest.fixture

@@ -24,28 +24,13 @@ from edgemoe.kernels import int_paths, qmatmul_int, set_threads, swiglu_expert_i
 from edgemoe.kernels import ops
 from edgemoe.kernels.reference import (qmatmul_int_twin, qmatmul_reference, quantize_activations_reference,
                                        swiglu_int_twin, swiglu_reference)
-from edgemoe.quant import dequantize_reference, get_format, quantize
+from edgemoe.quant import dequantize_reference, quantize
+
+from helpers import acts, code_magnitude, weights
 
 WIDTHS = (2, 4, 8)
 PATHS = int_paths()
 SILU_SLOPE = 1.1  # max |d silu / dx| = 1.0998
-
-
-def weights(rows, cols, seed=0):  # as tests/test_kernels.py: Gaussian with 1% outliers 20x larger
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(rows, cols, generator=g) * 0.05
-    return torch.where(torch.rand(rows, cols, generator=g) < 0.01, w * 20, w)
-
-
-def acts(tokens, cols, seed=1):
-    return np.random.default_rng(seed).standard_normal((tokens, cols), dtype=np.float32)
-
-
-def code_magnitude(qt):
-    """M [R, C] = scale * (code + |zero|), the size of the terms the float epilogue adds up."""
-    codes = get_format(qt.bits).unpack(torch.tensor(qt.packed), qt.group).double()  # [R, NG, G]
-    mag = (codes + torch.tensor(np.abs(qt.zero)).double()[..., None]) * torch.tensor(qt.scale).double()[..., None]
-    return mag.reshape(qt.shape[0], -1)[:, : qt.shape[1]].numpy()
 
 
 def int_rounding_bound(x: np.ndarray, qt) -> np.ndarray:

@@ -21,27 +21,12 @@ import torch
 
 from edgemoe.kernels import dequantize, qmatmul, set_threads, swiglu_expert
 from edgemoe.kernels.reference import dequantize_twin, qmatmul_reference, swiglu_reference
-from edgemoe.quant import QuantizedTensor, get_format, quantize
+from edgemoe.quant import QuantizedTensor, quantize
+
+from helpers import acts, code_magnitude, weights
 
 WIDTHS = (2, 4, 8)
 TOL = {2: 2e-7, 4: 2e-7, 8: 2e-7}
-
-
-def weights(rows, cols, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(rows, cols, generator=g) * 0.05
-    return torch.where(torch.rand(rows, cols, generator=g) < 0.01, w * 20, w)
-
-
-def acts(tokens, cols, seed=1):
-    return np.random.default_rng(seed).standard_normal((tokens, cols), dtype=np.float32)
-
-
-def code_magnitude(qt):
-    """M [R, C] = scale * (code + |zero|), the size of the terms the kernel adds up."""
-    codes = get_format(qt.bits).unpack(torch.tensor(qt.packed), qt.group).double()  # [R, NG, G]
-    mag = (codes + torch.tensor(np.abs(qt.zero)).double()[..., None]) * torch.tensor(qt.scale).double()[..., None]
-    return mag.reshape(qt.shape[0], -1)[:, : qt.shape[1]].numpy()
 
 
 def assert_qmatmul_close(x, qt):
