@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from .layers import apply_rope, deinterleave, linear, rms_norm
-from .models.spec import ModelSpec
+from .spec import ModelSpec
 
 
 def gqa_qkv(spec: ModelSpec, w: dict, x: torch.Tensor, cos: torch.Tensor,

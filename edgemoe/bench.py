@@ -6,7 +6,7 @@ Modes:
 - "all-in-ram": every expert read into RAM before timing; the no-I/O bound.
 - "on-demand-lru": the RAM budget, LRU eviction, no preload and no overlap of reads with compute
   (EdgeMoE's IO-EXP baseline, Mixtral-offloading's scheme).
-- "edgemoe": the RAM budget, expected-use eviction with its preload admission (store/policies.py),
+- "edgemoe": the RAM budget, expected-use eviction with its preload admission (edgemoe/scheduling/policies.py),
   popularity placement at load, correlation preload from the store's routing profile, and reads
   overlapped with compute.
 
@@ -24,7 +24,6 @@ reads with compute perfectly could reach it.
 
 from __future__ import annotations
 
-import gc
 import os
 import random
 import statistics
@@ -231,7 +230,7 @@ def open_model(store_path: Path, mode: str, config: BenchConfig):
     if config.replay is not None:
         config.replay.attach(model)
     if mode == "all-in-ram":
-        store = model.experts.store
+        store = model.store
         for entry in store.experts():
             store.get(*entry.key)
     return model
@@ -244,7 +243,7 @@ def dense_bytes_per_token(model) -> int:
 
 
 def _counters(model) -> dict:
-    store = model.experts.store
+    store = model.store
     s, t = store.stats, model.timings
     return {"requests": s.requests, "hits": s.vram.hits + s.ram.hits, "disk_bytes": s.disk_bytes_read,
             "disk_reads": store.disk.reads, "requested_bytes": s.requested_bytes,
@@ -268,7 +267,7 @@ def run_once(store_path: Path, mode: str, prompt: list[int], config: BenchConfig
     start = time.perf_counter()
     model = open_model(store_path, mode, config)
     load_s = time.perf_counter() - start
-    store = model.experts.store
+    store = model.store
     try:
         cache = model.new_cache()
         chunk = config.prefill_chunk
@@ -291,13 +290,12 @@ def run_once(store_path: Path, mode: str, prompt: list[int], config: BenchConfig
         seconds = time.perf_counter() - start
         decode = _delta(_counters(model), before)
     finally:
-        store.close()
-        release(model)
+        model.close()
     n = config.decode_tokens
     disk_per_token = decode["disk_bytes"] / n
     memory_per_token = dense_bytes_per_token(model) + decode["requested_bytes"] / n
     return {
-        "mode": mode, "ram_bytes": store.ram.budget if mode != "all-in-ram" else store.manifest.expert_bytes,
+        "mode": mode, "ram_bytes": store.ram_budget if mode != "all-in-ram" else store.manifest.expert_bytes,
         "prefill_tokens": len(prompt), "ttft_s": ttft, "decode_tok_s": n / seconds,
         "hit_rate": decode["hits"] / decode["requests"] if decode["requests"] else 1.0,
         "disk_bytes_per_token": disk_per_token, "limit_decode_tok_s": limit_tok_s(disk_per_token, memory_per_token, bw),
@@ -322,11 +320,11 @@ def prompt_tokens(vocab_size: int, length: int, seed: int) -> list[int]:
 
 
 def generated_routing(spec, tokens: int, model_seed: int = 0):
-    """Mixtral-like routing for the model's shape (edgemoe.store.synthetic_routing): a replay of one
+    """Mixtral-like routing for the model's shape (edgemoe.scheduling.synthetic_routing): a replay of one
     generated text of `tokens` tokens, and the routing profile of another text through the same
     generated model (what convert --calib profiles for a real model). Returns (replay, profile)."""
-    from edgemoe.store.profile import RoutingProfile
-    from edgemoe.store.synthetic_routing import generate
+    from edgemoe.scheduling.profile import RoutingProfile
+    from edgemoe.scheduling.synthetic_routing import generate
     from .replay import RoutingReplay, records_for_model
 
     layers, shape = spec.moe_layer_ids, (len(spec.moe_layer_ids), spec.num_experts, spec.top_k)
@@ -347,7 +345,7 @@ def default_prefill(context: int, decode_steps: int) -> tuple[int, ...]:
 
 def check_store(store_path: Path, config: BenchConfig) -> None:
     from edgemoe.store import read_manifest
-    from edgemoe.store.profile import RoutingProfile
+    from edgemoe.store.profile_file import find_routing_profile
 
     context = read_manifest(store_path).spec.max_position_embeddings
     steps = config.warmup_tokens + config.decode_tokens
@@ -356,7 +354,7 @@ def check_store(store_path: Path, config: BenchConfig) -> None:
             raise ValueError(f"--prefill {length}: with {steps} decode steps (--warmup-tokens + --decode-tokens) "
                              f"it exceeds the model's context of {context} tokens")
 
-    if "edgemoe" in config.modes and config.profile is None and RoutingProfile.find(store_path) is None:
+    if "edgemoe" in config.modes and config.profile is None and find_routing_profile(store_path) is None:
         raise ValueError(f"{store_path}: mode 'edgemoe' preloads from the store's routing profile and this store "
                          "has none: run `edgemoe profile STORE --text FILE` (or --trace TRACE) first")
 
@@ -372,15 +370,7 @@ def warm_up(store_path: Path, config: BenchConfig) -> None:
         token = int(model.logits(prompt_tokens(vocab, length, config.seed), cache)[-1].argmax())
         model.logits([token], cache)
     finally:
-        model.experts.store.close()
-        release(model)
-
-
-def release(model) -> None:
-    """Free a finished run's model now: it and its preloader refer to each other, so only the cycle
-    collector frees them, and two models' dense weights at once would break a memory limit."""
-    model.preloader = None
-    gc.collect()
+        model.close()
 
 
 def median_record(runs: list[dict], bw: Bandwidths) -> dict:

@@ -50,12 +50,12 @@ def _device(value, flag):
 
 
 def _policy(value, flag):
-    from edgemoe.store.policies import POLICIES
+    from edgemoe.scheduling.policies import POLICIES
     return options.one_of(value, flag, sorted(POLICIES))
 
 
 def _preload(value, flag):
-    from .preload import PREDICTORS
+    from .scheduling.preload import PREDICTORS
     return options.one_of(value, flag, PREDICTORS)
 
 
@@ -65,6 +65,12 @@ METRICS = ("ppl", "top1", "kl")
 def _confidence(value: float, flag: str) -> float:
     if not 0.5 <= value < 1:
         raise options.OptionError(flag, value, "expected a number in [0.5, 1)")
+    return value
+
+
+def _unit_interval(value: float, flag: str) -> float:
+    if not 0 <= value <= 1:
+        raise options.OptionError(flag, value, "expected a number in [0, 1]")
     return value
 
 
@@ -281,46 +287,50 @@ def convert(
     quiet: bool = _quiet_option(),
 ):
     """Quantize a checkpoint's experts into a tiered store (and profile its routing on --calib)."""
-    import time
-
-    from edgemoe.checkpoint import Checkpoint
-    from edgemoe.store import convert as convert_store, read_widths
-    from edgemoe.store.writer import check_destination
-    from .loader import read_spec
-    from .progress import progress_bar
+    from .convert import QualityBudget, check_destination, convert as convert_store
+    from .progress import staged_progress
     from .threads import set_command_threads
 
-    start = time.perf_counter()
     calib = calib or _bundled_text(model, "calib.txt")
-    inputs = [model, *(p for p in (widths, calib, heldout) if p is not None)]
-    check_destination(out, force, inputs)
-    cores = set_command_threads(threads)
-    workers = workers or cores
     if budget is not None:
         if widths is not None:
             raise EdgeMoEError("--budget chooses the widths: give it or --widths, not both")
         if calib is None:
             raise EdgeMoEError("--budget needs calibration text: --calib FILE (the bundled model uses its calib.txt)")
-        _convert_with_budget(model, out, _budget(budget, metric), metric, calib,
-                             heldout or _bundled_text(model, "eval.txt"), calib_tokens, group_size, method, force,
-                             confidence, threads, quiet, start)
-        return
-    width_map = read_widths(widths, read_spec(Checkpoint(model))) if widths else None
-    with progress_bar("quantizing experts", quiet) as report:
-        result = convert_store(model, out, bits=bits, widths=width_map, group_size=group_size, method=method,
-                               compress=compress, force=force, workers=workers, on_progress=report)
-    if calib is not None:
-        _profile(out, calib, threads, quiet)
+        heldout = heldout or _bundled_text(model, "eval.txt")
+    inputs = [p for p in (widths, calib, heldout) if p is not None]
+    check_destination(out, force, [model, *inputs])
+    calib_text = _read_text(calib) if calib is not None else None      # every input read before any work
+    quality = None if budget is None else QualityBudget(
+        _budget(budget, metric), metric, confidence, calib_tokens, _read_text(heldout) if heldout else None)
+    workers = workers or set_command_threads(threads)
+    with staged_progress(quiet) as report:
+        result = convert_store(model, out, bits=bits, widths=widths, group_size=group_size, method=method,
+                               compress=compress, force=force, workers=workers, budget=quality,
+                               calib_text=calib_text, threads=threads, progress=report, inputs=inputs)
     widths_text = ", ".join(f"INT{b}: {n}" for b, n in result.widths.items())
     print(f"wrote {result.store}: {result.experts} experts ({widths_text}), expert bytes "
           f"{_size(result.expert_bytes)} ({result.bits_per_weight:.3f} bits/weight), dense "
-          f"{_size(result.dense_bytes)}; {time.perf_counter() - start:.1f} s in all, peak RSS "
-          f"{_size(result.peak_rss_bytes)}")
+          f"{_size(result.dense_bytes)}; {result.seconds:.1f} s in all, peak RSS {_size(result.peak_rss_bytes)}")
+    if result.profiled:
+        print(f"profiled routing on {calib}")
+    if result.search is not None:
+        _print_budget(result, metric)
+
+
+def _print_budget(result, metric: str) -> None:
+    s = result.search
+    uniform = ", ".join(f"INT{b} {v:+.4f}" for b, v in s.uniform_loss.items())
+    print(f"budget {metric} <= {s.budget:.4f}: calibration loss {s.loss:.4f} (bound {s.loss_bound:.4f})"
+          + (f", held-out loss {result.heldout_loss:.4f}" if result.heldout_loss is not None else "")
+          + f" (uniform: {uniform}; floor INT{s.floor}, ceiling INT{s.ceiling}, {s.moved_down} experts at the floor)")
+    if not s.feasible:
+        print("warning: even INT8 everywhere exceeds the budget on the calibration text; wrote all INT8")
 
 
 def _budget(text: str, metric: str) -> float:
     """--budget as a fraction; ppl and top1 losses are shares (at most 100%), kl is in nats."""
-    from .budget import parse_budget
+    from .convert.budget import parse_budget
 
     limit = parse_budget(text)
     if limit <= 0 or (metric != "kl" and limit > 1):
@@ -328,15 +338,6 @@ def _budget(text: str, metric: str) -> float:
         raise options.OptionError("--budget", text, f"expected {expected} for --metric {metric} (a budget that "
                                   f"allows every expert at INT2 is --bits 2)")
     return limit
-
-
-def _profile(store: Path, calib: Path, threads, quiet: bool) -> None:
-    from .profiling import profile_store
-    from .progress import progress_bar
-
-    with progress_bar(f"profiling routing on {calib.name}", quiet) as report:
-        profile_store(store, text=_read_text(calib), threads=threads, on_progress=report)
-    print(f"profiled routing on {calib}")
 
 
 @app.command()
@@ -388,31 +389,6 @@ def _quantization_text(q: dict) -> str:
     return f"quantized by {q.get('method', '?')}, {group}"
 
 
-def _convert_with_budget(model, out, limit, metric, calib, heldout, calib_tokens, group_size, method, force,
-                         confidence, threads, quiet, start):
-    import time
-
-    from .budget import convert_with_budget
-    from .progress import staged_progress
-
-    with staged_progress(quiet) as report:
-        done = convert_with_budget(model, out, limit, metric, _read_text(calib),
-                                   _read_text(heldout) if heldout else None, calib_tokens=calib_tokens,
-                                   group_size=group_size, method=method, force=force, confidence=confidence,
-                                   threads=threads, progress=report)
-    _profile(out, calib, threads, quiet)
-    r, s = done.report, done.search
-    widths_text = ", ".join(f"INT{b}: {n}" for b, n in r.widths.items())
-    uniform = ", ".join(f"INT{b} {v:+.4f}" for b, v in s.uniform_loss.items())
-    print(f"wrote {r.store}: {r.experts} experts ({widths_text}), expert bytes {_size(r.expert_bytes)} "
-          f"({r.bits_per_weight:.3f} bits/weight); {time.perf_counter() - start:.1f} s in all")
-    print(f"budget {metric} <= {limit:.4f}: calibration loss {s.loss:.4f} (bound {s.loss_bound:.4f})"
-          + (f", held-out loss {done.heldout_loss:.4f}" if done.heldout_loss is not None else "")
-          + f" (uniform: {uniform}; floor INT{s.floor}, ceiling INT{s.ceiling}, {s.moved_down} experts at the floor)")
-    if not s.feasible:
-        print("warning: even INT8 everywhere exceeds the budget on the calibration text; wrote all INT8")
-
-
 def _bundled_text(model: Path, name: str) -> Optional[Path]:
     """The bundled model's calib.txt / eval.txt when `model` is the bundled checkpoint."""
     from .bundled import BUNDLED_DIR
@@ -440,7 +416,7 @@ def trace(
 ):
     """Record the routers' choices over a text as a trace."""
     import edgemoe
-    from edgemoe.store.profile import write_trace
+    from edgemoe.scheduling.profile import write_trace
     from .loader import is_store
     from .profiling import trace_text
     from .progress import progress_bar
@@ -531,7 +507,7 @@ def bench(
     if replay is not None:
         routed_by, replayer = f"the trace {replay}", _replay_for(spec, replay)
     elif routing == "generated":
-        routed_by = "generated Mixtral-like routing (edgemoe.store.synthetic_routing, model seed 0)"
+        routed_by = "generated Mixtral-like routing (edgemoe.scheduling.synthetic_routing, model seed 0)"
         replayer, profile = generated_routing(spec, max(lengths) + steps)
     else:
         routed_by, replayer = "the model's own routers", None
@@ -565,11 +541,48 @@ def bench(
     _print_bench_table(records)
 
 
+@app.command()
+def simulate(
+    trace: Path = typer.Argument(..., help="JSON-lines routing trace (docs/trace-format.md)."),
+    cache_experts: List[int] = typer.Option(..., "--cache-experts", callback=_checked(options.integer_at_least, 1),
+                                            help="Cache size in experts (repeatable)."),
+    profile_from: Optional[Path] = typer.Option(None, "--profile-from", help="Trace to build the routing "
+                                                "profile from (default: the first half of TRACE)."),
+    preload_k: Optional[int] = typer.Option(None, "--preload-k", callback=_checked(options.integer_at_least, 1),
+                                            help="Experts preloaded per layer at most (default: the trace's top-k)."),
+    min_count: int = typer.Option(3, "--min-count", callback=_checked(options.integer_at_least, 1),
+                                  help="Profile back-off: a history seen fewer times falls back to a coarser table."),
+    min_probability: float = typer.Option(0.5, "--min-probability", callback=_checked(_unit_interval),
+                                          help="Preload only predictions at least this probable (the runtime's 0.5)."),
+    policy: List[str] = typer.Option([], "--policy", callback=_checked(_policy),
+                                     help="Eviction policies to compare (repeatable; default all; Belady always)."),
+    tokens: Optional[int] = typer.Option(None, "--tokens", callback=_checked(options.integer_at_least, 1),
+                                         help="Score only the first N tokens."),
+    guard: bool = typer.Option(False, "--guard", help="Also run each scheme with the store's guard against a "
+                               "ghost on-demand LRU cache."),
+    stats: bool = typer.Option(False, "--stats", help="Print the trace's routing statistics first."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+):
+    """Replay a routing trace through the store's expert cache: reads per token per policy and preload."""
+    import json
+
+    from .scheduling.profile import read_trace
+    from .scheduling.routing_stats import routing_statistics
+    from .scheduling.simulate import POLICY_NAMES, simulate_trace, table
+
+    results, note = simulate_trace(trace, cache_experts, profile_from, preload_k, min_count, min_probability,
+                                   tuple(policy) or POLICY_NAMES, tokens, guard)
+    if stats:
+        routing = routing_statistics(read_trace(trace))
+        print(json.dumps(routing.to_dict()) if as_json else "\n".join(routing.lines()))
+    print(json.dumps(results, indent=1) if as_json else table(results, note))
+
+
 def _replay_for(spec, trace: Optional[Path]):
     """The trace's routing laid over the model (refused here, naming the file, if it does not fit)."""
     if trace is None:
         return None
-    from edgemoe.store.profile import read_trace
+    from edgemoe.scheduling.profile import read_trace
     from .replay import RoutingReplay
 
     return RoutingReplay(read_trace(trace), spec.moe_layer_ids, spec.num_experts, spec.top_k, str(trace))

@@ -116,7 +116,7 @@ def calibrate(shape: tuple[int, int], widths, repeats: int = 3, tokens=CALIBRATI
     `device` is given); fit a line per path."""
     from edgemoe import kernels
     from edgemoe.quant import quantize
-    from edgemoe.store.tiers import device_swiglu, quantized_meta, to_device
+    from edgemoe.kernels.device import expert_meta, swiglu_on_device, to_device
 
     from .layers import swiglu
 
@@ -140,7 +140,7 @@ def calibrate(shape: tuple[int, int], widths, repeats: int = 3, tokens=CALIBRATI
             if device:
                 on_device = to_device(qts, torch.device(device))
                 measured["device"].append(median_time(
-                    lambda: _synced(device_swiglu(x, quantized_meta(qts), on_device)), repeats))
+                    lambda: _synced(swiglu_on_device(x, expert_meta(qts), on_device)), repeats))
         for p in paths:
             fits[p][bits] = _fit(tokens, measured[p])
         if device:

@@ -13,7 +13,7 @@ from .errors import CheckpointError
 from .experts import DenseExpert, InMemoryExperts
 from .model import MoEModel
 from .models import architecture
-from .models.spec import ModelSpec
+from .spec import ModelSpec
 from .precision import compute_dtype
 from .tokenizer import Tokenizer
 from .weights import iter_experts, plan_weights, read_dense
@@ -46,13 +46,26 @@ def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype | None = None, t
     CPU computes that type natively (a bfloat16 checkpoint stays bfloat16 on AVX-512 BF16: half the
     bytes per token of float32), else float32. Activations float32."""
     ckpt = Checkpoint(path)
+    try:
+        return model_from_checkpoint(ckpt, plan_checkpoint(ckpt), dtype, threads)
+    finally:
+        ckpt.close()
+
+
+def plan_checkpoint(ckpt: Checkpoint):
+    """The checkpoint's ModelSpec and WeightPlan (edgemoe.weights), from its headers."""
     spec = read_spec(ckpt)
-    plan = plan_weights(ckpt, spec, architecture(spec.model_type).tensor_names(spec))
+    return spec, plan_weights(ckpt, spec, architecture(spec.model_type).tensor_names(spec))
+
+
+def model_from_checkpoint(ckpt: Checkpoint, planned, dtype: torch.dtype | None = None,
+                          threads: int | None = None) -> MoEModel:
+    """Every weight of an open checkpoint read into RAM (planned: plan_checkpoint's result)."""
+    spec, plan = planned
     dense = weights_in(read_dense(ckpt, plan), dtype)
     experts = {key: DenseExpert(**weights_in(weights, dtype)) for key, weights in iter_experts(ckpt, plan, dtype)}
-    ckpt.close()
-    tokenizer, generation_config = read_text_config(Path(path))
-    return MoEModel(spec, dense, InMemoryExperts(experts), tokenizer, generation_config, name=Path(path).name,
+    tokenizer, generation_config = read_text_config(ckpt.path)
+    return MoEModel(spec, dense, InMemoryExperts(experts), tokenizer, generation_config, name=ckpt.path.name,
                     threads=threads)
 
 
@@ -67,18 +80,18 @@ def is_store(path: str | os.PathLike) -> bool:
 def load_store(path: str | os.PathLike, ram=None, vram=0, device=None, policy: str = "lru", io: str = "buffered",
                dtype: torch.dtype | None = None, compute: str = "auto", preload: str = "auto",
                place_popular: bool = True, threads: int | None = None, profile=None,
-               skip_below: float = 0.0) -> MoEModel:
-    """A model whose experts stay in a tiered store (budgets: bytes or strings like "512MiB")."""
+               skip_below: float = 0.0, manifest=None) -> MoEModel:
+    """A model whose experts stay in a tiered store (budgets: bytes or strings like "512MiB"); the
+    model owns the store: close it with model.close() or use the model as a context manager."""
     from safetensors import safe_open
 
     from edgemoe.store import TieredStore
     from edgemoe.store.disk import drop_page_cache
     from edgemoe.store.format import StoreError, crc32
-    from .preload import Preloader
     from .quantized import StoreExperts
 
     store = TieredStore(path, ram=ram, vram=vram, device=device, policy=policy, io=io, place_popular=place_popular,
-                        profile=profile)
+                        profile=profile, manifest=manifest)
     dense_info = store.manifest.data["dense"]
     dense_path = store.path / dense_info["file"]
     if crc32(dense_path.read_bytes()) != dense_info["crc32"]:
@@ -95,10 +108,8 @@ def load_store(path: str | os.PathLike, ram=None, vram=0, device=None, policy: s
     tokenizer, generation_config = read_text_config(directory)
     # preload="none" is pure on-demand loading (the baseline): no background reads of any kind.
     experts = StoreExperts(store, compute, overlap=preload != "none", skip_below=skip_below)
-    model = MoEModel(store.spec, dense, experts, tokenizer,
-                     generation_config, name=directory.name, threads=threads)
-    model.preloader = Preloader(model, store, preload, store.routing_profile).attach()
-    return model
+    return MoEModel(store.spec, dense, experts, tokenizer, generation_config, name=directory.name, threads=threads,
+                    store=store, preload=preload)
 
 
 def load(path: str | os.PathLike, dtype: torch.dtype | None = None, threads: int | None = None,

@@ -24,7 +24,8 @@ from .attention import QKV_PROJECTIONS
 from .cache import KVCache
 from .experts import ExpertBatches, ExpertProvider
 from .layers import attend, attention_mask, layer_norm, linear, rms_norm, rope_tables, route_by_spec, swiglu
-from .models.spec import ModelSpec
+from .spec import ModelSpec
+from .scheduling.preload import Preloader
 from .threads import ThreadGovernor
 
 
@@ -58,9 +59,12 @@ class Timings:
 class MoEModel:
     def __init__(self, spec: ModelSpec, dense: dict[str, torch.Tensor], experts: ExpertProvider,
                  tokenizer=None, generation_config: dict | None = None, name: str = "",
-                 threads: int | None = None):
+                 threads: int | None = None, store=None, preload: str = "none"):
+        """store: the TieredStore the experts come from, owned by the model from now on (close());
+        preload: its predictor (edgemoe.scheduling.preload.PREDICTORS), "none" without a store."""
         self.spec = spec
         self.experts = experts
+        self.store = store
         self.tokenizer = tokenizer
         self.generation_config = generation_config or {}
         self.name = name
@@ -83,6 +87,23 @@ class MoEModel:
         self.timings = Timings()
         self.threads = ThreadGovernor(threads)   # None: the cores other processes leave free
         self.context_length = spec.max_position_embeddings   # positions a sequence may occupy
+        self.preloader = (Preloader(self, store, preload, store.routing_profile).attach()
+                          if store is not None else None)
+
+    def __enter__(self) -> "MoEModel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the store's loader and close its files (a model from a checkpoint holds none), and
+        detach the preloader (which refers back to the model), so the model is freed at once."""
+        if self.preloader is not None:
+            self.preloader.detach()
+            self.preloader = None
+        if self.store is not None:
+            self.store.close()
 
     # ---- public API -------------------------------------------------------------------------------
     def new_cache(self) -> KVCache:

@@ -12,6 +12,8 @@ import math
 import numbers
 from typing import Sequence
 
+import torch
+
 from .errors import EdgeMoEError, option_message
 
 
@@ -75,3 +77,61 @@ def unescape(text: str) -> str:
             out.append(text[i])
             i += 1
     return "".join(out)
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_bytes(value: int | str | None, option: str, share_of: int | None = None,
+              allow_share: bool = False) -> int | str | None:
+    """'512MiB', '2GB', '1.5G', 1048576 -> bytes; '25%' -> that share of `share_of` bytes (a store's
+    expert bytes). Without `share_of`, a valid share is returned as given (allow_share), to be resolved
+    where the total is known. None stays None (no limit)."""
+    if value is None:
+        return None
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        if value < 0:
+            raise OptionError(option, value, "expected a size >= 0")
+        return int(value)
+    text = str(value).strip().lower()
+    if text.endswith("%") and (allow_share or share_of is not None):
+        share = _finite(text[:-1])
+        if share is None or not 0 <= share <= 100:
+            raise OptionError(option, value, "expected a percentage in [0, 100]")
+        return text if share_of is None else int(share / 100 * share_of)
+    number = text.rstrip("kmgtib")
+    amount, unit = _finite(number), _UNITS.get(text[len(number):])
+    if amount is None or unit is None or amount < 0:
+        shares = " or a share of the store's expert bytes like 25%" if allow_share or share_of is not None else ""
+        raise OptionError(option, value, f"expected a size like 512MiB, 2GB or 1048576{shares}")
+    return int(amount * unit)
+
+
+def _finite(text: str) -> float | None:
+    try:
+        x = float(text)
+    except ValueError:
+        return None
+    return x if math.isfinite(x) else None
+
+
+def check_device(value, option: str):
+    """The VRAM tier's device, one this build of torch can use ('cuda', 'cuda:1', 'mps'; 'cpu' is a
+    stand-in for tests). A torch.device or name; returned unchanged."""
+    if value is None:
+        return None
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError):
+        raise OptionError(option, value, "not a torch device name (e.g. cuda, cuda:0, cpu)") from None
+    if device.type == "cpu":
+        return value
+    module = getattr(torch, device.type, None)
+    available = getattr(module, "is_available", None)
+    if available is None or not available():
+        raise OptionError(option, value, f"this torch build ({torch.__version__}) has no usable "
+                                         f"{device.type} device")
+    if device.index is not None and device.index >= module.device_count():
+        raise OptionError(option, value, f"there are {module.device_count()} {device.type} devices")
+    return value

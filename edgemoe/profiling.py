@@ -12,7 +12,8 @@ from typing import Callable
 
 import torch
 
-from edgemoe.store.profile import RoutingProfile, TraceRecord, TraceRecorder, read_trace
+from edgemoe.scheduling.profile import RoutingProfile, TraceRecord, TraceRecorder, read_trace
+from edgemoe.store.profile_file import save_routing_profile
 
 from .evaluate import default_context
 from .options import window_length
@@ -53,14 +54,11 @@ def profile_store(store: str | Path, text: str | None = None, trace: str | Path 
 
     if (text is None) == (trace is None):
         raise ValueError("profile: give a text or a trace (exactly one)")
-    model = edgemoe.load(store, threads=threads, preload="none")
-    try:
+    with edgemoe.load(store, threads=threads, preload="none") as model:
         if trace is not None:   # numbered as this model's layers, as replayed
             records = records_for_model(read_trace(trace), model.spec.moe_layer_ids, str(trace))
         else:
             records = trace_text(model, text, context, on_progress)
         profile = build_profile(model, records, min_count)
-        profile.save(store)
-    finally:
-        model.experts.store.close()
+        save_routing_profile(store, profile)
     return profile

@@ -20,7 +20,7 @@ import torch
 
 from edgemoe import kernels
 from edgemoe.store import ResidentExpert, TieredStore
-from edgemoe.store.tiers import device_swiglu, to_device
+from edgemoe.kernels.device import swiglu_on_device, to_device
 
 from .experts import ExpertBatches, ExpertProvider
 from .layers import swiglu
@@ -40,10 +40,10 @@ class QuantizedExpert:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         r = self.resident
         if r.device is not None:   # resident on the device: compute there
-            return device_swiglu(x, r.entry.tensors, r.device_tensors)
+            return swiglu_on_device(x, r.entry.tensors, r.device_tensors)
         path = self.choose(r.bits, x.shape[0], r.nbytes)
         if path == "device":   # copy this RAM expert's packed bytes over and compute there (Fiddler)
-            return device_swiglu(x, r.entry.tensors, to_device(r.tensors, self.device))
+            return swiglu_on_device(x, r.entry.tensors, to_device(r.tensors, self.device))
         if path in FUSED:
             t = r.tensors
             y = FUSED[path](x.float().contiguous().numpy(), t["gate"], t["up"], t["down"])

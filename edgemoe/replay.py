@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from edgemoe.store.profile import TraceRecord
+from edgemoe.scheduling.profile import TraceRecord
 
 
 def layer_map(trace_layers: list[int], moe_layers: list[int], source: str = "trace") -> dict[int, int]:

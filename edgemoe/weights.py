@@ -16,7 +16,7 @@ import torch
 
 from .checkpoint import Checkpoint, read_slice
 from .errors import CheckpointError
-from .models.spec import ExpertNames, ModelSpec, TensorNames
+from .spec import ExpertNames, ModelSpec, TensorNames
 
 EXPERT_ROLES = ("gate", "up", "down")
 

@@ -14,7 +14,7 @@ import edgemoe
 from edgemoe.errors import CheckpointError
 from edgemoe.layers import route_by_spec
 from edgemoe.models import deepseek_v2
-from edgemoe.models.spec import ModelSpec
+from edgemoe.spec import ModelSpec
 
 D = 32
 

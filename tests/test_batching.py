@@ -75,7 +75,7 @@ def test_cache_fork_and_truncate(tiny_model):
 
 def test_chunked_prefill_gives_the_same_text_and_reads_each_expert_once_per_chunk(tiny_model, tmp_path):
     from edgemoe.generate import stream_tokens
-    from edgemoe.store import convert
+    from edgemoe.convert import convert
 
     convert(tiny_model("mixtral"), tmp_path / "s", bits=8)
     model = edgemoe.load(tmp_path / "s", preload="none")
@@ -83,7 +83,7 @@ def test_chunked_prefill_gives_the_same_text_and_reads_each_expert_once_per_chun
     whole = GenerationOptions(max_new_tokens=6, stop_token_ids=[], prefill_chunk=10_000)
     chunked = GenerationOptions(max_new_tokens=6, stop_token_ids=[], prefill_chunk=16)
     assert generate_batch(model, [prompt, prompt[:20]], chunked) == generate_batch(model, [prompt, prompt[:20]], whole)
-    store = model.experts.store
+    store = model.store
     before = store.stats.requests
     model.timings.reset()
     assert list(stream_tokens(model, prompt, chunked)) == generate_batch(model, [prompt], whole)[0]

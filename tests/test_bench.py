@@ -13,8 +13,9 @@ from edgemoe.bench import (RECORD_FIELDS, BenchConfig, Bandwidths, bench, confin
 from edgemoe.cli import main
 from edgemoe.profiling import profile_store, trace_text
 from edgemoe.replay import RoutingReplay
-from edgemoe.store import convert, read_manifest
-from edgemoe.store.profile import TraceRecord, write_trace
+from edgemoe.store import read_manifest
+from edgemoe.convert import convert
+from edgemoe.scheduling.profile import TraceRecord, write_trace
 
 TEXT = "Friends, Romans, countrymen, lend me your ears; I come to bury Caesar, not to praise him. " * 3
 FIXED = Bandwidths(memory=10e9, disk=1e9)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import edgemoe
-from edgemoe.budget import BudgetSearch, Calibration, convert_with_budget, parse_budget
+from edgemoe.convert import QualityBudget, convert
+from edgemoe.convert.budget import BudgetSearch, Calibration, parse_budget
 from edgemoe.store import read_manifest
 
 TEXT = ("Friends, Romans, countrymen, lend me your ears; I come to bury Caesar, not to praise him. "
@@ -69,14 +70,24 @@ def test_moved_experts_are_the_least_important_and_the_loss_is_within_budget(sea
     assert result.loss_bound <= budget
 
 
-def test_convert_with_budget_records_widths_importance_and_losses(checkpoint, tmp_path):
-    done = convert_with_budget(checkpoint, tmp_path / "s", budget=1e6, metric="top1", calib_text=TEXT,
-                               heldout_text=TEXT[::-1], context=48)
+def test_convert_with_budget_records_widths_importance_and_losses(checkpoint, tmp_path, monkeypatch):
+    import edgemoe.convert.writer as writer
+
+    manifest_writes = []
+    write = writer.write_json_atomic
+    monkeypatch.setattr(writer, "write_json_atomic", lambda path, data: (manifest_writes.append(path),
+                                                                         write(path, data)))
+    done = convert(checkpoint, tmp_path / "s", budget=QualityBudget(1e6, "top1", heldout_text=TEXT[::-1], context=48),
+                   calib_text=TEXT)
     manifest = read_manifest(tmp_path / "s")
     record = manifest.data["budget"]
     assert record["metric"] == "top1" and record["heldout_loss"] == done.heldout_loss
     assert {e.bits for e in manifest.experts.values()} == {2}
     assert record["widths"] == {str(l): [2] * 4 for l in range(3)}
+    assert len(manifest_writes) == 1 and done.profiled and (tmp_path / "s" / "profile.json").exists()
+    # The search's packed experts are what a plain INT2 convert quantizes: the same bytes.
+    convert(checkpoint, tmp_path / "uniform", bits=2)
+    assert (tmp_path / "s" / "experts-00000.bin").read_bytes() == (tmp_path / "uniform" / "experts-00000.bin").read_bytes()
 
 
 @pytest.mark.parametrize("text,value", [("5%", 0.05), ("0.5%", 0.005), ("0.1", 0.1)])
@@ -98,7 +109,7 @@ def test_inspect_prints_the_width_map_and_draws_it(checkpoint, tmp_path, monkeyp
     import sys
 
     from edgemoe.cli import main
-    from edgemoe.store import convert
+    from edgemoe.convert import convert
 
     spec = edgemoe.load(checkpoint).spec
     widths = {(l, e): (2, 4, 8)[(l + e) % 3] for l in range(spec.num_layers) for e in range(spec.num_experts)}

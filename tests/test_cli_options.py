@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from edgemoe.store import convert
+from edgemoe.convert import convert
 from helpers import run_cli
 
 

@@ -1,18 +1,13 @@
 """The scheme guard: a ghost LRU that counts exactly what on-demand LRU reads, and a scheme that falls
 back when it reads more than that ghost, so the guarded scheme reads at most about what LRU does."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-from edgemoe.store.guard import LEVELS, GhostLRU, SchemeGuard
-from edgemoe.store.profile import RoutingProfile, tokens_from_trace
-from edgemoe.store.synthetic_routing import generate
+from edgemoe.scheduling import simulate as sim
+from edgemoe.scheduling.guard import LEVELS, GhostLRU, SchemeGuard
+from edgemoe.scheduling.profile import RoutingProfile, tokens_from_trace
+from edgemoe.scheduling.synthetic_routing import generate
 
-spec = importlib.util.spec_from_file_location("simulate_cache", Path(__file__).parents[1] / "tools/simulate_cache.py")
-sim = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(sim)
 
 
 @pytest.fixture(scope="module")

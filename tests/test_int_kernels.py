@@ -1,4 +1,4 @@
-"""The integer path (kernels/cpu_int.py): bit-exact with its torch twin on every path the CPU can
+"""The integer path (edgemoe/kernels/cpu_int.py): bit-exact with its torch twin on every path the CPU can
 run, within the int8 rounding bound of the float result, independent of threads and batching.
 
 Bound (qmatmul_int vs the exact float product with the same dequantized weight W). Per token t and

@@ -16,7 +16,7 @@ from edgemoe.bundled import bundled_model_path, bundled_text
 from edgemoe.evaluate import evaluate_text
 from edgemoe.generate import GenerationOptions, stream_tokens
 from edgemoe.kernels import set_threads
-from edgemoe.store import convert
+from edgemoe.convert import convert
 
 PROMPTS = ("ROMEO:\nBut, soft! what light", "To be, or not to be", "KING HENRY:\nOnce more unto the breach")
 NEAR_TIE = 0.01

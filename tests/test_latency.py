@@ -8,7 +8,7 @@ import torch
 import edgemoe
 from edgemoe import latency
 from edgemoe.latency import LatencyModel, load_or_calibrate
-from edgemoe.store import convert
+from edgemoe.convert import convert
 
 
 def fake_timings(monkeypatch, fused_slope=1e-3, dequant_base=5e-3):
@@ -119,6 +119,6 @@ def test_device_compute_on_a_cpu_stand_in_gives_the_same_logits(tiny_model, tmp_
     on_device = edgemoe.load(tmp_path / "s", compute="device", ram="1GB", vram=1, device="cpu")
     ids = torch.tensor(fused.tokenizer.encode("All the world's a stage, and all the men"))
     assert (on_device.logits(ids) - fused.logits(ids)).abs().max() <= 1e-4
-    assert on_device.experts.store.resident() and set(on_device.experts.store.resident().values()) == {"ram"}
+    assert on_device.store.resident() and set(on_device.store.resident().values()) == {"ram"}
     with pytest.raises(ValueError, match="needs a VRAM tier"):
         edgemoe.load(tmp_path / "s", compute="device")

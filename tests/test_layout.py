@@ -1,28 +1,93 @@
-"""The product's parts are imported as edgemoe.*, never as bare top-level packages."""
+"""The package's layers import downward only (docs/architecture.md), and its folders are its import
+names, so a checkout imports from its root with nothing installed."""
 
-import re
+import ast
 import subprocess
 import sys
 from pathlib import Path
 
-import edgemoe.kernels
-import edgemoe.quant
-import edgemoe.store
-
 REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "edgemoe"
+
+# Lowest first. A module may import modules of its own layer and of the layers below it, never above.
+LAYERS = [
+    ("vocabulary", {"edgemoe.errors", "edgemoe.spec", "edgemoe.options"}),
+    ("quant", {"edgemoe.quant"}),
+    ("kernels", {"edgemoe.kernels"}),
+    ("scheduling", {"edgemoe.scheduling"}),
+    ("store", {"edgemoe.store"}),
+    ("runtime", None),   # every module not named in another layer
+    ("conversion", {"edgemoe.convert", "edgemoe.bench", "edgemoe.stats", "edgemoe.plots"}),
+    ("application", {"edgemoe.cli", "edgemoe.__main__", "edgemoe.server", "edgemoe.chat"}),
+]
 
 
-def test_subpackages_live_in_their_top_level_folders():
-    assert Path(edgemoe.store.__file__).parent == REPO / "store"
-    assert Path(edgemoe.quant.__file__).parent == REPO / "quant"
-    assert Path(edgemoe.kernels.__file__).parent == REPO / "kernels"
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def test_no_bare_import_of_store_quant_or_kernels_in_the_code():
-    bare = re.compile(r"^\s*(import|from)\s+(store|quant|kernels)\b", re.MULTILINE)
-    offenders = [str(p.relative_to(REPO)) for folder in ("edgemoe", "store", "quant", "kernels", "tools", "tests")
-                 for p in (REPO / folder).rglob("*.py") if bare.search(p.read_text())]
-    assert offenders == []
+def layer_of(module: str) -> int:
+    for i, (_, members) in enumerate(LAYERS):
+        if members and any(module == m or module.startswith(m + ".") for m in members):
+            return i
+    return next(i for i, (_, members) in enumerate(LAYERS) if members is None)
+
+
+def imported_modules(path: Path) -> set[str]:
+    """edgemoe modules imported anywhere in the file (top level or inside functions)."""
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            names = [f"{base}.{alias.name}" for alias in node.names]
+            found.update(name if _is_module(name) else base for name in names)
+    return {m for m in found if m == "edgemoe" or m.startswith("edgemoe.")}
+
+
+def _is_module(name: str) -> bool:
+    path = REPO.joinpath(*name.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def test_every_layer_imports_only_itself_and_the_layers_below():
+    violations = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = module_name(path)
+        for target in imported_modules(path):
+            if target == "edgemoe":   # the package root re-exports load(); only the top may use it
+                target = "edgemoe.loader"
+            if layer_of(target) > layer_of(module):
+                violations.append(f"{module} ({LAYERS[layer_of(module)][0]}) imports {target} "
+                                  f"({LAYERS[layer_of(target)][0]})")
+    assert violations == []
+
+
+def test_the_rules_catch_an_upward_import(tmp_path):
+    """The checker itself: a store module importing the runtime is found."""
+    probe = PACKAGE / "store" / "_layering_probe.py"
+    probe.write_text("from edgemoe.model import MoEModel\nfrom ..loader import load\n")
+    try:
+        assert imported_modules(probe) == {"edgemoe.model", "edgemoe.loader"}
+        assert layer_of("edgemoe.store._layering_probe") < layer_of("edgemoe.model")
+    finally:
+        probe.unlink()
+
+
+def test_folders_are_import_names_so_a_checkout_imports_without_installing():
+    """From the checkout's root (first on sys.path) every subpackage resolves to its own folder."""
+    probe = ("import edgemoe.store, edgemoe.quant, edgemoe.kernels, edgemoe.scheduling as s; "
+             "print(*(m.__file__ for m in (edgemoe.store, edgemoe.quant, edgemoe.kernels, s)))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(PACKAGE / name / "__init__.py")
+                                  for name in ("store", "quant", "kernels", "scheduling")]
 
 
 def test_installing_edgemoe_exposes_no_bare_package(tmp_path):

@@ -7,10 +7,12 @@ import pytest
 import torch
 
 import edgemoe
+from edgemoe.store.profile_file import load_routing_profile, save_routing_profile
 from edgemoe.model import Segment
 from edgemoe.layers import route
-from edgemoe.store import StoreError, convert, open_store
-from edgemoe.store.profile import (RoutingProfile, TraceRecord, TraceRecorder, predictor_quality, read_trace,
+from edgemoe.store import StoreError, open_store
+from edgemoe.convert import convert
+from edgemoe.scheduling.profile import (RoutingProfile, TraceRecord, TraceRecorder, predictor_quality, read_trace,
                                    tokens_from_trace, write_trace)
 
 
@@ -170,7 +172,7 @@ def test_a_profile_saved_without_temporal_counts_still_loads(tmp_path):
     bad["temporal"]["0"]["before"] = [1]
     (tmp_path / "profile.json").write_text(json.dumps({"routing": bad}))
     with pytest.raises(StoreError, match="malformed 'routing'.*temporal"):
-        RoutingProfile.load(tmp_path)
+        load_routing_profile(tmp_path)
 
 
 # ---- persistence ------------------------------------------------------------------------------------
@@ -179,12 +181,12 @@ def test_profile_json_round_trip_preserves_other_sections(tmp_path):
     for t in range(10):
         profile.add_token({0: (t % 5, (t + 1) % 5), 1: ((t + 2) % 5, t % 5), 2: ((t * 3) % 5, (t * 3 + 1) % 5)})
     (tmp_path / "profile.json").write_text(json.dumps({"latency": {"cpu_fused": [1.0, 2.0]}, "popularity": {}}))
-    profile.save(tmp_path)
+    save_routing_profile(tmp_path, profile)
     data = json.loads((tmp_path / "profile.json").read_text())
     assert data["latency"] == {"cpu_fused": [1.0, 2.0]}
     assert data["popularity"] == {str(l): row for l, row in profile.popularity.items()}
     assert [p.name for p in tmp_path.iterdir()] == ["profile.json"]     # no temp file left
-    loaded = RoutingProfile.load(tmp_path)
+    loaded = load_routing_profile(tmp_path)
     assert loaded.to_json() == profile.to_json()
     history = {0: (1, 2), 1: (3, 1)}
     assert loaded.predict(2, history) == profile.predict(2, history)
@@ -196,7 +198,7 @@ def test_saved_popularity_is_what_the_store_reads(tiny_model, tmp_path):
     profile = RoutingProfile([0, 1], num_experts=4, top_k=2)
     profile.add_token({0: (2, 1), 1: (0, 3)})
     profile.add_token({0: (2, 0), 1: (3, 1)})
-    profile.save(store_dir)
+    save_routing_profile(store_dir, profile)
     with open_store(store_dir, place_popular=False) as store:
         assert store.popularity == {(l, e): p for l, row in profile.popularity.items() for e, p in enumerate(row)}
         assert store.popularity[(0, 2)] == 0.5 and store.popularity[(1, 3)] == 0.5
@@ -204,13 +206,13 @@ def test_saved_popularity_is_what_the_store_reads(tiny_model, tmp_path):
 
 def test_load_errors(tmp_path):
     with pytest.raises(StoreError, match="no profile"):
-        RoutingProfile.load(tmp_path)
+        load_routing_profile(tmp_path)
     (tmp_path / "profile.json").write_text('{"latency": {}}')
     with pytest.raises(StoreError, match="no 'routing' section"):
-        RoutingProfile.load(tmp_path)
+        load_routing_profile(tmp_path)
     (tmp_path / "profile.json").write_text('{"routing": {"version": 1}}')
     with pytest.raises(StoreError, match="malformed 'routing'"):
-        RoutingProfile.load(tmp_path)
+        load_routing_profile(tmp_path)
 
 
 # ---- recording --------------------------------------------------------------------------------------

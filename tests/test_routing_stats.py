@@ -3,9 +3,9 @@ generated traces that meet their targets at any depth without repeating layers."
 
 import pytest
 
-from edgemoe.store.profile import TraceRecord
-from edgemoe.store.routing_stats import routing_statistics
-from edgemoe.store.synthetic_routing import RoutingTargets, generate
+from edgemoe.scheduling.profile import TraceRecord
+from edgemoe.scheduling.routing_stats import routing_statistics
+from edgemoe.scheduling.synthetic_routing import RoutingTargets, generate
 
 
 def trace(choice, layers=3, tokens=40, weights=(0.7, 0.3)):

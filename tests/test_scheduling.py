@@ -9,12 +9,15 @@ import pytest
 import torch
 
 import edgemoe
+from edgemoe.store.profile_file import load_routing_profile
 from edgemoe.cli import main
 from edgemoe.generate import GenerationOptions, generate_batch
-from edgemoe.preload import Preloader
+from edgemoe.scheduling.preload import Preloader
 from edgemoe.profiling import profile_store, trace_text
-from edgemoe.store import convert, open_store, read_manifest
-from edgemoe.store.profile import RoutingProfile, TraceRecorder, read_trace, tokens_from_trace
+from edgemoe.store import open_store, read_manifest
+from edgemoe.convert import convert
+from edgemoe.scheduling import simulate as sim
+from edgemoe.scheduling.profile import TraceRecorder, read_trace, tokens_from_trace
 
 
 TEXT = ("Now is the winter of our discontent made glorious summer by this sun of York; and all the clouds "
@@ -33,16 +36,6 @@ def expert_size(store):
     return max(e.length for e in read_manifest(store).experts.values())
 
 
-def simulator():
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "tools" / "simulate_cache.py"
-    spec = importlib.util.spec_from_file_location("simulate_cache", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_trace_has_one_record_per_token_and_moe_layer(store):
     model = edgemoe.load(store, preload="none")
     records = trace_text(model, TEXT, context=32)
@@ -53,7 +46,7 @@ def test_trace_has_one_record_per_token_and_moe_layer(store):
 
 
 def test_profile_is_saved_in_the_store_and_drives_placement(store):
-    profile = RoutingProfile.load(store)
+    profile = load_routing_profile(store)
     assert profile.moe_layers == [0, 1, 2, 3] and sum(profile.counts[0]) > 0
     data = json.loads((store / "profile.json").read_text())
     assert set(data) >= {"routing", "popularity"}
@@ -88,9 +81,9 @@ def test_runtime_hit_rate_equals_the_simulators_on_the_same_trace(store, policy)
     with TraceRecorder(model) as recorder:
         for token in ids:                             # decode token by token, as the simulator replays
             model.logits([token], cache)
-    stats = model.experts.store.stats
-    simulated = simulator().simulate(tokens_from_trace(recorder.records), n, policy,
-                                     prior=RoutingProfile.load(store))
+    stats = model.store.stats
+    simulated = sim.simulate(tokens_from_trace(recorder.records), n, policy,
+                                     prior=load_routing_profile(store))
     assert simulated["requests"] == stats.requests
     assert simulated["hits"] == stats.ram.hits and simulated["evictions"] == stats.ram.evictions
 
@@ -118,7 +111,7 @@ def test_queued_predictions_for_a_layer_are_cancelled_when_it_routes(store):
 
 def test_preload_budget_is_paid_by_the_disks_idle_time(store):
     model = edgemoe.load(store, preload="correlation", place_popular=False)
-    preloader, disk = model.preloader, model.experts.store.disk
+    preloader, disk = model.preloader, model.store.disk
     assert preloader.budget(tokens=1) == model.spec.top_k          # nothing measured yet
     disk.reads, disk.read_seconds = 10, 10 * 0.004                 # 4 ms per expert read
     preloader.idle_seconds = 0.0                                   # disk-bound: never idle, no preload
@@ -129,13 +122,13 @@ def test_preload_budget_is_paid_by_the_disks_idle_time(store):
     sure = torch.tensor([0.9, 0.8, 0.7, 0.4, 0.0, 0.0])
     preloader._issue(1, sure, tokens=1, least=0.5)                 # spends the 2 it has: two reads
     assert preloader._predicted[1] == {0, 1} and preloader.credit == pytest.approx(0.0)
-    model.experts.store.drain()
+    model.store.drain()
     disk.reads, disk.read_seconds = 10, 10 * 0.004
     preloader.credit = 3.0
     preloader._issue(1, sure, tokens=3, least=0.5)                 # resident ones and p < 0.5 skipped
     assert preloader._predicted[1] == {2} and preloader.credit == pytest.approx(2.0 + 0.75)
     with pytest.raises(ValueError, match="preload='nope'"):
-        Preloader(model, model.experts.store, "nope")
+        Preloader(model, model.store, "nope")
 
 
 def test_trace_and_profile_commands(store, tmp_path, monkeypatch, capsys):

@@ -1,25 +1,22 @@
-"""tools/simulate_cache.py: hit rates computed by hand, Belady as the ceiling, preload with a perfect
+"""edgemoe/scheduling/simulate.py: hit rates computed by hand, Belady as the ceiling, preload with a perfect
 profile, the expected-use policy and its preload admission by hand, agreement with TieredStore on the
 same requests (with and without preload), and the command line."""
 
-import importlib.util
 import json
 import random
 import shutil
-from pathlib import Path
 
 import pytest
 
-from edgemoe.store import convert, open_store
-from edgemoe.preload import MIN_PROBABILITY
-from edgemoe.store.policies import ExpectedUsePolicy, LFUPolicy, LRUPolicy
-from edgemoe.store.profile import RoutingProfile, TraceRecord, write_trace
-from edgemoe.store.tiers import TierStats, _Tier
-
-REPO = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("simulate_cache", REPO / "tools" / "simulate_cache.py")
-sim = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sim)
+from edgemoe.store.profile_file import save_routing_profile
+from edgemoe.store import open_store
+from edgemoe.convert import convert
+from edgemoe.scheduling.preload import MIN_PROBABILITY
+from edgemoe.scheduling.policies import ExpectedUsePolicy, LFUPolicy, LRUPolicy
+from edgemoe.scheduling.profile import RoutingProfile, TraceRecord, write_trace
+from edgemoe.scheduling import simulate as sim
+from edgemoe.scheduling.cache import Tier, TierStats
+from edgemoe.cli import main
 
 
 def one_layer(experts) -> list[dict]:
@@ -180,7 +177,7 @@ def test_admission_weighs_a_preload_against_its_victim():
 
 def test_tier_admit_gives_each_preload_its_own_victim():
     policy = ExpectedUsePolicy(3, profile=hand_profile())
-    tier = _Tier("t", 3, policy, TierStats())
+    tier = Tier("t", 3, policy, TierStats())
     for key in ((0, 0), (0, 1), (2, 1)):
         tier.put(sim._Expert(key))
     policy.set_layer(0, {(0, 0)})
@@ -189,7 +186,7 @@ def test_tier_admit_gives_each_preload_its_own_victim():
     assert tier.admit([((1, 2), 1, 0.9), ((1, 3), 1, 0.55)], protect={(0, 0)}) == [(1, 2)]   # 0.55 < 0.5625
     assert tier.admit([((1, 2), 1, 0.9)], protect={(0, 0), (0, 1), (2, 1)}) == []
     assert set(tier.items) == {(0, 0), (0, 1), (2, 1)}    # admit only decides
-    roomy = _Tier("t", 4, policy, TierStats())
+    roomy = Tier("t", 4, policy, TierStats())
     roomy.put(sim._Expert((0, 1)))
     assert roomy.admit([((1, 2), 1, 0.9), ((1, 3), 1, 0.5)]) == [(1, 2)]   # free room: p > 0.5
 
@@ -241,7 +238,7 @@ def test_expected_use_with_preload_agrees_with_tiered_store(store_dir, tmp_path,
         profile.add_pair(before, after)
     store = tmp_path / "store"
     shutil.copytree(store_dir, store)
-    profile.save(store)
+    save_routing_profile(store, profile)
     tokens = correlated_tokens(60, seed=3)
     with open_store(store) as probe:
         size = probe.experts()[0].length
@@ -269,11 +266,21 @@ def write_tokens(path, tokens):
                        for t, routing in enumerate(tokens) for l, experts in routing.items()])
 
 
-def test_cli_json_and_table(tmp_path, capsys):
+def simulate_cli(monkeypatch, capsys, *args) -> str:
+    """`edgemoe simulate ARGS` in-process: its stdout (it must succeed)."""
+    monkeypatch.setattr("sys.argv", ["edgemoe", "simulate", *args])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 0, captured.err
+    return captured.out
+
+
+def test_cli_json_and_table(tmp_path, monkeypatch, capsys):
     trace = tmp_path / "trace.jsonl"
     write_tokens(trace, shifted_chain(40))
-    assert sim.main([str(trace), "--cache-experts", "4", "6", "--json"]) == 0
-    records = json.loads(capsys.readouterr().out)
+    records = json.loads(simulate_cli(monkeypatch, capsys, str(trace), "--cache-experts", "4",
+                                      "--cache-experts", "6", "--json"))
     assert len(records) == 2 * (2 * len(sim.POLICY_NAMES) + 1)
     assert {(r["policy"], r["preload"]) for r in records} >= {("belady", "none"), ("edgemoe", "correlation")}
     for r in records:
@@ -282,14 +289,12 @@ def test_cli_json_and_table(tmp_path, capsys):
         assert (r["preload_precision"] is None) == (r["preload"] == "none")
     other = tmp_path / "other.jsonl"
     write_tokens(other, shifted_chain(9))
-    assert sim.main([str(trace), "--cache-experts", "6", "--profile-from", str(other)]) == 0
-    out = capsys.readouterr().out
+    out = simulate_cli(monkeypatch, capsys, str(trace), "--cache-experts", "6", "--profile-from", str(other))
     assert f"profile: {other}; scored: all 40 tokens" in out and "belady" in out
 
 
-def test_cli_prints_the_traces_routing_statistics(tmp_path, capsys):
+def test_cli_prints_the_traces_routing_statistics(tmp_path, monkeypatch, capsys):
     trace = tmp_path / "trace.jsonl"
     write_tokens(trace, shifted_chain(40))                               # 4 trace layers
-    assert sim.main([str(trace), "--cache-experts", "8", "--stats"]) == 0
-    out = capsys.readouterr().out
+    out = simulate_cli(monkeypatch, capsys, str(trace), "--cache-experts", "8", "--stats")
     assert "40 tokens, 4 MoE layers" in out and "stay probability" in out and "belady" in out

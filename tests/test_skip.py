@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import edgemoe
-from edgemoe.store import convert
+from edgemoe.convert import convert
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +49,8 @@ def test_resident_experts_are_never_skipped(store):
     ids = [5, 17, 33, 2, 90, 41, 7, 64]
     full = decode(edgemoe.load(store, torch.float32, preload="none"), ids)
     everything = edgemoe.load(store, torch.float32, preload="none", skip_below=0.9)
-    for entry in everything.experts.store.experts():       # all resident before the first token
-        everything.experts.store.get(*entry.key)
+    for entry in everything.store.experts():       # all resident before the first token
+        everything.store.get(*entry.key)
     assert torch.equal(decode(everything, ids), full) and everything.experts.skipped == 0
 
 
@@ -60,5 +60,5 @@ def test_skipping_reads_less(store):
     for threshold in (0.0, 0.45):
         model = edgemoe.load(store, preload="none", ram=0, skip_below=threshold)
         decode(model, ids)
-        reads[threshold] = model.experts.store.stats.disk_bytes_read
+        reads[threshold] = model.store.stats.disk_bytes_read
     assert reads[0.45] < reads[0.0]

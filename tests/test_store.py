@@ -15,7 +15,8 @@ import edgemoe
 from edgemoe.experts import DenseExpert, InMemoryExperts
 from edgemoe.generate import GenerationOptions, generate_batch
 from edgemoe.quant import dequantize_reference, quantize
-from edgemoe.store import StoreError, convert, inspect_store, open_store, read_manifest
+from edgemoe.store import StoreError, inspect_store, open_store, read_manifest
+from edgemoe.convert import convert
 from edgemoe.store.format import ALIGNMENT, MANIFEST
 
 
@@ -60,7 +61,7 @@ def test_per_expert_widths_and_compression(checkpoint, tmp_path):
     spec = edgemoe.load(checkpoint).spec
     widths = {str(l): [(2, 4, 8)[(l + e) % 3] for e in range(spec.num_experts)] for l in spec.moe_layer_ids}
     (tmp_path / "w.json").write_text(json.dumps({"widths": widths}))
-    from edgemoe.store import read_widths
+    from edgemoe.convert import read_widths
     width_map = read_widths(tmp_path / "w.json", spec)
     convert(checkpoint, tmp_path / "mixed", widths=width_map, compress="zstd")
     manifest = read_manifest(tmp_path / "mixed")
@@ -74,7 +75,7 @@ def test_per_expert_widths_and_compression(checkpoint, tmp_path):
 
 def test_bad_width_file_names_the_file_and_layer(checkpoint, tmp_path):
     (tmp_path / "w.json").write_text(json.dumps({"widths": {"0": [4, 3]}}))
-    from edgemoe.store import read_widths
+    from edgemoe.convert import read_widths
     with pytest.raises(StoreError, match=r"w\.json: layer 0 needs a list of 6 widths"):
         read_widths(tmp_path / "w.json", edgemoe.load(checkpoint).spec)
 
@@ -93,7 +94,7 @@ def test_greedy_output_is_the_same_whatever_the_budgets_and_policies(store):
     for options in settings:
         model = edgemoe.load(store, **options)
         assert greedy(model) == expected, options
-        stats = model.experts.store.stats
+        stats = model.store.stats
         assert stats.ram.peak_bytes <= (options["ram"] or 0) and stats.vram.peak_bytes <= options.get("vram", 0)
 
 
@@ -102,7 +103,7 @@ def test_vram_tier_on_a_cpu_stand_in_matches_ram_logits(store):
     ram_logits = edgemoe.load(store, compute="fused-float").logits(ids)
     model = edgemoe.load(store, ram=0, vram="1GB", device="cpu")
     assert (model.logits(ids) - ram_logits).abs().max() <= 1e-4
-    assert set(model.experts.store.resident().values()) == {"vram"}
+    assert set(model.store.resident().values()) == {"vram"}
 
 
 def test_vram_stand_in_and_ram_agree_on_the_bundled_model(tmp_path):
@@ -270,18 +271,18 @@ def test_force_replaces_only_a_store(checkpoint, tmp_path, kind):
 
 
 def test_a_failed_convert_leaves_nothing_that_opens(checkpoint, tmp_path):
-    def fail(done, total):
+    def fail(stage, done, total):
         if done == 3:
             raise KeyboardInterrupt
     with pytest.raises(KeyboardInterrupt):
-        convert(checkpoint, tmp_path / "s", on_progress=fail)
+        convert(checkpoint, tmp_path / "s", progress=fail)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_a_killed_convert_leaves_no_store_and_the_next_one_cleans_up(checkpoint, tmp_path):
     out = tmp_path / "s"
-    code = ("import os, sys; from edgemoe.store import convert; "
-            f"convert({str(checkpoint)!r}, {str(out)!r}, on_progress=lambda d, t: d == 3 and os.kill(os.getpid(), 9))")
+    code = ("import os, sys; from edgemoe.convert import convert; "
+            f"convert({str(checkpoint)!r}, {str(out)!r}, progress=lambda s, d, t: d == 3 and os.kill(os.getpid(), 9))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True)
     assert proc.returncode == -9
     assert not out.exists()
@@ -368,21 +369,22 @@ def test_two_processes_read_one_store_at_once(store):
 
 
 def test_budget_strings_and_errors(store):
+    from edgemoe.options import OptionError
     from edgemoe.store import parse_bytes
     assert parse_bytes("512MiB", "ram=") == 512 * 2**20 and parse_bytes("2GB", "ram=") == 2 * 10**9
     assert parse_bytes(4096, "ram=") == 4096 and parse_bytes("1.5k", "ram=") == 1500
     assert parse_bytes("25%", "ram=", share_of=1000) == 250
     for bad in ("lots", "inf", "nan", "-5", "-1MiB", "25%"):   # a share needs the total it is a share of
-        with pytest.raises(StoreError, match=f"--ram {bad!r}"):
+        with pytest.raises(OptionError, match=f"--ram {bad!r}"):
             parse_bytes(bad, "--ram")
-    with pytest.raises(StoreError, match="ram=-5"):
+    with pytest.raises(OptionError, match="ram=-5"):
         parse_bytes(-5, "ram=")
-    with pytest.raises(StoreError, match="ram='150%': expected a percentage"):
+    with pytest.raises(OptionError, match="ram='150%': expected a percentage"):
         open_store(store, ram="150%")
     with open_store(store, ram="50%") as s:
-        assert s.ram.budget == int(0.5 * s.manifest.expert_bytes)
+        assert s.ram_budget == int(0.5 * s.manifest.expert_bytes)
     if not torch.cuda.is_available():
-        with pytest.raises(StoreError, match="device='cuda'.*no usable cuda"):
+        with pytest.raises(OptionError, match="device='cuda'.*no usable cuda"):
             open_store(store, vram="1GB", device="cuda")
 
 

@@ -17,9 +17,11 @@ from pathlib import Path
 
 import edgemoe
 from edgemoe.bundled import BUNDLED_DIR
-from edgemoe.budget import convert_with_budget, metric_loss, parse_budget
+from edgemoe.convert import QualityBudget
+from edgemoe.convert.budget import metric_loss, parse_budget
 from edgemoe.evaluate import evaluate
-from edgemoe.store import convert, inspect_store
+from edgemoe.store import inspect_store
+from edgemoe.convert import convert
 
 
 def store_row(store: Path, name: str, calib_loss: float, heldout_loss: float, seconds: float) -> dict:
@@ -58,8 +60,8 @@ def main() -> None:
     for budget in args.budgets:
         start = time.perf_counter()
         out = args.out_dir / f"budget-{budget.rstrip('%')}"
-        done = convert_with_budget(args.model, out, parse_budget(budget), args.metric, calib, heldout,
-                                   context=args.context, force=True)
+        done = convert(args.model, out, budget=QualityBudget(parse_budget(budget), args.metric, heldout_text=heldout,
+                                                             context=args.context), calib_text=calib, force=True)
         row = store_row(out, f"budget {budget}", done.search.loss, done.heldout_loss, time.perf_counter() - start)
         rows.append({**row, "budget": parse_budget(budget), "calib_bound": done.search.loss_bound,
                      "search_seconds": done.search.seconds, "evaluations": done.search.evaluations})

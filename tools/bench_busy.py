@@ -38,7 +38,7 @@ def work(workload: str, threads: int | None) -> float:
 
     path = bundled_model_path()
     if workload == "convert":
-        from edgemoe.store import convert
+        from edgemoe.convert import convert
         from edgemoe.threads import set_command_threads
         with tempfile.TemporaryDirectory() as tmp:
             start = time.perf_counter()

@@ -6,32 +6,27 @@
 Decodes the text token by token through the store (teacher forcing: the text's own next token is fed,
 so every configuration sees the same routing), with a RAM budget of --ram-fraction of the expert
 bytes, for each (eviction policy, preload) pair; records the routing trace and replays it through
-tools/simulate_cache.py with a cache of the same number of experts. The store's routing profile
+edgemoe/scheduling/simulate.py with a cache of the same number of experts. The store's routing profile
 (edgemoe profile, from the calibration text) is the correlation table of both.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+
 import json
 import platform
 import time
 from pathlib import Path
 
 import edgemoe
+from edgemoe.store.profile_file import load_routing_profile
 from edgemoe.store import read_manifest
-from edgemoe.store.profile import RoutingProfile, TraceRecorder, tokens_from_trace
+from edgemoe.scheduling import simulate as sim
+from edgemoe.scheduling.profile import TraceRecorder, tokens_from_trace
 
 CONFIGS = [("lru", "none"), ("lfu", "none"), ("edgemoe", "none"), ("lru", "correlation"),
            ("edgemoe", "correlation"), ("edgemoe", "lookahead")]
-
-
-def simulator():
-    spec = importlib.util.spec_from_file_location("simulate_cache", Path(__file__).with_name("simulate_cache.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def run_runtime(store, ids, ram: int, policy: str, preload: str) -> dict:
@@ -42,14 +37,14 @@ def run_runtime(store, ids, ram: int, policy: str, preload: str) -> dict:
         for token in ids:
             model.logits([token], cache)
     seconds = time.perf_counter() - start
-    st = model.experts.store.stats
+    st = model.store.stats
     result = {"policy": policy, "preload": preload, "hit_rate": st.hit_rate, "requests": st.requests,
               "preloads": st.preloads_loaded, "preloads_cancelled": st.preloads_cancelled,
               "preload_precision": (st.preloads_used / st.preloads_loaded
                                                                     if st.preloads_loaded else None),
               "predictor_precision": model.preloader.precision if preload != "none" else None,
               "tokens_per_s": len(ids) / seconds}
-    model.experts.store.close()
+    model.store.close()
     return result, recorder.records
 
 
@@ -67,8 +62,8 @@ def main() -> None:
     ram = cache_experts * max(sizes)
     probe = edgemoe.load(args.store, preload="none")
     ids = probe.tokenizer.encode(args.text.read_text(), add_special_tokens=False)[:args.tokens]
-    profile = RoutingProfile.load(args.store)
-    sim = simulator()
+    profile = load_routing_profile(args.store)
+
     rows = []
     for policy, preload in CONFIGS:
         runtime, records = run_runtime(args.store, ids, ram, policy, preload)

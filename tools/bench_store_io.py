@@ -7,7 +7,7 @@ checksum's cost, and whether zstd compression of the blobs pays.
 Cold: posix_fadvise(DONTNEED) empties the page cache of the data file before each pass (measured:
 it does on Linux). Each pass reads the same experts through DiskTier.read; an
 expert's checksum is verified on its first read only ("first read (crc)" vs later passes); "crc32" is the checksum alone on bytes in memory. Buffered
-reads drop the pages they read from the cache (the RAM tier is the cache; see store/disk.py), so
+reads drop the pages they read from the cache (the RAM tier is the cache; see edgemoe/store/disk.py), so
 "buffered warm" measures that policy, not a warm page cache. zstd: the compression ratio r of the
 sampled blobs and the decompression speed z: compression pays when a disk of bandwidth B reads the
 smaller blob and decompresses it faster than it reads the raw one, 1 / (r B) + 1 / z < 1 / B, i.e.

@@ -1,5 +1,5 @@
 """Write a routing trace for any depth and expert count with the statistics of a real MoE's decode
-routing (edgemoe.store.synthetic_routing; defaults: a Mixtral-8x7B decode trace's), and print the
+routing (edgemoe.scheduling.synthetic_routing; defaults: a Mixtral-8x7B decode trace's), and print the
 statistics it has. For benchmarks of random-weight models: `edgemoe bench STORE --replay TRACE`.
 
     python tools/make_routing_trace.py --layers 32 --experts 8 --top-k 2 --sequences 8 --tokens 256 \\
@@ -10,15 +10,15 @@ statistics it has. For benchmarks of random-weight models: `edgemoe bench STORE 
 of one model seed and other seeds are other texts through the same model (profile from one, replay
 another).
 
-Compare with a recorded trace: python tools/simulate_cache.py TRACE --stats
+Compare with a recorded trace: python edgemoe/scheduling/simulate.py TRACE --stats
 """
 
 from __future__ import annotations
 
 import argparse
 
-from edgemoe.store.profile import write_trace
-from edgemoe.store.synthetic_routing import RoutingTargets, generate
+from edgemoe.scheduling.profile import write_trace
+from edgemoe.scheduling.synthetic_routing import RoutingTargets, generate
 
 
 def main() -> None:

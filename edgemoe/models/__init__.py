@@ -6,7 +6,7 @@ from types import ModuleType
 
 from ..errors import UnsupportedModelError
 from . import deepseek_v2, deepseek_v3, mixtral, olmoe, phimoe, qwen2_moe, qwen3_moe
-from .spec import ExpertNames, ModelSpec, TensorNames
+from ..spec import ExpertNames, ModelSpec, TensorNames
 
 ARCHITECTURES: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (mixtral, qwen2_moe, qwen3_moe, olmoe,
                                                                    deepseek_v2, deepseek_v3, phimoe)}

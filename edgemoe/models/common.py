@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .spec import config_value, rope_theta
+from ..spec import config_value, rope_theta
 
 
 def attention_fields(config: dict, rope_types: tuple[str, ...] = ("default",)) -> dict:
@@ -49,7 +49,7 @@ def llama_style_names(num_layers: int, tie_word_embeddings: bool, *, qkv_bias: b
 
 def qwen_style_mlp_names(spec, names: dict[str, str]) -> dict:
     """Router, dense-MLP and expert names of the Qwen / OLMoE family (`mlp.` prefix); fills `names`."""
-    from .spec import ExpertNames
+    from ..spec import ExpertNames
 
     experts = {}
     for l in range(spec.num_layers):

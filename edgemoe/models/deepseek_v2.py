@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ..errors import CheckpointError
 from .common import attention_fields, llama_style_names, qwen_style_mlp_names
-from .spec import ModelSpec, TensorNames, config_value, rope_parameters
+from ..spec import ModelSpec, TensorNames, config_value, rope_parameters
 from .yarn import yarn_fields
 
 MODEL_TYPE = "deepseek_v2"

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .deepseek_v2 import deepseek_names, mla_fields
-from .spec import ModelSpec, TensorNames, config_value
+from ..spec import ModelSpec, TensorNames, config_value
 
 MODEL_TYPE = "deepseek_v3"
 

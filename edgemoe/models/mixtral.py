@@ -7,7 +7,7 @@ model.layers.{l}.block_sparse_moe.experts.{e}.w1 / w3 / w2 .weight (gate, up, do
 from __future__ import annotations
 
 from .common import attention_fields, llama_style_names
-from .spec import ExpertNames, ModelSpec, TensorNames, config_value
+from ..spec import ExpertNames, ModelSpec, TensorNames, config_value
 
 MODEL_TYPE = "mixtral"
 

@@ -5,7 +5,7 @@ clipping of q/k/v, top-k weights not renormalised by default; every layer MoE.
 from __future__ import annotations
 
 from .common import attention_fields, llama_style_names, qwen_style_mlp_names
-from .spec import ModelSpec, TensorNames, config_value
+from ..spec import ModelSpec, TensorNames, config_value
 
 MODEL_TYPE = "olmoe"
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .common import attention_fields
 from .mixtral import tensor_names as mixtral_names
-from .spec import ModelSpec, TensorNames, config_value
+from ..spec import ModelSpec, TensorNames, config_value
 
 MODEL_TYPE = "phimoe"
 

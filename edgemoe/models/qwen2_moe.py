@@ -8,7 +8,7 @@ mlp.shared_expert.{gate,up,down}_proj.weight, mlp.shared_expert_gate.weight [1, 
 from __future__ import annotations
 
 from .common import attention_fields, llama_style_names, qwen_style_mlp_names
-from .spec import ModelSpec, TensorNames, config_value
+from ..spec import ModelSpec, TensorNames, config_value
 
 MODEL_TYPE = "qwen2_moe"
 

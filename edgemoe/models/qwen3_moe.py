@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from .common import attention_fields, llama_style_names, qwen_style_mlp_names
 from .qwen2_moe import moe_layer_flags
-from .spec import ModelSpec, TensorNames, config_value
+from ..spec import ModelSpec, TensorNames, config_value
 
 MODEL_TYPE = "qwen3_moe"
 

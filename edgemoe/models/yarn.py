@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from .spec import config_value
+from ..spec import config_value
 
 
 def mscale(factor: float, scale: float = 1.0) -> float:

@@ -6,7 +6,7 @@ avx2_dot(bits)(packed, b0, xq, x0, plane, nblocks) -> int32, exactly
     sum over blocks i < NB, bytes k < 32, planes j < n of code_j(packed[b0 + 32 i + k]) * xq[x0 + j * plane + 32 i + k]
 with packed a flat uint8 array (planar codes, edgemoe.quant.formats) and xq a flat int8 array; the
 caller adds the bytes past the last whole block. Offsets are uint64 and never bounds-checked: the
-caller guarantees them (kernels/cpu_int.py).
+caller guarantees them (edgemoe/kernels/cpu_int.py).
 
 INT2 and INT4: vpmaddubsw (u8 code x s8 activation, adjacent pairs summed to int16), then vpmaddwd
 with ones (pairs of int16 summed to int32). vpmaddubsw saturates at +-32767, which codes up to 15
@@ -15,9 +15,9 @@ before widening (INT4: 2 * 3810, INT2: 4 * 2 * 3 * 127 = 3048), far from the lim
 255) could saturate vpmaddubsw (2 * 255 * 127 = 64770), so INT8 takes another route, exact with no
 trick: codes zero-extended and activations sign-extended to int16 (vpmovzxbw, vpmovsxbw), then
 vpmaddwd (int16 x int16, pairs summed to int32; a pair is at most 64770). The int32 accumulators
-cannot overflow for the group sizes kernels/ops.py admits (|sum| <= 255 * 127 * G < 2^31).
+cannot overflow for the group sizes edgemoe/kernels/ops.py admits (|sum| <= 255 * 127 * G < 2^31).
 
-They run on AVX2 CPUs only: kernels/cpu_int.py calls them on the "avx2" path, which kernels/ops.py
+They run on AVX2 CPUs only: edgemoe/kernels/cpu_int.py calls them on the "avx2" path, which edgemoe/kernels/ops.py
 offers only when numba compiles for a CPU with AVX2. For any other target (aarch64, old x86) they
 compile to a RuntimeError, so that the kernels holding them still compile for the portable path.
 """

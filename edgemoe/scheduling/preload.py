@@ -2,7 +2,7 @@
 
 Predictors:
 - "correlation" (EdgeMoE): the store's routing profile, P(expert at l | experts at l-1 and l-2)
-  with back-off (edgemoe.store.profile); issued as soon as layer l-1's routing is known.
+  with back-off (edgemoe.scheduling.profile); issued as soon as layer l-1's routing is known.
 - "lookahead" (Mixtral-offloading): the next MoE layer's router applied to this layer's MoE input;
   issued just before this layer routes.
 For a step with several tokens, an expert's score is the probability that any token needs it,
@@ -13,9 +13,9 @@ likely than not to be needed (p >= 0.5: the profile's probabilities are calibrat
 is a disk read and a cache slot, so a wrong one costs a read and evicts an expert that may be hit).
 The lookahead's choices are the next router's own top-k on a nearby input: all are taken, as
 certain (p = 1; router weights are not probabilities). Then the store's eviction policy admits
-them or not (TieredStore.admit, the rule tools/simulate_cache.py replays): "expected-use" skips a
+them or not (TieredStore.admit, the rule edgemoe/scheduling/simulate.py replays): "expected-use" skips a
 preload unlikely enough that its read would add more than it converts, given the expert it would
-evict (store/policies.py); the other policies admit every one.
+evict (edgemoe/scheduling/policies.py); the other policies admit every one.
 
 How many (SP-MoE's cutoff, counted in the disk's idle time): each layer earns credit for the
 reads that fit in the time the disk was idle since the previous layer (time between consecutive
@@ -24,7 +24,7 @@ The credit is capped at top-k per token. When the compute waits for reads (disk-
 disk is never idle and nothing is preloaded: every preload would delay a read the compute needs.
 Before anything is measured, the budget is top-k per token. When a layer's real routing is
 known, preloads still queued for it are dropped; the store starts a preload only once the running
-layer has the experts it waits for (store/loads.py).
+layer has the experts it waits for (edgemoe/store/loads.py).
 
 Shapes: T tokens in the step, D hidden, A experts per token, E experts.
 """
@@ -69,6 +69,11 @@ class Preloader:
             if self.predictor == "lookahead":
                 self.model.moe_input_hooks.append(self.on_moe_input)
         return self
+
+    def detach(self) -> None:
+        for hooks, hook in ((self.model.routing_hooks, self.on_routing), (self.model.moe_input_hooks, self.on_moe_input)):
+            if hook in hooks:
+                hooks.remove(hook)
 
     def on_moe_input(self, layer: int, hidden: torch.Tensor) -> None:
         nxt = self.next_moe.get(layer)

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from edgemoe.errors import EdgeMoEError
-from edgemoe.models.spec import ModelSpec
+from edgemoe.spec import ModelSpec
 from edgemoe.quant import QuantizedTensor
 
 FORMAT_NAME = "edgemoe-store"
@@ -143,8 +143,17 @@ def read_manifest(store: Path) -> Manifest:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise StoreError(f"{path}: corrupt manifest ({e})") from None
-    if data.get("format") != FORMAT_NAME:
-        raise StoreError(f"{path}: not an edgemoe store manifest (format={data.get('format')!r})")
+    return parse_manifest(store, data)
+
+
+def parse_manifest(store: Path, data: dict) -> Manifest:
+    """Validate a manifest's contents against the store directory's files (the converter checks
+    the manifest it is about to write this way, before writing it)."""
+    store = Path(store)
+    path = store / MANIFEST
+    if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
+        found = data.get("format") if isinstance(data, dict) else None
+        raise StoreError(f"{path}: not an edgemoe store manifest (format={found!r})")
     if data.get("version") != FORMAT_VERSION:
         raise StoreError(f"{path}: store format version {data.get('version')!r} is not supported "
                          f"(this edgemoe reads version {FORMAT_VERSION})")
@@ -176,11 +185,3 @@ def _check_files(store: Path, data: dict, sizes: dict[str, int], experts: dict) 
     for entry in experts.values():
         if entry.file not in sizes or entry.offset + entry.stored_length > sizes[entry.file]:
             raise StoreError(f"{store / MANIFEST}: {entry.where()} lies outside its data file")
-
-
-def update_manifest(store: Path, section: str, value) -> None:
-    """Set one top-level section of a complete store's manifest (atomically, like every manifest write)."""
-    path = Path(store) / MANIFEST
-    data = json.loads(path.read_text(encoding="utf-8"))
-    data[section] = value
-    write_json_atomic(path, data)

@@ -35,6 +35,8 @@ from __future__ import annotations
 import itertools
 from typing import Iterable
 
+from edgemoe.options import one_of
+
 Key = tuple[int, int]
 
 
@@ -184,7 +186,5 @@ POLICIES = {p.name: p for p in (LRUPolicy, LFUPolicy, EdgeMoEPolicy, ExpectedUse
 
 def make_policy(name: str, num_layers: int, popularity: dict[Key, float] | None = None, profile=None):
     """profile: the store's RoutingProfile (or None), for policies that predict."""
-    if name not in POLICIES:
-        from .format import StoreError
-        raise StoreError(f"policy={name!r}: expected one of {sorted(POLICIES)}")
+    one_of(name, "policy=", sorted(POLICIES))
     return POLICIES[name](num_layers, popularity, profile)

@@ -30,7 +30,7 @@ def swiglu_reference(x: np.ndarray, gate: QuantizedTensor, up: QuantizedTensor,
 
 
 def quantize_activations_reference(x: torch.Tensor, group: int, ngroups: int):
-    """x float32 [T, C] -> xq int8 [T, Cp], xs float32 [T, NG], qs int64 [T, NG] (kernels/cpu_int.py's rule):
+    """x float32 [T, C] -> xq int8 [T, Cp], xs float32 [T, NG], qs int64 [T, NG] (edgemoe/kernels/cpu_int.py's rule):
     per token and group, xs = max|x| / 127, xq = round half to even of x / xs, 0 where xs = 0."""
     ntok, cols = x.shape
     xg = F.pad(x, (0, ngroups * group - cols)).reshape(ntok, ngroups, group)  # [T, NG, G]
@@ -58,7 +58,7 @@ def qmatmul_int_twin(x: np.ndarray, qt: QuantizedTensor) -> np.ndarray:
 
 
 def silu_mul_twin(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """silu(g) * u as kernels/cpu_int.py computes it: exp in float64, rounded to float32."""
+    """silu(g) * u as edgemoe/kernels/cpu_int.py computes it: exp in float64, rounded to float32."""
     return g / (1 + torch.exp((-g).double()).float()) * u
 
 

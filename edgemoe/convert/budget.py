@@ -17,7 +17,8 @@ Search (widths from {2, 4, 8}):
     for the largest K whose K least important experts at the floor keep the loss within the budget.
     Ranking and choosing on the same text would favour experts whose measured importance was low by
     chance, and the mix would then exceed the budget on new text (measured: docs/budget.md).
-The caller confirms the result end to end on held-out text the search never saw.
+The converter (edgemoe.convert) writes the packed experts the search made and confirms the loss end
+to end, from the written store, on held-out text the search never saw.
 
 Inputs: the checkpoint's model loaded in float32 (edgemoe.load), token ids of the calibration
 text. Memory: the packed experts at every width (about 1.75 bytes per expert weight) plus a bounded
@@ -29,7 +30,6 @@ Shapes: T tokens per window, V vocab, D hidden; a key is (layer, expert).
 from __future__ import annotations
 
 import math
-from pathlib import Path
 import statistics
 import time
 from collections import OrderedDict
@@ -41,8 +41,8 @@ import torch
 from edgemoe import kernels
 from edgemoe.quant import quantize
 
-from .experts import DenseExpert, ExpertProvider, InMemoryExperts
-from .model import MoEModel, Segment
+from edgemoe.experts import DenseExpert, ExpertProvider, InMemoryExperts
+from edgemoe.model import MoEModel, Segment
 
 WIDTHS = (2, 4, 8)
 METRICS = ("ppl", "top1", "kl")
@@ -293,48 +293,3 @@ def metric_loss(result, metric: str) -> float:
     if metric == "top1":
         return 1 - result.top1_agreement
     return result.kl
-
-
-@dataclass
-class BudgetedConvert:
-    report: object                    # store.ConvertReport
-    search: BudgetResult
-    heldout_loss: float | None
-
-
-def convert_with_budget(model_dir, out, budget: float, metric: str, calib_text: str, heldout_text: str | None = None,
-                        context: int = 256, calib_tokens: int | None = None, group_size: int | None = None,
-                        method: str = "rtn", force: bool = False, confidence: float = 0.95,
-                        progress: Callable[[str, int, int], None] | None = None,
-                        threads: int | None = None) -> BudgetedConvert:
-    """Search per-expert widths on calib_text, write the store, confirm the loss on heldout_text."""
-    import edgemoe
-    from edgemoe.store import convert
-    from edgemoe.store.format import update_manifest
-    from edgemoe.store.writer import check_destination
-
-    from .evaluate import evaluate
-
-    check_destination(Path(out), force, inputs=[Path(model_dir)])   # before the search, not after it
-    reference = edgemoe.load(model_dir, threads=threads)
-    context = min(context, reference.context_length)
-    ids = torch.tensor(reference.tokenizer.encode(calib_text, add_special_tokens=False))
-    if calib_tokens is not None:
-        ids = ids[:calib_tokens]
-    calibration = Calibration(reference, ids, context, metric, confidence)
-    search = BudgetSearch(reference, calibration, group_size, method, progress)
-    result = search.run(budget)
-    record = result.to_json()
-    report = convert(model_dir, out, widths=result.widths, group_size=group_size, method=method, force=force,
-                     extra={"budget": record},
-                     on_progress=lambda done, total: progress and progress("writing the store", done, total))
-    heldout = None
-    if heldout_text is not None:
-        store_model = edgemoe.load(out, threads=threads, preload="none")
-        held_ids = reference.tokenizer.encode(heldout_text, add_special_tokens=False)
-        confirm = lambda done, total: progress and progress("confirming on held-out text", done, total)  # noqa: E731
-        heldout = metric_loss(evaluate(store_model, held_ids, context=context, stride=context, reference=reference,
-                                       on_progress=confirm), metric)  # windows as the calibration's: consecutive, context tokens each
-        store_model.experts.store.close()
-        update_manifest(out, "budget", {**record, "heldout_loss": heldout})
-    return BudgetedConvert(report, result, heldout)

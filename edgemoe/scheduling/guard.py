@@ -15,7 +15,7 @@ level:
 At a lower level it probes the level above for one window after `probe_every` windows, and stays
 there if that window is not worse; each failed probe doubles the wait (up to MAX_PROBE_GAP windows),
 so that a scheme that does not pay costs little more than LRU. Routing that changes its character (a new kind of prompt) is
-followed both ways. Both the runtime store (TieredStore) and the simulator (tools/simulate_cache.py)
+followed both ways. Both the runtime store (TieredStore) and the simulator (edgemoe/scheduling/simulate.py)
 use this class, fed the same way.
 """
 

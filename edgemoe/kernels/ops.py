@@ -3,8 +3,8 @@
 Shapes: T tokens, R rows, C columns, NG groups, G padded group size, Cp = NG * G, D hidden,
 I expert hidden. Activations are numpy float32 [T, C], C-contiguous; outputs are new arrays.
 
-Float path: qmatmul, swiglu_expert (kernels/cpu.py). Integer path: qmatmul_int, swiglu_expert_int
-(kernels/cpu_int.py), on one of int_paths(): "avx2" where numba compiles for an AVX2 CPU, "portable"
+Float path: qmatmul, swiglu_expert (edgemoe/kernels/cpu.py). Integer path: qmatmul_int, swiglu_expert_int
+(edgemoe/kernels/cpu_int.py), on one of int_paths(): "avx2" where numba compiles for an AVX2 CPU, "portable"
 everywhere. A call's path is its `path` argument, else $EDGEMOE_INT_PATH, else the fastest available.
 """
 

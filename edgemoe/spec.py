@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ..errors import CheckpointError
+from .errors import CheckpointError
 
 
 POSITIVE_INTEGERS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",

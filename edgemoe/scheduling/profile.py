@@ -24,22 +24,16 @@ reuse(l, e, used) gives P(e chosen at l by the next token | this token chose it 
 "stay" = both / before, "arrive" = (after - both) / (pairs - before), each from at least min_count
 pairs, else A * popularity[l][e] (also for a profile saved without these counts).
 
-profile.json (STORE/profile.json) sections written here: "routing" (to_json; its "temporal" part is
-optional, so profiles saved before it existed still load) and "popularity"
-({"<layer>": [fraction per expert]}, read by TieredStore for initial placement and the eviction prior).
-Other sections (e.g. "latency") are preserved.
+A store keeps its routing profile in profile.json (edgemoe.store.profile_file).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .format import PROFILE, StoreError
 
 Routing = dict[int, tuple[int, ...]]   # one token: MoE layer -> experts (router's top-k order)
 PROFILE_VERSION = 1
@@ -337,68 +331,9 @@ class RoutingProfile:
             self.pairs[l] = int(row["pairs"])
             self.before[l], self.after[l], self.both[l] = lists
 
-    def save(self, store_dir) -> Path:
-        """Write the "routing" and "popularity" sections of STORE/profile.json atomically, keeping the others."""
-        path = Path(store_dir) / PROFILE
-        data = read_profile_json(path)
-        data["routing"] = self.to_json()
-        data["popularity"] = {str(l): row for l, row in self.popularity.items()}
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".profile-", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(data, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
-        return path
-
-    @classmethod
-    def find(cls, store_dir) -> "RoutingProfile | None":
-        """The store's routing profile, or None if it has none (no profile.json, or no "routing" section)."""
-        path = Path(store_dir) / PROFILE
-        return cls.from_profile_json(path, read_profile_json(path))
-
-    @classmethod
-    def from_profile_json(cls, path: Path, data: dict) -> "RoutingProfile | None":
-        """The routing profile in `data` (profile.json at `path`, already read), or None without one."""
-        return cls._from_section(path, data["routing"]) if "routing" in data else None
-
-    @classmethod
-    def load(cls, store_dir) -> "RoutingProfile":
-        path = Path(store_dir) / PROFILE
-        if not path.exists():
-            raise StoreError(f"{path}: no profile (record a trace and save a RoutingProfile)")
-        data = read_profile_json(path)
-        if "routing" not in data:
-            raise StoreError(f"{path}: no 'routing' section")
-        return cls._from_section(path, data["routing"])
-
-    @classmethod
-    def _from_section(cls, path: Path, routing) -> "RoutingProfile":
-        try:
-            return cls.from_json(routing)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise StoreError(f"{path}: malformed 'routing' section ({exc})") from None
-
 
 def _table_from_json(rows: dict) -> dict[str, tuple[int, Counter]]:
     return {key: (int(v["seen"]), Counter({int(e): int(c) for e, c in v["counts"].items()})) for key, v in rows.items()}
-
-
-def read_profile_json(path: Path) -> dict:
-    """STORE/profile.json as a dict ({} when there is none); StoreError naming it if corrupt."""
-    if not path.exists():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise StoreError(f"{path}: corrupt profile ({exc})") from None
-    if not isinstance(data, dict):
-        raise StoreError(f"{path}: expected a JSON object")
-    return data
 
 
 def predictor_quality(profile: RoutingProfile, tokens, k: int) -> dict[str, float]:

@@ -8,7 +8,7 @@ Layouts: edgemoe.quant.formats. Kernels on the packed codes: edgemoe.kernels.
 """
 
 from .formats import FORMATS, QuantError, QuantFormat, get_format
-from .tensor import QuantizedTensor, dequantize_reference, group_layout, quantize
+from .tensor import ARRAY_DTYPES, QuantizedTensor, dequantize_arrays, dequantize_reference, group_layout, quantize
 
-__all__ = ["FORMATS", "QuantError", "QuantFormat", "QuantizedTensor", "dequantize_reference",
+__all__ = ["ARRAY_DTYPES", "FORMATS", "QuantError", "QuantFormat", "QuantizedTensor", "dequantize_arrays", "dequantize_reference",
            "get_format", "group_layout", "quantize"]

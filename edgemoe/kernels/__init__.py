@@ -7,7 +7,7 @@
     int_paths(), default_int_path()      # integer code paths this CPU runs ("avx2", "portable")
     set_threads(n)                       # numba and torch thread counts together
 
-Plain torch twins of each kernel: edgemoe.kernels.reference. Integer path: kernels/cpu_int.py. numba options: edgemoe.kernels._jit.
+Plain torch twins of each kernel: edgemoe.kernels.reference. Integer path: edgemoe/kernels/cpu_int.py. numba options: edgemoe.kernels._jit.
 """
 
 from ._jit import set_threads

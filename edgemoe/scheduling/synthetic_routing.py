@@ -1,4 +1,4 @@
-"""Routing traces for any depth and expert count with given statistics (store/routing_stats.py), for
+"""Routing traces for any depth and expert count with given statistics (edgemoe/scheduling/routing_stats.py), for
 benchmarks and tests of random-weight models that must route like a real one: nothing wraps a
 shallow trace over a deeper model, so no layer repeats another's choices.
 

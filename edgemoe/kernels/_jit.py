@@ -10,7 +10,7 @@ torch op.
 
 Determinism. Kernels are parallel over output rows only: every output element is computed by one
 thread in a fixed order, so results do not depend on the thread count (nor, for qmatmul, on the
-batch a token comes in: see kernels/cpu.py). Under CPU contention keep threads at 1: a parallel
+batch a token comes in: see edgemoe/kernels/cpu.py). Under CPU contention keep threads at 1: a parallel
 region waits for its slowest thread, and a descheduled one costs a scheduler time slice (measured
 ~12 ms per call on this machine while another process held a core).
 

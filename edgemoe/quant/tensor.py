@@ -163,8 +163,14 @@ def _hqq(wg: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, qmax: int):
 
 def dequantize_reference(qt: QuantizedTensor) -> torch.Tensor:
     """The reference dequantization in plain torch: float32 [R, C]."""
-    fmt = get_format(qt.bits)
-    codes = fmt.unpack(torch.tensor(qt.packed), qt.group)  # [R, NG, G]; torch.tensor copies
-    scale, zero = torch.tensor(qt.scale)[..., None], torch.tensor(qt.zero)[..., None]
-    w = (codes.to(torch.float32) - zero) * scale  # [R, NG, G]
-    return w.reshape(qt.shape[0], -1)[:, : qt.shape[1]]
+    arrays = {name: torch.tensor(getattr(qt, name)) for name in ARRAY_DTYPES}   # torch.tensor copies
+    return dequantize_arrays(arrays, qt.bits, qt.group, qt.shape)
+
+
+def dequantize_arrays(arrays: dict[str, torch.Tensor], bits: int, group: int, shape) -> torch.Tensor:
+    """Dequantize packed/scale/zero held as torch tensors, on whatever device they are: float32
+    [R, C] there. The one torch dequantization: the reference, the kernels' torch twins and the
+    device path all use it. group: the padded group size (group_layout)."""
+    codes = get_format(bits).unpack(arrays["packed"], group)   # [R, NG, G]
+    w = (codes.to(torch.float32) - arrays["zero"][..., None]) * arrays["scale"][..., None]
+    return w.reshape(shape[0], -1)[:, : shape[1]]

@@ -13,10 +13,10 @@ all-zero group gets xs = 0 and xq = 0), qs[t, g] = sum of xq over the group. A w
     isum    = sum over the group's columns k of code[r, k] * xq[t, k]     (exact integer)
 
 The float epilogue is compiled without fastmath (no reassociation, no FMA contraction), so
-kernels/reference.py repeats it operation for operation and the results are bit-identical.
+edgemoe/kernels/reference.py repeats it operation for operation and the results are bit-identical.
 
-Paths (chosen per call by kernels/ops.py): PORTABLE, plain numba integer loops that LLVM vectorizes
-for whatever CPU it compiles for; AVX2, kernels/simd.py's intrinsics over whole 32-byte blocks, the
+Paths (chosen per call by edgemoe/kernels/ops.py): PORTABLE, plain numba integer loops that LLVM vectorizes
+for whatever CPU it compiles for; AVX2, edgemoe/kernels/simd.py's intrinsics over whole 32-byte blocks, the
 portable loop for the bytes past the last block. Integer sums are exact, so both give the same bits.
 
 Reproducibility: parallel over blocks of output rows, each output computed by one thread in a fixed
@@ -43,7 +43,7 @@ def _portable_dot(bits, packed, b0, plane, nb, xq, x0):
     int16 operands and an int32 accumulator (the np.int32 casts): LLVM then vectorizes with 16-bit
     multiplies and 32-bit lanes (an isolated INT4 loop over 128k codes, 1 thread, contended: 10 us
     against 127 us with an int64 accumulator). Exact: no partial sum exceeds qmax * 127 * G, which
-    kernels/ops.py keeps below 2^31.
+    edgemoe/kernels/ops.py keeps below 2^31.
     """
     acc = np.int32(0)
     if bits == 8:
@@ -152,7 +152,7 @@ def qmatmul_int_kernel(path, bits, g, packed, scale, zero, xq, xs, qs, out, nblo
 
 @njit_exact
 def silu_mul(gv, uv):
-    """silu(gv) * uv in float32, exp taken in float64 and rounded (kernels/reference.py does the same)."""
+    """silu(gv) * uv in float32, exp taken in float64 and rounded (edgemoe/kernels/reference.py does the same)."""
     return gv / (np.float32(1) + np.float32(np.exp(-np.float64(gv)))) * uv
 
 

@@ -8,13 +8,16 @@
         store.prefetch([(1, 0), (1, 5)])               # background loader
         print(store.stats.to_dict())
 
-    from edgemoe.store import convert                  # checkpoint -> store
+Stores are written by edgemoe.convert.
 """
 
 from .format import ExpertEntry, Manifest, StoreError, read_manifest
 from .inspect import inspect_store
-from .tiers import ResidentExpert, StoreStats, TieredStore, check_device, open_store, parse_bytes
-from .writer import ConvertReport, convert, read_widths
+from edgemoe.options import check_device, parse_bytes
 
-__all__ = ["ConvertReport", "ExpertEntry", "Manifest", "ResidentExpert", "StoreError", "StoreStats", "TieredStore",
-           "check_device", "convert", "inspect_store", "open_store", "parse_bytes", "read_manifest", "read_widths"]
+from .profile_file import find_routing_profile, load_routing_profile, save_routing_profile
+from .tiers import ResidentExpert, StoreStats, TieredStore, open_store
+
+__all__ = ["ExpertEntry", "Manifest", "ResidentExpert", "StoreError", "StoreStats", "TieredStore",
+           "check_device", "find_routing_profile", "inspect_store", "load_routing_profile", "open_store",
+           "parse_bytes", "read_manifest", "save_routing_profile"]

@@ -1,0 +1,174 @@
+"""`edgemoe convert`: a Hugging Face checkpoint -> a store, as one pipeline.
+
+    1. check the destination and the inputs (before any work);
+    2. open the checkpoint once: its spec and weight plan from the headers;
+    3. with a quality budget: load the checkpoint's model, search per-expert widths on the
+       calibration text (edgemoe.convert.budget), keeping the packed experts the search made;
+    4. write the copied files, the dense tensors, and every expert (the search's packed experts, or
+       each quantized as it streams through a thread pool);
+    5. open the store being written (its manifest still in memory) to profile its routing on the
+       calibration text and, after a search, to confirm the loss on held-out text;
+    6. write the manifest once, with the search's record, and move the store into place.
+
+Errors (StoreError, CheckpointError, OptionError, naming the file or option) come before step 3
+where they can; whatever fails later leaves nothing at the destination (edgemoe.convert.writer).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from edgemoe.checkpoint import Checkpoint
+from edgemoe.evaluate import evaluate
+from edgemoe.loader import load_store, model_from_checkpoint, plan_checkpoint
+from edgemoe.options import OptionError, one_of
+from edgemoe.profiling import build_profile, trace_text
+from edgemoe.quant import quantize
+from edgemoe.store.profile_file import save_routing_profile
+from edgemoe.weights import read_expert
+
+from .budget import BudgetResult, BudgetSearch, Calibration, METRICS, metric_loss
+from .writer import Key, StoreWriter, check_destination, read_widths
+
+Progress = Callable[[str, int, int], None]    # (stage, done, total)
+
+
+@dataclass(frozen=True)
+class QualityBudget:
+    """--budget: the largest quality loss allowed, by `metric` (edgemoe.convert.budget), judged on
+    the calibration text's upper confidence bound and confirmed on `heldout_text` when given."""
+
+    limit: float
+    metric: str = "ppl"
+    confidence: float = 0.95
+    calib_tokens: int | None = None
+    heldout_text: str | None = None
+    context: int = 256
+
+    def __post_init__(self):
+        one_of(self.metric, "metric=", METRICS)
+        if not 0.5 <= self.confidence < 1:
+            raise OptionError("confidence=", self.confidence, "expected a number in [0.5, 1)")
+        if not self.limit >= 0:
+            raise OptionError("budget=", self.limit, "expected a loss >= 0")
+
+
+@dataclass
+class ConvertReport:
+    store: Path
+    experts: int
+    expert_bytes: int
+    dense_bytes: int
+    expert_params: int
+    seconds: float
+    peak_rss_bytes: int
+    widths: dict[int, int] = field(default_factory=dict)   # bits -> number of experts
+    search: BudgetResult | None = None
+    heldout_loss: float | None = None
+    profiled: bool = False
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Stored expert bits (codes, scales and zeros) per expert weight."""
+        return 8 * self.expert_bytes / self.expert_params
+
+
+def convert(model_dir, out, bits: int = 4, widths: dict[Key, int] | str | Path | None = None, group_size: int | None = None,
+            method: str = "rtn", compress: str | None = None, force: bool = False, workers: int | None = None,
+            budget: QualityBudget | None = None, calib_text: str | None = None, threads: int | None = None,
+            progress: Progress | None = None, inputs=()) -> ConvertReport:
+    """Convert the checkpoint at `model_dir` into a store at `out`. widths: per-expert bits overriding
+    `bits` ({(layer, expert): bits}, or a width file: read_widths); budget: search them instead (needs calib_text); calib_text: also profile the store's
+    routing on it. inputs: other files the command reads (never overwritten, see check_destination)."""
+    start = time.perf_counter()
+    one_of(bits, "bits=", (2, 4, 8))
+    one_of(compress, "compress=", (None, "zstd"))
+    if budget is not None and (widths is not None or calib_text is None):
+        raise OptionError("budget=", budget.limit, "needs calibration text (calib_text) and no fixed widths")
+    out = Path(out)
+    check_destination(out, force, [Path(model_dir), *map(Path, inputs)])
+    report = progress or (lambda stage, done, total: None)
+    ckpt = Checkpoint(model_dir)
+    try:
+        spec, plan = planned = plan_checkpoint(ckpt)
+        keys = sorted(plan.experts)
+        if isinstance(widths, (str, Path)):
+            widths = read_widths(widths, spec)
+        search = reference = None
+        packed: dict[Key, dict] = {}
+        if budget is not None:
+            reference = model_from_checkpoint(ckpt, planned, threads=threads)
+            search, packed = _search_widths(reference, budget, calib_text, group_size, method, report)
+            widths = search.widths
+        widths = {key: (widths or {}).get(key, bits) for key in keys}
+
+        def quantized(key: Key) -> dict:
+            if key in packed:
+                return packed.pop(key)
+            weights = read_expert(ckpt, plan.experts[key])
+            return {role: quantize(w, widths[key], group_size, method) for role, w in weights.items()}
+
+        with StoreWriter(out) as writer:
+            writer.copy_files(ckpt.path)
+            writer.write_dense(ckpt, plan.dense)
+            writer.write_experts(keys, quantized, compress, workers or os.cpu_count() or 1,
+                                 lambda done, total: report("writing experts", done, total))
+            extra = {"budget": search.to_json()} if search is not None else {}
+            manifest = writer.manifest(spec, ckpt.path, method, group_size, extra)
+            heldout = _check_store(writer.partial, manifest, calib_text, budget, reference, threads, report)
+            if heldout is not None:
+                manifest.data["budget"]["heldout_loss"] = heldout
+            writer.commit(manifest)
+    finally:
+        ckpt.close()
+    return _report(out, writer, widths, start, search, heldout, calib_text is not None)
+
+
+def _search_widths(reference, budget: QualityBudget, calib_text: str, group_size, method,
+                   report: Progress) -> tuple[BudgetResult, dict[Key, dict]]:
+    """The search's widths and, for each expert, the packed weights it made at that width."""
+    ids = torch.tensor(reference.tokenizer.encode(calib_text, add_special_tokens=False))
+    if budget.calib_tokens is not None:
+        ids = ids[:budget.calib_tokens]
+    context = min(budget.context, reference.context_length)
+    calibration = Calibration(reference, ids, context, budget.metric, budget.confidence)
+    search = BudgetSearch(reference, calibration, group_size, method, report)
+    result = search.run(budget.limit)
+    packed = {key: search.experts.packed[key, b] for key, b in result.widths.items()}
+    return result, packed
+
+
+def _check_store(path: Path, manifest, calib_text, budget, reference, threads, report: Progress) -> float | None:
+    """Open the store being written: profile its routing on calib_text (saved beside it) and, after
+    a search, measure the held-out loss against the reference model (returned)."""
+    if calib_text is None:
+        return None
+    with load_store(path, manifest=manifest, threads=threads, preload="none") as model:
+        records = trace_text(model, calib_text, on_progress=lambda d, t: report("profiling routing", d, t))
+        save_routing_profile(path, build_profile(model, records))
+        if budget is None or budget.heldout_text is None:
+            return None
+        ids = model.tokenizer.encode(budget.heldout_text, add_special_tokens=False)
+        context = min(budget.context, model.context_length)   # windows as the calibration's
+        result = evaluate(model, ids, context=context, stride=context, reference=reference,
+                          on_progress=lambda d, t: report("confirming on held-out text", d, t))
+        return metric_loss(result, budget.metric)
+
+
+def _report(out: Path, writer: StoreWriter, widths, start: float, search, heldout, profiled) -> ConvertReport:
+    counts: dict[int, int] = {}
+    for b in widths.values():
+        counts[b] = counts.get(b, 0) + 1
+    entries = writer.entries
+    params = sum(t["shape"][0] * t["shape"][1] for e in entries for t in e.tensors.values())
+    return ConvertReport(out, len(entries), sum(e.stored_length for e in entries),
+                         (out / "dense.safetensors").stat().st_size, params, time.perf_counter() - start,
+                         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, dict(sorted(counts.items())),
+                         search, heldout, profiled)

@@ -1,0 +1,169 @@
+"""Writing a store (docs/store-format.md) so that it never looks complete before it is.
+
+Everything goes into OUT.partial-<pid>: the copied config and tokenizer files, dense.safetensors
+(dense tensors streamed one at a time) and experts-00000.bin (expert blobs appended 4096-aligned,
+each with its CRC-32, in (layer, expert) order). The manifest is written once, last, then the
+directory is renamed into place; a failure or an interrupt removes the partial directory, and an
+existing store (--force) is replaced only once the new one is complete.
+
+Shapes: see edgemoe.quant for the packed arrays.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+import edgemoe
+from edgemoe.checkpoint import Checkpoint, write_safetensors
+from edgemoe.quant import QuantizedTensor
+from edgemoe.spec import ModelSpec
+from edgemoe.store.format import (ALIGNMENT, ARRAY_ALIGNMENT, COPIED_FILES, DENSE_FILE, FORMAT_NAME, FORMAT_VERSION,
+                                  MANIFEST, ExpertEntry, Manifest, StoreError, align, crc32, encode_blob,
+                                  parse_manifest, write_json_atomic)
+
+DATA_FILE = "experts-00000.bin"
+Key = tuple[int, int]
+Quantized = dict[str, QuantizedTensor]      # role -> packed weight
+
+
+def read_widths(path: str | os.PathLike, spec: ModelSpec) -> dict[Key, int]:
+    """A width file: {"widths": {"<layer>": [bits of expert 0, 1, ...]}} covering every MoE layer."""
+    try:
+        data = json.loads(Path(path).read_text())["widths"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise StoreError(f"{path}: not a width file ({e})") from None
+    widths = {}
+    for layer in spec.moe_layer_ids:
+        row = data.get(str(layer))
+        if not isinstance(row, list) or len(row) != spec.num_experts or any(b not in (2, 4, 8) for b in row):
+            raise StoreError(f"{path}: layer {layer} needs a list of {spec.num_experts} widths from 2, 4, 8, "
+                             f"got {row!r}")
+        widths.update({(layer, e): int(b) for e, b in enumerate(row)})
+    return widths
+
+
+def check_destination(out: Path, force: bool, inputs: list[Path]) -> None:
+    """Refuse, before any work, a destination whose replacement could lose data: `out` may exist only
+    with `force` and only as a store (a directory with a manifest); it may not be, hold or lie inside
+    an input of the command (the checkpoint, a calibration text...). Nothing is touched here."""
+    out = Path(out)
+    target = out.resolve()
+    for source in inputs:
+        src = Path(source).resolve()
+        if src == target or target in src.parents:
+            raise StoreError(f"{out}: is or contains the input {source}; choose another output directory")
+    if not out.exists() and not out.is_symlink():
+        return
+    if not force:
+        raise StoreError(f"{out}: already exists (use --force to replace a store)")
+    if out.is_symlink() or not out.is_dir() or not (out / MANIFEST).is_file():
+        raise StoreError(f"{out}: not an edgemoe store (no {MANIFEST}); --force replaces only a store, "
+                         f"so it was left untouched")
+
+
+class StoreWriter:
+    """A store being written at `out`; a context manager that removes the partial directory unless
+    commit() ran. `partial` is where the files are until then."""
+
+    def __init__(self, out: Path):
+        self.out = Path(out)
+        for stale in self.out.parent.glob(self.out.name + ".partial-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        self.partial = self.out.with_name(f"{self.out.name}.partial-{os.getpid()}")
+        self.partial.mkdir(parents=True)
+        self.entries: list[ExpertEntry] = []
+        self._dense: dict | None = None
+        self._committed = False
+
+    def __enter__(self) -> "StoreWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self._committed:
+            shutil.rmtree(self.partial, ignore_errors=True)
+
+    def copy_files(self, source: Path) -> None:
+        for name in COPIED_FILES:
+            if (source / name).exists():
+                shutil.copyfile(source / name, self.partial / name)
+
+    def write_dense(self, ckpt: Checkpoint, dense_names: dict[str, str]) -> None:
+        """Stream the dense tensors into dense.safetensors under their canonical names."""
+        items = [(role, ckpt.tensors[name].dtype, ckpt.tensors[name].shape, lambda name=name: ckpt.get(name))
+                 for role, name in sorted(dense_names.items())]
+        checksum = write_safetensors(self.partial / DENSE_FILE, items)
+        self._dense = {"file": DENSE_FILE, "size": (self.partial / DENSE_FILE).stat().st_size, "crc32": checksum}
+
+    def write_experts(self, keys: list[Key], quantized: Callable[[Key], Quantized], compress: str | None,
+                      workers: int, on_progress: Callable[[int, int], None] | None = None) -> None:
+        """Append every expert's blob in `keys` order; `quantized(key)` runs on `workers` threads with
+        at most workers + 1 experts in flight (bounded memory)."""
+        compressor = None
+        if compress == "zstd":
+            import zstandard
+            compressor = zstandard.ZstdCompressor(level=3)
+        path, offset = self.partial / DATA_FILE, 0
+        with open(path, "wb") as f, ThreadPoolExecutor(workers) as pool:
+            pending = []
+            for key in keys + [None] * (workers + 1):
+                if key is not None:
+                    pending.append((key, pool.submit(quantized, key)))
+                if len(pending) > workers or (key is None and pending):
+                    done_key, future = pending.pop(0)
+                    offset = self._append(f, offset, done_key, future.result(), compress, compressor)
+                    if on_progress:
+                        on_progress(len(self.entries), len(keys))
+            f.truncate(offset)  # pad the last blob to a page: aligned reads stay inside the file
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _append(self, f, offset: int, key: Key, quantized: Quantized, compress, compressor) -> int:
+        tensors, blob = encode_blob(quantized)
+        stored = compressor.compress(blob) if compressor else blob
+        f.seek(offset)
+        f.write(stored)
+        self.entries.append(ExpertEntry(key[0], key[1], quantized["gate"].bits, DATA_FILE, offset, len(blob),
+                                        len(stored), compress, crc32(stored), tensors))
+        return align(offset + len(stored), ALIGNMENT)
+
+    def manifest(self, spec: ModelSpec, source: Path, method: str, group_size: int | None,
+                 extra: dict | None = None) -> Manifest:
+        """The manifest of what was written, checked against the files (not yet on disk)."""
+        data = {
+            "format": FORMAT_NAME, "version": FORMAT_VERSION, "complete": True,
+            "created_by": f"edgemoe {edgemoe.__version__}",
+            "source": {"path": str(Path(source).resolve()), "model_type": spec.model_type},
+            "spec": spec.to_dict(), "alignment": ALIGNMENT, "checksum": "crc32", "dense": self._dense,
+            "quantization": {"method": method, "group_size": group_size, "array_alignment": ARRAY_ALIGNMENT},
+            "data_files": [{"name": DATA_FILE, "size": (self.partial / DATA_FILE).stat().st_size}],
+            "experts": [e.to_json() for e in self.entries],
+            **(extra or {}),
+        }
+        return parse_manifest(self.partial, data)
+
+    def commit(self, manifest: Manifest) -> None:
+        """Write the manifest, then move the store into place (replacing an old store only now)."""
+        write_json_atomic(self.partial / MANIFEST, manifest.data)
+        _fsync_path(self.partial)
+        if self.out.exists():
+            trash = self.out.with_name(f"{self.out.name}.old-{os.getpid()}")
+            os.replace(self.out, trash)
+            os.replace(self.partial, self.out)
+            shutil.rmtree(trash)
+        else:
+            os.replace(self.partial, self.out)
+        _fsync_path(self.out.parent)
+        self._committed = True
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

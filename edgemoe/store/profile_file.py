@@ -1,0 +1,93 @@
+"""STORE/profile.json: the store's routing profile (edgemoe.scheduling.profile.RoutingProfile).
+
+Sections: "routing" (RoutingProfile.to_json; its "temporal" part is optional, so profiles saved
+before it existed still load) and "popularity" ({"<layer>": [fraction per expert]}, read for the
+initial placement and the eviction prior). Other sections are preserved on save. Every write is
+atomic; a corrupt file is a StoreError naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from edgemoe.scheduling.profile import RoutingProfile
+
+from .format import PROFILE, StoreError
+
+Key = tuple[int, int]
+
+
+def read_profile_file(store_dir) -> dict:
+    """STORE/profile.json as a dict ({} when there is none)."""
+    path = Path(store_dir) / PROFILE
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise StoreError(f"{path}: corrupt profile ({exc})") from None
+    if not isinstance(data, dict):
+        raise StoreError(f"{path}: expected a JSON object")
+    return data
+
+
+def save_routing_profile(store_dir, profile: RoutingProfile) -> Path:
+    """Write the "routing" and "popularity" sections of STORE/profile.json, keeping the others."""
+    path = Path(store_dir) / PROFILE
+    data = read_profile_file(store_dir)
+    data["routing"] = profile.to_json()
+    data["popularity"] = {str(l): row for l, row in profile.popularity.items()}
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".profile-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return path
+
+
+def find_routing_profile(store_dir) -> RoutingProfile | None:
+    """The store's routing profile, or None without one (no profile.json, or no "routing" section)."""
+    data = read_profile_file(store_dir)
+    return _routing(Path(store_dir) / PROFILE, data["routing"]) if "routing" in data else None
+
+
+def load_routing_profile(store_dir) -> RoutingProfile:
+    """The store's routing profile; StoreError when it has none."""
+    path = Path(store_dir) / PROFILE
+    if not path.exists():
+        raise StoreError(f"{path}: no profile (record a trace and save a RoutingProfile)")
+    data = read_profile_file(store_dir)
+    if "routing" not in data:
+        raise StoreError(f"{path}: no 'routing' section")
+    return _routing(path, data["routing"])
+
+
+def read_popularity(store_dir) -> dict[Key, float]:
+    """profile.json's popularity by (layer, expert); {} without one."""
+    data = read_profile_file(store_dir)
+    if "popularity" not in data:
+        return {}
+    try:
+        return expert_popularity({int(l): row for l, row in data["popularity"].items()})
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise StoreError(f"{Path(store_dir) / PROFILE}: malformed profile ({exc})") from None
+
+
+def expert_popularity(popularity: dict[int, list[float]]) -> dict[Key, float]:
+    """{layer: [fraction per expert]} -> {(layer, expert): fraction}."""
+    return {(int(l), e): float(p) for l, row in popularity.items() for e, p in enumerate(row)}
+
+
+def _routing(path: Path, section) -> RoutingProfile:
+    try:
+        return RoutingProfile.from_json(section)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise StoreError(f"{path}: malformed 'routing' section ({exc})") from None

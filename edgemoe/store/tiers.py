@@ -1,0 +1,311 @@
+"""TieredStore: disk -> RAM -> VRAM, each tier with a byte budget, an eviction policy, a background
+loader for preloads, and counters.
+
+What is resident where, and what to evict, is decided by an ExpertCache (edgemoe.scheduling.cache,
+the same class the simulator replays traces through); this class does the I/O around it: reads from
+disk (DiskTier), moves to and from the device, and the loader thread. Tiers are exclusive: an expert
+is resident in at most one of VRAM and RAM, so on unified-memory devices (Jetson) nothing is counted
+twice. Any budget gives correct results: an expert larger than a whole tier is served without being
+cached, and a budget smaller than one layer's active experts just re-reads them. The budget bounds
+the cached bytes; an expert in use by the current step is also held by its caller until it is done.
+
+Thread safety: one lock guards the cache and counters; disk reads happen outside it, and a read in
+flight is shared by every thread that asks for the same expert.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from edgemoe.kernels.device import dequantize_on_device, to_device, to_host
+from edgemoe.options import check_device, parse_bytes
+from edgemoe.quant import QuantizedTensor, dequantize_reference
+from edgemoe.scheduling.cache import CacheStats, ExpertCache, TierStats
+from edgemoe.scheduling.guard import GUARD_WINDOW_TOKENS, SchemeGuard
+from edgemoe.scheduling.policies import make_policy
+from edgemoe.scheduling.profile import RoutingProfile
+
+from .disk import DiskTier
+from .format import ExpertEntry, Manifest, StoreError, decode_blob, read_manifest
+from .loads import LoadQueue
+from .profile_file import expert_popularity, find_routing_profile, read_popularity
+
+Key = tuple[int, int]
+PRELOAD_QUEUE = 64    # queued background reads at most: loading is best effort, never a backlog
+
+
+@dataclass
+class ResidentExpert:
+    """An expert's packed weights: in RAM (`tensors`, numpy, for the CPU kernels) or on a torch device
+    (`device_tensors`, role -> packed/scale/zero; then `tensors` is None: no second copy on the host)."""
+
+    entry: ExpertEntry
+    tensors: dict[str, QuantizedTensor] | None
+    nbytes: int
+    device_tensors: dict[str, dict[str, torch.Tensor]] | None = None
+    device: torch.device | None = None
+
+    @property
+    def key(self) -> Key:
+        return self.entry.key
+
+    @property
+    def bits(self) -> int:
+        return self.entry.bits
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """gate [I, D], up [I, D], down [D, I] as dense tensors (on the device when resident there)."""
+        if self.device_tensors is None:
+            return {role: dequantize_reference(qt).to(dtype) for role, qt in self.tensors.items()}
+        return {role: dequantize_on_device(self.entry.tensors[role], t, dtype)
+                for role, t in self.device_tensors.items()}
+
+
+class StoreStats(CacheStats):
+    """The cache's counters (hits per tier, misses, preloads used and wasted) and the store's I/O."""
+
+    def __init__(self):
+        super().__init__()
+        self.disk_bytes_read = 0
+        self.requested_bytes = 0      # bytes of the experts asked for (get), wherever they were served from
+        self.preloads_issued = 0
+        self.preloads_cancelled = 0   # still queued when the real routing was known
+        self.preloads_loaded = 0
+
+    @property
+    def ram(self) -> TierStats:
+        return self.tiers.get("ram", TierStats())
+
+    @property
+    def vram(self) -> TierStats:
+        return self.tiers.get("vram", TierStats())
+
+    def to_dict(self) -> dict:
+        return {"requests": self.requests, "hit_rate": self.hit_rate, "vram": self.vram.__dict__,
+                "ram": self.ram.__dict__, "misses": self.misses, "streamed": self.streamed,
+                "disk_bytes_read": self.disk_bytes_read, "requested_bytes": self.requested_bytes,
+                "preloads_issued": self.preloads_issued, "preloads_cancelled": self.preloads_cancelled,
+                "preloads_loaded": self.preloads_loaded, "preloads_used": self.preloads_used,
+                "preloads_wasted": self.preloads_wasted}
+
+
+class TieredStore:
+    """A store opened with budgets. Use as a context manager, or call close()."""
+
+    def __init__(self, path, ram: int | str | None = None, vram: int | str | None = 0,
+                 device: str | torch.device | None = None, policy: str = "lru", io: str = "buffered",
+                 place_popular: bool = True, profile: RoutingProfile | None = None, guard: bool = True,
+                 manifest: Manifest | None = None):
+        """ram, vram: bytes, sizes like "512MiB", or shares of the store's expert bytes like "25%"
+        (ram None: unlimited). profile: a routing profile to use instead of the store's profile.json
+        (a benchmark's, built from the routing it replays). guard: with a RAM budget (and no VRAM
+        tier), measure the scheme against a ghost on-demand LRU cache and fall back when it reads
+        more (edgemoe.scheduling.guard). manifest: the store's manifest, already parsed (the converter
+        opens the store it writes before its manifest is on disk)."""
+        self.manifest = manifest if manifest is not None else read_manifest(Path(path))
+        self.path = self.manifest.path
+        self.spec = self.manifest.spec
+        ram_budget = parse_bytes(ram, "ram=", share_of=self.manifest.expert_bytes)
+        vram_budget = parse_bytes(vram, "vram=", share_of=self.manifest.expert_bytes) or 0
+        self.ram_budget, self.vram_budget = ram_budget, vram_budget   # bytes (RAM: None, unlimited)
+        self.device = self._vram_device(vram, vram_budget, device)
+        self.routing_profile = profile if profile is not None else find_routing_profile(self.path)
+        self.popularity = (expert_popularity(profile.popularity) if profile is not None
+                           else read_popularity(self.path))
+        self.disk = DiskTier(self.manifest, io=io)
+        self.stats = StoreStats()
+        tiers = ([("vram", vram_budget)] if vram_budget else []) + [("ram", ram_budget if ram_budget is not None
+                                                                       else 1 << 62)]
+        guarded = guard and ram_budget is not None and not vram_budget
+        self.cache = ExpertCache(
+            tiers, lambda: make_policy(policy, self.spec.num_layers, self.popularity, self.routing_profile),
+            guard=SchemeGuard(ram_budget, GUARD_WINDOW_TOKENS * len(self.spec.moe_layer_ids)) if guarded else None,
+            enter=self._enter, stats=self.stats)
+        self._lock = threading.RLock()
+        self._in_flight: dict[Key, threading.Event] = {}
+        self._loads = LoadQueue(PRELOAD_QUEUE)
+        self._loader_error: BaseException | None = None
+        self._closed = False
+        self._loader = threading.Thread(target=self._load_loop, name="edgemoe-preload", daemon=True)
+        self._loader.start()
+        if place_popular and self.popularity:
+            self._place_popular()
+
+    # ---- public API -------------------------------------------------------------------------------
+    def __enter__(self) -> "TieredStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def guard(self) -> SchemeGuard | None:
+        return self.cache.guard
+
+    def experts(self) -> list[ExpertEntry]:
+        return [self.manifest.experts[k] for k in sorted(self.manifest.experts)]
+
+    def resident(self) -> dict[Key, str]:
+        """Which experts are resident now, and where ("vram" or "ram")."""
+        with self._lock:
+            return self.cache.resident()
+
+    def missing(self, keys) -> list[Key]:
+        """The keys neither resident in a tier nor being read, in the order given."""
+        with self._lock:
+            return [k for k in keys if not self._present(k)]
+
+    def get(self, layer: int, expert: int) -> ResidentExpert:
+        """The expert, from the fastest tier holding it, else loaded from disk (and cached if it fits)."""
+        self._raise_loader_error()
+        key = (layer, expert)
+        if key not in self.manifest.experts:
+            raise StoreError(f"{self.path}: no expert {expert} in layer {layer}")
+        with self._lock:
+            self.stats.requested_bytes += self.manifest.experts[key].length
+        while True:
+            with self._lock:
+                item = self.cache.request(key)
+                if item is not None:
+                    self._loads.arrived(key)
+                    return item
+                event = self._in_flight.get(key)
+                if event is None:
+                    event = self._in_flight[key] = threading.Event()
+                    break
+            event.wait()   # another thread (the preloader) is reading it
+            self._raise_loader_error()
+        try:
+            item = self._read(key)
+            with self._lock:
+                return self.cache.place(item, kind="demand")
+        finally:
+            with self._lock:
+                self._in_flight.pop(key).set()
+            self._loads.arrived(key)
+
+    def admit(self, predictions) -> list[Key]:
+        """Of `predictions` ((key, probability of use), most wanted first), those worth a preload:
+        neither resident nor being read, and admitted by the cache (ExpertCache.admit)."""
+        with self._lock:
+            return self.cache.admit((key, self.manifest.experts[key].length, p) for key, p in predictions
+                                    if key in self.manifest.experts and not self._present(key))
+
+    def prefetch(self, keys, urgent: bool = False) -> None:
+        """Ask the background loader for these experts, most wanted first; never blocks on I/O.
+        urgent: needed by the layer running now (served before predictions, which wait until the
+        running layer has every expert it began without: edgemoe/store/loads.py)."""
+        self._raise_loader_error()
+        for key in self.missing((int(l), int(e)) for l, e in keys):
+            if not self._loads.put(key, urgent):
+                return  # preloading is best effort: never stall the compute
+            with self._lock:
+                self.stats.preloads_issued += 1
+
+    def begin_layer(self, layer: int, needed=()) -> None:
+        """The model is about to run `layer`, which needs `needed` experts: eviction policies weigh
+        layer distance, and nothing placed until the next begin_layer evicts a needed expert."""
+        with self._lock:
+            keys = sorted({(int(l), int(e)) for l, e in needed})
+            self.cache.begin_layer(layer, {k: self.manifest.experts[k].length for k in keys},
+                                   self.stats.disk_bytes_read)
+            self._loads.await_layer(k for k in keys if self.cache.find(k) is None)
+
+    def cancel_preloads(self, layer: int) -> None:
+        """Drop the queued predictions for `layer` (not reads under way): its real routing is known now."""
+        dropped = self._loads.cancel(layer)
+        with self._lock:
+            self.stats.preloads_cancelled += dropped
+
+    def drain(self) -> None:
+        """Wait until every queued preload is loaded (or failed); its error, if any, is raised."""
+        self._loads.join()
+        self._raise_loader_error()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._loads.close()
+        self._loader.join(timeout=5)
+        self.disk.close()
+
+    # ---- internals --------------------------------------------------------------------------------
+    def _vram_device(self, vram, vram_budget: int, device) -> torch.device | None:
+        if vram_budget and device is None:
+            device = "cuda" if torch.cuda.is_available() else None
+            if device is None:
+                raise StoreError(f"vram={vram!r}: no GPU here; give a device explicitly (device='cpu' is a "
+                                 f"stand-in for tests)")
+        check_device(device, "device=")
+        return torch.device(device) if vram_budget else None
+
+    def _place_popular(self) -> None:
+        """Fiddler's initial placement: the most popular experts in the fastest tiers, while they fit."""
+        room = sum(tier.capacity for tier in self.cache.tiers)
+        for key in sorted(self.popularity, key=lambda k: -self.popularity[k]):
+            entry = self.manifest.experts.get(key)
+            if entry is None or entry.length > room:
+                continue
+            room -= entry.length
+            with self._lock:
+                self.cache.place(self._read(key), kind="placement")
+
+    def _present(self, key: Key) -> bool:
+        """Resident, or a read of it is under way (callers hold the lock)."""
+        return key in self._in_flight or self.cache.find(key) is not None
+
+    def _read(self, key: Key) -> ResidentExpert:
+        entry = self.manifest.experts[key]
+        blob = self.disk.read(entry)
+        with self._lock:
+            self.stats.disk_bytes_read += entry.stored_length
+        return ResidentExpert(entry, decode_blob(entry, blob), entry.length)
+
+    def _enter(self, item: ResidentExpert, tier: str) -> ResidentExpert:
+        """item as the tier holds it: on the device for "vram", in host memory for "ram"."""
+        if tier == "vram" and item.device is None:
+            return ResidentExpert(item.entry, None, item.nbytes, to_device(item.tensors, self.device), self.device)
+        if tier == "ram" and item.device is not None:
+            return ResidentExpert(item.entry, to_host(item.entry.tensors, item.device_tensors), item.nbytes)
+        return item
+
+    def _load_loop(self) -> None:
+        while (work := self._loads.get()) is not None:
+            try:
+                self._load_one(*work)
+            finally:
+                self._loads.task_done()
+
+    def _load_one(self, key: Key, urgent: bool) -> None:
+        with self._lock:
+            if self._present(key):
+                return
+            event = self._in_flight[key] = threading.Event()
+        try:
+            item = self._read(key)
+            with self._lock:
+                if not urgent:
+                    self.stats.preloads_loaded += 1
+                self.cache.place(item, kind="urgent" if urgent else "preload")
+        except BaseException as exc:  # surfaced in the caller's thread by the next get/prefetch
+            self._loader_error = exc
+        finally:
+            with self._lock:
+                self._in_flight.pop(key)
+            event.set()
+            self._loads.arrived(key)
+
+    def _raise_loader_error(self) -> None:
+        if self._loader_error is not None:
+            error, self._loader_error = self._loader_error, None
+            raise error
+
+
+def open_store(path, **options) -> TieredStore:
+    """Open a store with tier budgets: open_store(path, ram="512MiB", vram=0, policy="lru"|"lfu"|...)."""
+    return TieredStore(path, **options)
