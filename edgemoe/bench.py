@@ -6,7 +6,7 @@ Modes:
 - "all-in-ram": every expert read into RAM before timing; the no-I/O bound.
 - "on-demand-lru": the RAM budget, LRU eviction, no preload and no overlap of reads with compute
   (EdgeMoE's IO-EXP baseline, Mixtral-offloading's scheme).
-- "edgemoe": the RAM budget, expected-use eviction with its preload admission (edgemoe/scheduling/policies.py),
+- "predictive": the RAM budget, expected-use eviction with its preload admission (edgemoe/scheduling/policies.py),
   popularity placement at load, correlation preload from the store's routing profile, and reads
   overlapped with compute.
 
@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-MODES = ("all-in-ram", "on-demand-lru", "edgemoe")
+MODES = ("all-in-ram", "on-demand-lru", "predictive")
 RECORD_FIELDS = ("mode", "ram_bytes", "prefill_tokens", "ttft_s", "decode_tok_s", "hit_rate",
                  "disk_bytes_per_token", "limit_decode_tok_s")
 
@@ -57,7 +57,7 @@ class BenchConfig:
     dtype: object | None = None                # dense weight matrices (None: as the store keeps them)
     seed: int = 0
     threads: int | None = None                 # the kernels' threads (None: the cores left free)
-    profile: object | None = None              # a RoutingProfile for the edgemoe mode instead of the store's
+    routing_profile: object | None = None      # a RoutingProfile for the predictive mode instead of the store's
     compute: str = "auto"                      # the experts' compute path (edgemoe.quantized)
 
     def __post_init__(self):
@@ -214,19 +214,22 @@ def _move_charges(group: Path) -> None:
 
 # ---- one run ----------------------------------------------------------------------------------------
 
-def store_options(mode: str, ram: int, profile=None) -> dict:
+def store_options(mode: str, config: "BenchConfig"):
+    from .loader import StoreOptions
+
+    run = dict(io=config.io, compute=config.compute)
     if mode == "all-in-ram":
-        return dict(ram=None, policy="lru", preload="none", place_popular=False)
+        return StoreOptions(ram=None, policy="lru", preload="none", place_popular=False, **run)
     if mode == "on-demand-lru":
-        return dict(ram=ram, policy="lru", preload="none", place_popular=False)
-    return dict(ram=ram, policy="expected-use", preload="correlation", place_popular=True, profile=profile)
+        return StoreOptions(ram=config.ram, policy="lru", preload="none", place_popular=False, **run)
+    return StoreOptions(ram=config.ram, policy="expected-use", preload="correlation", place_popular=True,
+                        routing_profile=config.routing_profile, **run)
 
 
 def open_model(store_path: Path, mode: str, config: BenchConfig):
     import edgemoe
 
-    model = edgemoe.load(store_path, config.dtype, config.threads, io=config.io, compute=config.compute,
-                         **store_options(mode, config.ram, config.profile))
+    model = edgemoe.load(store_path, config.dtype, config.threads, store=store_options(mode, config))
     if config.replay is not None:
         config.replay.attach(model)
     if mode == "all-in-ram":
@@ -295,7 +298,7 @@ def run_once(store_path: Path, mode: str, prompt: list[int], config: BenchConfig
     disk_per_token = decode["disk_bytes"] / n
     memory_per_token = dense_bytes_per_token(model) + decode["requested_bytes"] / n
     return {
-        "mode": mode, "ram_bytes": store.ram_budget if mode != "all-in-ram" else store.manifest.expert_bytes,
+        "mode": mode, "ram_bytes": store.ram_capacity if mode != "all-in-ram" else store.manifest.expert_bytes,
         "prefill_tokens": len(prompt), "ttft_s": ttft, "decode_tok_s": n / seconds,
         "hit_rate": decode["hits"] / decode["requests"] if decode["requests"] else 1.0,
         "disk_bytes_per_token": disk_per_token, "limit_decode_tok_s": limit_tok_s(disk_per_token, memory_per_token, bw),
@@ -354,8 +357,8 @@ def check_store(store_path: Path, config: BenchConfig) -> None:
             raise ValueError(f"--prefill {length}: with {steps} decode steps (--warmup-tokens + --decode-tokens) "
                              f"it exceeds the model's context of {context} tokens")
 
-    if "edgemoe" in config.modes and config.profile is None and find_routing_profile(store_path) is None:
-        raise ValueError(f"{store_path}: mode 'edgemoe' preloads from the store's routing profile and this store "
+    if "predictive" in config.modes and config.routing_profile is None and find_routing_profile(store_path) is None:
+        raise ValueError(f"{store_path}: mode 'predictive' preloads from the store's routing profile and this store "
                          "has none: run `edgemoe profile STORE --text FILE` (or --trace TRACE) first")
 
 

@@ -38,15 +38,6 @@ def _checked(check, *args):
     return callback
 
 
-def _size_or_share(value, flag):
-    from edgemoe.store import parse_bytes
-    parse_bytes(value, flag, allow_share=True)
-    return value
-
-
-def _device(value, flag):
-    from edgemoe.store import check_device
-    return check_device(value, flag)
 
 
 def _policy(value, flag):
@@ -54,9 +45,6 @@ def _policy(value, flag):
     return options.one_of(value, flag, sorted(POLICIES))
 
 
-def _preload(value, flag):
-    from .scheduling.preload import PREDICTORS
-    return options.one_of(value, flag, PREDICTORS)
 
 
 METRICS = ("ppl", "top1", "kl")
@@ -123,49 +111,42 @@ def _model_path(model: Optional[Path]) -> Path:
 
 def _ram_option(default=None, help_text="Store only: RAM budget for experts, bytes (512MiB) or a share of "
                "the store's expert bytes (25%) (default: unlimited)."):
-    return typer.Option(default, "--ram", callback=_checked(_size_or_share), help=help_text)
+    return typer.Option(default, "--ram", help=help_text)
 
 
 def _vram_option():
-    return typer.Option(None, "--vram", callback=_checked(_size_or_share), help="Store only: VRAM budget for experts.")
+    return typer.Option(None, "--vram", help="Store only: VRAM for experts, bytes or a share of the store's "
+                        "expert bytes (default: none).")
 
 
 def _device_option():
-    return typer.Option(None, "--device", callback=_checked(_device),
+    return typer.Option(None, "--device",
                         help="Store only: torch device of the VRAM tier (default: cuda when present).")
 
 
 def _policy_option():
-    return typer.Option("lru", "--policy", callback=_checked(_policy),
-                        help="Store only: eviction policy, lru, lfu, edgemoe or expected-use.")
+    return typer.Option("lru", "--policy", help="Store only: eviction policy, lru, lfu, frequency-distance or expected-use.")
 
 
 def _skip_option():
-    return typer.Option(0.0, "--skip-below", callback=_checked(_skip_weight),
+    return typer.Option(0.0, "--skip-below",
                         help="Store only, trades quality for reads: an expert not in RAM that every token chose "
                         "with a routing weight below this (never as its strongest) is skipped and the other "
                         "weights rescaled (adaptive top-k; default 0: off).")
 
 
-def _skip_weight(value: float, flag: str) -> float:
-    if not 0 <= value < 1:
-        raise options.OptionError(flag, value, "expected a routing weight in [0, 1)")
-    return value
 
 
 def _compute_option():
-    return typer.Option(None, "--compute", callback=_checked(_compute_path),
+    return typer.Option("auto", "--compute",
                         help="Store only: the experts' compute path, auto (default: the fastest measured), "
                         "fused-int, fused-float, dequant or device.")
 
 
-def _compute_path(value, flag):
-    from .quantized import COMPUTE_CHOICES
-    return options.one_of(value, flag, COMPUTE_CHOICES)
 
 
 def _preload_option():
-    return typer.Option("auto", "--preload", callback=_checked(_preload),
+    return typer.Option("auto", "--preload",
                         help="Store only: auto (correlation if the store has a profile, else lookahead), "
                         "correlation, lookahead or none.")
 
@@ -202,7 +183,7 @@ def run(
     import edgemoe
 
     path = _model_path(model)
-    m = edgemoe.load(path, _dtype(dtype), threads, **_store_options(path, ram, vram, device, policy, preload,
+    m = edgemoe.load(path, _dtype(dtype), threads, store=_store_options(ram, vram, device, policy, preload,
                                                                     skip_below))
     if replay is not None:
         _replay_for(m.spec, replay).attach(m)
@@ -221,21 +202,12 @@ def run(
         _print_run_stats(m)
 
 
-def _store_options(path: Path, ram, vram, device, policy, preload, skip_below=0.0, compute=None) -> dict:
-    """The store options for `path`; refused, naming the flags, when it is a checkpoint directory."""
-    from .loader import is_store
+def _store_options(ram, vram, device, policy, preload, skip_below=0.0, compute="auto"):
+    """The store options as given on the command line, checked here once (errors name the flags)."""
+    from .loader import StoreOptions, cli_flag
 
-    if is_store(path):
-        return dict(ram=ram, vram=vram, device=device, policy=policy, preload=preload, skip_below=skip_below,
-                    **({"compute": compute} if compute is not None else {}))
-    given = [flag for flag, value in (("--ram", ram), ("--vram", vram), ("--device", device),
-                                      ("--skip-below", skip_below or None), ("--compute", compute))
-             if value is not None]
-    if given:
-        verb = "applies" if len(given) == 1 else "apply"
-        raise EdgeMoEError(f"{path}: {', '.join(given)} {verb} to stores, and this is a checkpoint directory "
-                           f"(make a store with edgemoe convert)")
-    return {}
+    return StoreOptions(ram=ram, vram=vram, device=device, policy=policy, preload=preload, skip_below=skip_below,
+                        compute=compute, name=cli_flag)
 
 
 def _warn(message: str) -> None:
@@ -352,8 +324,9 @@ def inspect(
     """Summarise a store: model, sizes per layer and width, bits per weight, the width map, placement."""
     import json
 
-    from edgemoe.store import inspect_store
+    from edgemoe.store import inspect_store, parse_bytes
 
+    parse_bytes(ram, "--ram", allow_share=True)
     summary = inspect_store(store, ram=ram)
     if plot is not None:
         from .plots import plot_width_map
@@ -418,7 +391,7 @@ def trace(
     import edgemoe
     from edgemoe.scheduling.profile import write_trace
     from .loader import is_store
-    from .profiling import trace_text
+    from .tracing import trace_text
     from .progress import progress_bar
 
     content = _read_text(text)
@@ -445,7 +418,7 @@ def profile(
     """Store the routing profile (popularity, correlation table) used for placement and preload."""
     from edgemoe.store import read_manifest
     from .loader import is_store
-    from .profiling import profile_store
+    from .tracing import profile_store
     from .progress import progress_bar
 
     if (text is None) == (trace_file is None):
@@ -467,7 +440,7 @@ def bench(
     ram: str = _ram_option("25%", "RAM budget for experts: bytes (e.g. 1GiB) or a share of the store's expert "
                            "bytes (e.g. 25%)."),
     mode: List[str] = typer.Option([], "--mode", callback=_checked(_bench_mode),
-                                   help="all-in-ram, on-demand-lru or edgemoe (repeatable; default: all three)."),
+                                   help="all-in-ram, on-demand-lru or predictive (repeatable; default: all three)."),
     prefill: List[int] = typer.Option([], "--prefill", callback=_checked(options.integer_at_least, 1),
                                       help="Prompt length in tokens (repeatable; default 512 and 2048, those that "
                                       "fit the model's context)."),
@@ -479,7 +452,7 @@ def bench(
                                 help="Runs per mode and prompt length (medians reported)."),
     cold: bool = typer.Option(False, "--cold", help="Drop the store's files from the page cache before each run."),
     replay: Optional[Path] = typer.Option(None, "--replay", help="Route by this trace (a random-weight model "
-                                          "routed as a real one was); the edgemoe mode uses the store's profile."),
+                                          "routed as a real one was); the predictive mode uses the store's profile."),
     routing: str = typer.Option("generated", "--routing", callback=_checked(options.one_of, ("generated", "model")),
                                 help="Without --replay: generated (Mixtral-like routing for the model's shape, "
                                 "and the profile of another generated text) or model (its own routers)."),
@@ -496,6 +469,7 @@ def bench(
     import json
 
     from edgemoe.store import read_manifest
+    from .quantized import COMPUTE_CHOICES
     from .bench import (MODES, BenchConfig, bench as run_bench, confine_memory, default_prefill, generated_routing,
                         leave_memory_group, machine_summary, measure_bandwidths, parse_ram)
     from .progress import progress_bar
@@ -513,8 +487,8 @@ def bench(
         routed_by, replayer = "the model's own routers", None
     config = BenchConfig(ram=parse_ram(ram, store), modes=tuple(mode) or MODES, prefill_tokens=lengths,
                          decode_tokens=decode_tokens, warmup_tokens=warmup_tokens, repeats=repeats, cold=cold,
-                         replay=replayer, dtype=_dtype(dtype), threads=threads, profile=profile,
-                         compute=compute or "auto")
+                         replay=replayer, dtype=_dtype(dtype), threads=threads, routing_profile=profile,
+                         compute=options.one_of(compute, "--compute", COMPUTE_CHOICES))
     # The bandwidths are measured first, outside the memory limit: their 1 GiB buffer is not the run's.
     bandwidths = measure_bandwidths(store)
     group = confine_memory(memory_limit) if memory_limit is not None else None
@@ -642,7 +616,7 @@ def eval_(
         text = bundled_text("eval.txt")
     content = _read_text(text)
     path = _model_path(model)
-    m = edgemoe.load(path, _dtype(dtype), threads, **_store_options(path, ram, vram, device, policy, preload,
+    m = edgemoe.load(path, _dtype(dtype), threads, store=_store_options(ram, vram, device, policy, preload,
                                                                     skip_below, compute))
     options.window_length(context, "--context", m.context_length)
     if stride is not None and stride > (context or m.context_length):
@@ -682,7 +656,7 @@ def _load_served(model: Optional[Path], dtype: str, threads, ram, vram, device, 
     import edgemoe
 
     path = _model_path(model)
-    m = edgemoe.load(path, _dtype(dtype), threads, **_store_options(path, ram, vram, device, policy, preload))
+    m = edgemoe.load(path, _dtype(dtype), threads, store=_store_options(ram, vram, device, policy, preload))
     if m.tokenizer is None:
         raise EdgeMoEError(f"{path}: no tokenizer.json, cannot generate text")
     return m

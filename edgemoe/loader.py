@@ -8,8 +8,16 @@ from pathlib import Path
 
 import torch
 
+from dataclasses import dataclass, field, fields
+from typing import Callable
+
+from edgemoe.options import OptionError, check_device, one_of, parse_bytes
+from edgemoe.scheduling.policies import POLICIES
+from edgemoe.scheduling.preload import PREDICTORS
+from edgemoe.store.disk import IO_MODES
+
 from .checkpoint import Checkpoint, read_json
-from .errors import CheckpointError
+from .errors import CheckpointError, EdgeMoEError
 from .experts import DenseExpert, InMemoryExperts
 from .model import MoEModel
 from .models import architecture
@@ -17,6 +25,59 @@ from .spec import ModelSpec
 from .precision import compute_dtype
 from .tokenizer import Tokenizer
 from .weights import iter_experts, plan_weights, read_dense
+
+
+def python_name(option: str) -> str:
+    return f"{option}="
+
+
+def cli_flag(option: str) -> str:
+    return "--" + option.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """How a store's experts are held and run, checked once, when made; errors name each option as
+    `name` spells it (python_name: "ram=", cli_flag: "--ram").
+
+    ram, vram: bytes, sizes like "512MiB", or shares of the store's expert bytes like "25%" (resolved
+    when the store opens; ram None: unlimited, vram None or 0: no VRAM tier). device: the VRAM tier's torch
+    device. policy: eviction (edgemoe.scheduling.policies). preload: predictor
+    (edgemoe.scheduling.preload). compute: the experts' path (edgemoe.quantized). skip_below:
+    adaptive top-k, a non-resident expert chosen only below this weight is not read. io: buffered
+    or direct reads. place_popular: start with the most popular experts resident. routing_profile:
+    a RoutingProfile to use instead of the store's profile.json."""
+
+    ram: int | str | None = None
+    vram: int | str | None = None
+    device: str | None = None
+    policy: str = "lru"
+    preload: str = "auto"
+    compute: str = "auto"
+    skip_below: float = 0.0
+    io: str = "buffered"
+    place_popular: bool = True
+    routing_profile: object = None
+    name: Callable[[str], str] = field(default=python_name, repr=False, compare=False)
+
+    def __post_init__(self):
+        from .quantized import COMPUTE_CHOICES
+
+        n = self.name
+        parse_bytes(self.ram, n("ram"), allow_share=True)
+        parse_bytes(self.vram, n("vram"), allow_share=True)
+        check_device(self.device, n("device"))
+        one_of(self.policy, n("policy"), sorted(POLICIES))
+        one_of(self.preload, n("preload"), PREDICTORS)
+        one_of(self.compute, n("compute"), COMPUTE_CHOICES)
+        one_of(self.io, n("io"), IO_MODES)
+        if not 0 <= self.skip_below < 1:
+            raise OptionError(n("skip_below"), self.skip_below, "expected a routing weight in [0, 1)")
+
+    def given(self) -> list[str]:
+        """The options set to something other than their defaults, as `name` spells them."""
+        return [self.name(f.name) for f in fields(self)
+                if f.name != "name" and getattr(self, f.name) != f.default]
 
 
 def read_spec(ckpt: Checkpoint) -> ModelSpec:
@@ -77,12 +138,11 @@ def is_store(path: str | os.PathLike) -> bool:
     return (path / MANIFEST).exists() or (path / DENSE_FILE).exists()
 
 
-def load_store(path: str | os.PathLike, ram=None, vram=0, device=None, policy: str = "lru", io: str = "buffered",
-               dtype: torch.dtype | None = None, compute: str = "auto", preload: str = "auto",
-               place_popular: bool = True, threads: int | None = None, profile=None,
-               skip_below: float = 0.0, manifest=None) -> MoEModel:
-    """A model whose experts stay in a tiered store (budgets: bytes or strings like "512MiB"); the
-    model owns the store: close it with model.close() or use the model as a context manager."""
+def load_store(path: str | os.PathLike, options: StoreOptions | None = None, dtype: torch.dtype | None = None,
+               threads: int | None = None, manifest=None) -> MoEModel:
+    """A model whose experts stay in a tiered store, held and run as `options` say (default
+    StoreOptions()); the model owns the store: close it with model.close() or use the model as a
+    context manager. manifest: the store's, already parsed (the converter's store before commit)."""
     from safetensors import safe_open
 
     from edgemoe.store import TieredStore
@@ -90,8 +150,9 @@ def load_store(path: str | os.PathLike, ram=None, vram=0, device=None, policy: s
     from edgemoe.store.format import StoreError, crc32
     from .quantized import StoreExperts
 
-    store = TieredStore(path, ram=ram, vram=vram, device=device, policy=policy, io=io, place_popular=place_popular,
-                        profile=profile, manifest=manifest)
+    o = options or StoreOptions()
+    store = TieredStore(path, ram=o.ram, vram=o.vram, device=o.device, policy=o.policy, io=o.io,
+                        place_popular=o.place_popular, routing_profile=o.routing_profile, manifest=manifest)
     dense_info = store.manifest.data["dense"]
     dense_path = store.path / dense_info["file"]
     if crc32(dense_path.read_bytes()) != dense_info["crc32"]:
@@ -107,24 +168,26 @@ def load_store(path: str | os.PathLike, ram=None, vram=0, device=None, policy: s
     directory = Path(path)
     tokenizer, generation_config = read_text_config(directory)
     # preload="none" is pure on-demand loading (the baseline): no background reads of any kind.
-    experts = StoreExperts(store, compute, overlap=preload != "none", skip_below=skip_below)
+    experts = StoreExperts(store, o.compute, overlap=o.preload != "none", skip_below=o.skip_below)
     return MoEModel(store.spec, dense, experts, tokenizer, generation_config, name=directory.name, threads=threads,
-                    store=store, preload=preload)
+                    store=store, preload=o.preload)
 
 
 def load(path: str | os.PathLike, dtype: torch.dtype | None = None, threads: int | None = None,
-         **store_options) -> MoEModel:
-    """A model from a Hugging Face checkpoint directory (all in RAM) or from a store (experts tiered;
-    options ram= (bytes, "512MiB" or a share of the expert bytes like "25%"), vram=, device=, policy=,
-    io=, compute=, preload=, place_popular=, profile= (a RoutingProfile instead of the store's),
-    skip_below= (adaptive top-k: a non-resident expert chosen only below this weight is not read)).
-    Dense weight matrices in `dtype`, by default as the checkpoint stores them where the CPU computes that type natively, else float32; activations
-    float32. threads: the kernels' thread count (None: the
-    cores other processes leave free, followed as the machine's load changes)."""
+         store: StoreOptions | None = None, **options) -> MoEModel:
+    """A model from a Hugging Face checkpoint directory (all in RAM) or from a store (experts tiered,
+    held and run as `store` says, or StoreOptions(**options): load(path, ram="25%", policy="lfu")).
+    Dense weight matrices in `dtype`, by default as the checkpoint stores them where the CPU
+    computes that type natively, else float32; activations float32. threads: the kernels' thread
+    count (None: the cores other processes leave free, followed as the machine's load changes)."""
+    if store is not None and options:
+        raise TypeError("load: give store=StoreOptions(...) or option keywords, not both")
+    store = store if store is not None else StoreOptions(**options)
     if is_store(path):
-        return load_store(path, dtype=dtype, threads=threads, **store_options)
-    if store_options:
-        options = ", ".join(f"{k}=" for k in sorted(store_options))
-        raise ValueError(f"{path}: {options} apply to stores only, and this is a checkpoint directory "
-                         f"(make a store with edgemoe convert)")
+        return load_store(path, store, dtype, threads)
+    given = store.given()
+    if given:
+        verb = "applies" if len(given) == 1 else "apply"
+        raise EdgeMoEError(f"{path}: {', '.join(given)} {verb} to stores, and this is a checkpoint directory "
+                           f"(make a store with edgemoe convert)")
     return load_checkpoint(path, dtype, threads)

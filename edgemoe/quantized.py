@@ -56,10 +56,6 @@ class StoreExperts(ExpertProvider):
     """The ExpertProvider of a model loaded from a store."""
 
     def __init__(self, store: TieredStore, compute: str = "auto", overlap: bool = True, skip_below: float = 0.0):
-        if not 0.0 <= skip_below < 1.0:
-            raise ValueError(f"skip_below={skip_below!r}: expected a routing weight in [0, 1)")
-        if compute not in COMPUTE_CHOICES:
-            raise ValueError(f"compute={compute!r}: expected one of {COMPUTE_CHOICES}")
         if compute == "device" and store.device is None:
             raise ValueError("compute='device' needs a VRAM tier: give vram= and device=")
         self.store = store

@@ -11,7 +11,7 @@ import edgemoe
 from edgemoe.bench import (RECORD_FIELDS, BenchConfig, Bandwidths, bench, confine_memory, dense_bytes_per_token,
                            disk_bandwidth, leave_memory_group, memory_bandwidth, parse_ram)
 from edgemoe.cli import main
-from edgemoe.profiling import profile_store, trace_text
+from edgemoe.tracing import profile_store, trace_text
 from edgemoe.replay import RoutingReplay
 from edgemoe.store import read_manifest
 from edgemoe.convert import convert
@@ -48,7 +48,7 @@ def test_every_mode_gives_a_record_with_its_limit(store):
                          repeats=2, cold=True)
     records, bandwidths = bench(store, config, bandwidths=FIXED)
     assert bandwidths is FIXED
-    assert [r["mode"] for r in records] == ["all-in-ram", "on-demand-lru", "edgemoe"]
+    assert [r["mode"] for r in records] == ["all-in-ram", "on-demand-lru", "predictive"]
     dense = dense_bytes_per_token(edgemoe.load(store, preload="none"))
     for r in records:
         assert set(RECORD_FIELDS) <= set(r) and r["repeats"] == 2 and r["prefill_tokens"] == 20
@@ -94,7 +94,7 @@ def test_replay_drives_the_routing(store, tiny_model):
     assert record["disk_bytes_per_token"] * 6 == sum(lengths[k].length for k in first_read_in_decode)
 
 
-def test_edgemoe_mode_needs_a_routing_profile(tiny_model, tmp_path):
+def test_predictive_mode_needs_a_routing_profile(tiny_model, tmp_path):
     out = tmp_path / "store"
     convert(tiny_model("mixtral"), out, bits=4)
     with pytest.raises(ValueError, match="has none: run `edgemoe profile"):
@@ -186,7 +186,7 @@ def test_generated_routing_fits_the_model_and_profiles_another_text(store):
     replay, profile = generated_routing(spec, tokens=40)
     assert len(replay.stream) == 40 and set(replay.layer_of) == set(spec.moe_layer_ids)
     assert profile.moe_layers == list(spec.moe_layer_ids) and profile.num_experts == spec.num_experts
-    config = BenchConfig(ram=expert_bytes(store) // 4, modes=("edgemoe",), prefill_tokens=(20,), decode_tokens=4,
-                         warmup_tokens=1, repeats=1, replay=replay, profile=profile)
+    config = BenchConfig(ram=expert_bytes(store) // 4, modes=("predictive",), prefill_tokens=(20,), decode_tokens=4,
+                         warmup_tokens=1, repeats=1, replay=replay, routing_profile=profile)
     (record,), _ = bench(store, config, bandwidths=FIXED)
-    assert record["mode"] == "edgemoe" and record["decode_tok_s"] > 0
+    assert record["mode"] == "predictive" and record["decode_tok_s"] > 0

@@ -13,7 +13,7 @@ from edgemoe.store.profile_file import load_routing_profile
 from edgemoe.cli import main
 from edgemoe.generate import GenerationOptions, generate_batch
 from edgemoe.scheduling.preload import Preloader
-from edgemoe.profiling import profile_store, trace_text
+from edgemoe.tracing import profile_store, trace_text
 from edgemoe.store import open_store, read_manifest
 from edgemoe.convert import convert
 from edgemoe.scheduling import simulate as sim
@@ -67,12 +67,12 @@ def test_greedy_output_is_unchanged_by_preload_and_policy(store):
     size = expert_size(store)
     expected = greedy(edgemoe.load(store, preload="none"))
     for preload in ("none", "lookahead", "correlation"):
-        for policy in ("lru", "lfu", "edgemoe"):
+        for policy in ("lru", "lfu", "frequency-distance"):
             model = edgemoe.load(store, ram=4 * size, policy=policy, preload=preload)
             assert greedy(model) == expected, (preload, policy)
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "edgemoe"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "frequency-distance"])
 def test_runtime_hit_rate_equals_the_simulators_on_the_same_trace(store, policy):
     n = 5
     model = edgemoe.load(store, ram=n * expert_size(store), policy=policy, preload="none", place_popular=False)
@@ -112,13 +112,13 @@ def test_queued_predictions_for_a_layer_are_cancelled_when_it_routes(store):
 def test_preload_budget_is_paid_by_the_disks_idle_time(store):
     model = edgemoe.load(store, preload="correlation", place_popular=False)
     preloader, disk = model.preloader, model.store.disk
-    assert preloader.budget(tokens=1) == model.spec.top_k          # nothing measured yet
+    assert preloader.affordable_reads(tokens=1) == model.spec.top_k          # nothing measured yet
     disk.reads, disk.read_seconds = 10, 10 * 0.004                 # 4 ms per expert read
     preloader.idle_seconds = 0.0                                   # disk-bound: never idle, no preload
-    assert [preloader.budget(tokens=3) for _ in range(3)] == [0, 0, 0]
+    assert [preloader.affordable_reads(tokens=3) for _ in range(3)] == [0, 0, 0]
     preloader.idle_seconds = 0.003                                 # a read's worth every 4/3 layers
-    assert [preloader.budget(tokens=3) for _ in range(4)] == [0, 1, 2, 3]
-    assert [preloader.budget(tokens=1) for _ in range(2)] == [2, 2]  # the credit is capped at top-k
+    assert [preloader.affordable_reads(tokens=3) for _ in range(4)] == [0, 1, 2, 3]
+    assert [preloader.affordable_reads(tokens=1) for _ in range(2)] == [2, 2]  # the credit is capped at top-k
     sure = torch.tensor([0.9, 0.8, 0.7, 0.4, 0.0, 0.0])
     preloader._issue(1, sure, tokens=1, least=0.5)                 # spends the 2 it has: two reads
     assert preloader._predicted[1] == {0, 1} and preloader.credit == pytest.approx(0.0)
@@ -128,7 +128,7 @@ def test_preload_budget_is_paid_by_the_disks_idle_time(store):
     preloader._issue(1, sure, tokens=3, least=0.5)                 # resident ones and p < 0.5 skipped
     assert preloader._predicted[1] == {2} and preloader.credit == pytest.approx(2.0 + 0.75)
     with pytest.raises(ValueError, match="preload='nope'"):
-        Preloader(model, model.store, "nope")
+        edgemoe.load(store, preload="nope")
 
 
 def test_trace_and_profile_commands(store, tmp_path, monkeypatch, capsys):

@@ -282,7 +282,7 @@ def test_cli_json_and_table(tmp_path, monkeypatch, capsys):
     records = json.loads(simulate_cli(monkeypatch, capsys, str(trace), "--cache-experts", "4",
                                       "--cache-experts", "6", "--json"))
     assert len(records) == 2 * (2 * len(sim.POLICY_NAMES) + 1)
-    assert {(r["policy"], r["preload"]) for r in records} >= {("belady", "none"), ("edgemoe", "correlation")}
+    assert {(r["policy"], r["preload"]) for r in records} >= {("belady", "none"), ("frequency-distance", "correlation")}
     for r in records:
         assert set(r) >= {"policy", "preload", "cache_experts", "hit_rate", "preload_precision"}
         assert r["requests"] == 20 * 4 * 2                               # scored on the second half

@@ -88,9 +88,9 @@ def greedy(model, n=12):
 def test_greedy_output_is_the_same_whatever_the_budgets_and_policies(store):
     entry_bytes = max(e.length for e in read_manifest(store).experts.values())
     expected = greedy(edgemoe.load(store))
-    settings = [dict(ram=0), dict(ram=entry_bytes), dict(ram=3 * entry_bytes, policy="edgemoe"),
+    settings = [dict(ram=0), dict(ram=entry_bytes), dict(ram=3 * entry_bytes, policy="frequency-distance"),
                 dict(ram=5 * entry_bytes, policy="lru"), dict(ram=2 * entry_bytes, vram=2 * entry_bytes, device="cpu"),
-                dict(ram=0, vram=4 * entry_bytes, device="cpu", policy="edgemoe")]
+                dict(ram=0, vram=4 * entry_bytes, device="cpu", policy="frequency-distance")]
     for options in settings:
         model = edgemoe.load(store, **options)
         assert greedy(model) == expected, options
@@ -142,10 +142,10 @@ def test_tiers_are_exclusive_and_demote_from_vram_to_ram(store):
         assert s.stats.misses == 4 and s.stats.ram.hits == 1
 
 
-def test_lru_and_edgemoe_policies_choose_different_victims(store):
+def test_lru_and_frequency_distance_policies_choose_different_victims(store):
     size = max(e.length for e in read_manifest(store).experts.values())
     choices = {}
-    for policy in ("lru", "edgemoe"):
+    for policy in ("lru", "frequency-distance"):
         with open_store(store, ram=3 * size, policy=policy) as s:
             s.begin_layer(0)
             for _ in range(3):
@@ -157,7 +157,7 @@ def test_lru_and_edgemoe_policies_choose_different_victims(store):
             s.get(2, 3)                                # needs room: evict one of (0,0), (2,1), (2,2)
             choices[policy] = sorted(s.resident())
     assert choices["lru"] == [(2, 1), (2, 2), (2, 3)]          # the least recently used went
-    assert choices["edgemoe"] == [(0, 0), (2, 2), (2, 3)]      # frequent and soon-needed (0,0) stays
+    assert choices["frequency-distance"] == [(0, 0), (2, 2), (2, 3)]      # frequent and soon-needed (0,0) stays
 
 
 def test_budget_smaller_than_one_expert_streams_without_caching(store):
@@ -208,7 +208,7 @@ def test_many_threads_share_a_store(store):
         for key in read_manifest(store).experts:
             expected[key] = s.get(*key).dequantize()["down"]
     errors = []
-    with open_store(store, ram=3 * size, policy="edgemoe") as s:
+    with open_store(store, ram=3 * size, policy="frequency-distance") as s:
         def worker(seed):
             g = torch.Generator().manual_seed(seed)
             keys = sorted(expected)
@@ -382,7 +382,7 @@ def test_budget_strings_and_errors(store):
     with pytest.raises(OptionError, match="ram='150%': expected a percentage"):
         open_store(store, ram="150%")
     with open_store(store, ram="50%") as s:
-        assert s.ram_budget == int(0.5 * s.manifest.expert_bytes)
+        assert s.ram_capacity == int(0.5 * s.manifest.expert_bytes)
     if not torch.cuda.is_available():
         with pytest.raises(OptionError, match="device='cuda'.*no usable cuda"):
             open_store(store, vram="1GB", device="cuda")
@@ -392,7 +392,7 @@ def test_budget_strings_and_errors(store):
 def test_convert_run_and_inspect_every_architecture(tiny_model, tmp_path, arch):
     path = tiny_model(arch, fused_experts=arch == "olmoe")
     convert(path, tmp_path / "s", bits=4)
-    model = edgemoe.load(tmp_path / "s", ram=30_000, policy="edgemoe", compute="fused-float")
+    model = edgemoe.load(tmp_path / "s", ram=30_000, policy="frequency-distance", compute="fused-float")
     reference = dequantized_reference(path, lambda key: 4)
     ids = tokens(model)
     assert (model.logits(ids) - reference.logits(ids)).abs().max() <= 1e-4

@@ -25,8 +25,8 @@ from edgemoe.store import read_manifest
 from edgemoe.scheduling import simulate as sim
 from edgemoe.scheduling.profile import TraceRecorder, tokens_from_trace
 
-CONFIGS = [("lru", "none"), ("lfu", "none"), ("edgemoe", "none"), ("lru", "correlation"),
-           ("edgemoe", "correlation"), ("edgemoe", "lookahead")]
+CONFIGS = [("lru", "none"), ("lfu", "none"), ("frequency-distance", "none"), ("lru", "correlation"),
+           ("frequency-distance", "correlation"), ("frequency-distance", "lookahead")]
 
 
 def run_runtime(store, ids, ram: int, policy: str, preload: str) -> dict:

@@ -27,9 +27,9 @@ import torch
 
 from edgemoe.checkpoint import Checkpoint
 from edgemoe.evaluate import evaluate
-from edgemoe.loader import load_store, model_from_checkpoint, plan_checkpoint
+from edgemoe.loader import StoreOptions, load_store, model_from_checkpoint, plan_checkpoint
 from edgemoe.options import OptionError, one_of
-from edgemoe.profiling import build_profile, trace_text
+from edgemoe.tracing import build_profile, trace_text
 from edgemoe.quant import quantize
 from edgemoe.store.profile_file import save_routing_profile
 from edgemoe.weights import read_expert
@@ -150,7 +150,7 @@ def _check_store(path: Path, manifest, calib_text, budget, reference, threads, r
     a search, measure the held-out loss against the reference model (returned)."""
     if calib_text is None:
         return None
-    with load_store(path, manifest=manifest, threads=threads, preload="none") as model:
+    with load_store(path, StoreOptions(preload="none"), threads=threads, manifest=manifest) as model:
         records = trace_text(model, calib_text, on_progress=lambda d, t: report("profiling routing", d, t))
         save_routing_profile(path, build_profile(model, records))
         if budget is None or budget.heldout_text is None:

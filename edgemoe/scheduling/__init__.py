@@ -2,7 +2,7 @@
 
 - cache.py: ExpertCache, the residency rules the store and the simulator share (tiers, protection,
   admission, counters);
-- policies.py: eviction policies (lru, lfu, edgemoe, expected-use); guard.py: the self-check
+- policies.py: eviction policies (lru, lfu, frequency-distance, expected-use); guard.py: the self-check
   against a ghost on-demand LRU cache;
 - profile.py: routing traces and the routing profile; routing_stats.py: a trace's statistics;
   synthetic_routing.py: traces of any shape with a real model's statistics;

@@ -8,7 +8,7 @@ fits in free room); every policy but "expected-use" admits every preload. Keys a
 - "lru": least recently used (the baseline; Mixtral-offloading's scheme).
 - "lfu": least frequently used: fewest accesses, ties by LRU. Counts survive eviction (as EdgeMoE's do),
   so an expert that comes back keeps its history; the popularity prior is not used.
-- "edgemoe": EdgeMoE's rule: keep experts that are used often and whose layer runs soon. score =
+- "frequency-distance": EdgeMoE's rule: keep experts that are used often and whose layer runs soon. score =
   (1 + accesses + prior) * (L - d) / L, where d in 0..L-1 is how many layers after the running one
   the expert's layer comes (0: the layer running now, L-1: the one that just ran); the lowest score
   goes, ties by LRU. `prior` is the profile's popularity when one is given; the 1 keeps a fresh
@@ -84,8 +84,8 @@ class LFUPolicy(LRUPolicy):
         return min(candidates, key=lambda k: (self.accesses.get(k, 0), self.last_use.get(k, -1)))
 
 
-class EdgeMoEPolicy(LFUPolicy):
-    name = "edgemoe"
+class FrequencyDistancePolicy(LFUPolicy):
+    name = "frequency-distance"
 
     def __init__(self, num_layers: int, popularity: dict[Key, float] | None = None, profile=None):
         super().__init__(num_layers)
@@ -181,7 +181,7 @@ class ExpectedUsePolicy(LRUPolicy):
         return probability > (1 - probability) * (1 + displaced)
 
 
-POLICIES = {p.name: p for p in (LRUPolicy, LFUPolicy, EdgeMoEPolicy, ExpectedUsePolicy)}
+POLICIES = {p.name: p for p in (LRUPolicy, LFUPolicy, FrequencyDistancePolicy, ExpectedUsePolicy)}
 
 
 def make_policy(name: str, num_layers: int, popularity: dict[Key, float] | None = None, profile=None):

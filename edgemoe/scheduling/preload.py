@@ -22,7 +22,7 @@ reads that fit in the time the disk was idle since the previous layer (time betw
 MoE layers minus the disk tier's read time in it; moving averages), and each preload spends one.
 The credit is capped at top-k per token. When the compute waits for reads (disk-bound), the
 disk is never idle and nothing is preloaded: every preload would delay a read the compute needs.
-Before anything is measured, the budget is top-k per token. When a layer's real routing is
+Before anything is measured, top-k reads per token are affordable. When a layer's real routing is
 known, preloads still queued for it are dropped; the store starts a preload only once the running
 layer has the experts it waits for (edgemoe/store/loads.py).
 
@@ -42,8 +42,6 @@ MIN_PROBABILITY = 0.5
 
 class Preloader:
     def __init__(self, model, store, predictor: str = "auto", profile=None, smoothing: float = 0.2):
-        if predictor not in PREDICTORS:
-            raise ValueError(f"preload={predictor!r}: expected one of {PREDICTORS}")
         if predictor == "auto":
             predictor = "correlation" if profile is not None else "lookahead"
         if predictor == "correlation" and profile is None:
@@ -116,7 +114,7 @@ class Preloader:
     def _average(self, mean: float | None, value: float) -> float:
         return value if mean is None else (1 - self.smoothing) * mean + self.smoothing * value
 
-    def budget(self, tokens: int) -> int:
+    def affordable_reads(self, tokens: int) -> int:
         """Experts worth preloading for the next layer: the reads the disk's idle time pays for."""
         most = min(self.model.spec.num_experts, self.model.spec.top_k * tokens)
         disk = self.store.disk
@@ -128,13 +126,13 @@ class Preloader:
 
     def _issue(self, layer: int, scores: torch.Tensor, tokens: int, least: float, certain: bool = False) -> None:
         """Preload the best-scored experts of `layer` scoring at least `least` that the store admits
-        (not resident nor being read, worth their read: TieredStore.admit), within the budget.
+        (not resident nor being read, worth their read: TieredStore.admit), as many as are affordable.
         scores are probabilities of use, unless `certain` (then each counts as p = 1)."""
-        budget = self.budget(tokens)
+        affordable = self.affordable_reads(tokens)
         values = scores.tolist()
         likely = [((layer, e), 1.0 if certain else values[e])
                   for e in torch.argsort(scores, descending=True, stable=True).tolist() if values[e] >= least]
-        chosen = self.store.admit(likely)[:budget] if budget else []   # admit weighs victims: skip it when nothing may go
+        chosen = self.store.admit(likely)[:affordable] if affordable else []   # admit weighs victims: skip it when nothing may go
         self.credit = max(0.0, self.credit - len(chosen))
         self._predicted[layer] = {e for _, e in chosen}
         self.store.prefetch(chosen)

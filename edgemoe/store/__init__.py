@@ -1,7 +1,7 @@
 """edgemoe.store: the tiered expert store (format: docs/store-format.md).
 
     from edgemoe.store import open_store
-    with open_store("model.store", ram="512MiB", policy="edgemoe") as store:
+    with open_store("model.store", ram="512MiB", policy="expected-use") as store:
         for entry in store.experts(): ...              # layer, expert, bits, file, offset, length
         e = store.get(layer=0, expert=3)               # packed arrays (e.tensors) ...
         w = e.dequantize()                             # ... or dense tensors {"gate", "up", "down"}

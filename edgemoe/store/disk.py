@@ -33,19 +33,17 @@ def drop_page_cache(path) -> None:
 
 
 class DiskTier:
-    def __init__(self, manifest: Manifest, io: str = "buffered", verify: str = "first"):
+    """Reads of expert blobs, each checked against its CRC-32 the first time it is read."""
+
+    def __init__(self, manifest: Manifest, io: str = "buffered"):
         if io not in IO_MODES:
             raise StoreError(f"io={io!r}: expected one of {IO_MODES}")
-        if verify not in ("first", "always"):
-            raise StoreError(f"verify={verify!r}: expected 'first' or 'always'")
         self.manifest = manifest
-        self.verify = verify
         self.io = io
         self._fds: dict[str, int] = {}
         self._direct = io == "direct" and hasattr(os, "O_DIRECT")
         self._verified: set[tuple[int, int]] = set()
         self._lock = threading.Lock()
-        self.bytes_read = 0
         self.reads = 0
         self.read_seconds = 0.0   # wall time of reads, checksum included: the preloader's I/O estimate
 
@@ -72,14 +70,13 @@ class DiskTier:
             direct = self._direct
         stored = self._read_direct(fd, entry) if direct else self._read_buffered(fd, entry)
         key = entry.key
-        if self.verify == "always" or key not in self._verified:
+        if key not in self._verified:
             if crc32(stored) != entry.crc32:
                 raise StoreError(f"{self.manifest.path / entry.file}: checksum mismatch for {entry.where()}: "
                                  "the store is corrupt")
             with self._lock:
                 self._verified.add(key)
         with self._lock:
-            self.bytes_read += entry.stored_length
             self.reads += 1
             self.read_seconds += time.perf_counter() - start
         if entry.compression == "zstd":

@@ -1,12 +1,12 @@
-"""TieredStore: disk -> RAM -> VRAM, each tier with a byte budget, an eviction policy, a background
+"""TieredStore: disk -> RAM -> VRAM, each tier with a byte capacity, an eviction policy, a background
 loader for preloads, and counters.
 
 What is resident where, and what to evict, is decided by an ExpertCache (edgemoe.scheduling.cache,
 the same class the simulator replays traces through); this class does the I/O around it: reads from
 disk (DiskTier), moves to and from the device, and the loader thread. Tiers are exclusive: an expert
 is resident in at most one of VRAM and RAM, so on unified-memory devices (Jetson) nothing is counted
-twice. Any budget gives correct results: an expert larger than a whole tier is served without being
-cached, and a budget smaller than one layer's active experts just re-reads them. The budget bounds
+twice. Any capacity gives correct results: an expert larger than a whole tier is served without being
+cached, and a capacity smaller than one layer's active experts just re-reads them. The capacity bounds
 the cached bytes; an expert in use by the current step is also held by its caller until it is done.
 
 Thread safety: one lock guards the cache and counters; disk reads happen outside it, and a read in
@@ -94,36 +94,37 @@ class StoreStats(CacheStats):
 
 
 class TieredStore:
-    """A store opened with budgets. Use as a context manager, or call close()."""
+    """A store opened with tier capacities. Use as a context manager, or call close()."""
 
     def __init__(self, path, ram: int | str | None = None, vram: int | str | None = 0,
                  device: str | torch.device | None = None, policy: str = "lru", io: str = "buffered",
-                 place_popular: bool = True, profile: RoutingProfile | None = None, guard: bool = True,
+                 place_popular: bool = True, routing_profile: RoutingProfile | None = None, guard: bool = True,
                  manifest: Manifest | None = None):
         """ram, vram: bytes, sizes like "512MiB", or shares of the store's expert bytes like "25%"
-        (ram None: unlimited). profile: a routing profile to use instead of the store's profile.json
-        (a benchmark's, built from the routing it replays). guard: with a RAM budget (and no VRAM
+        (ram None: unlimited). routing_profile: one to use instead of the store's profile.json
+        (a benchmark's, built from the routing it replays). guard: with a RAM capacity (and no VRAM
         tier), measure the scheme against a ghost on-demand LRU cache and fall back when it reads
         more (edgemoe.scheduling.guard). manifest: the store's manifest, already parsed (the converter
         opens the store it writes before its manifest is on disk)."""
         self.manifest = manifest if manifest is not None else read_manifest(Path(path))
         self.path = self.manifest.path
         self.spec = self.manifest.spec
-        ram_budget = parse_bytes(ram, "ram=", share_of=self.manifest.expert_bytes)
-        vram_budget = parse_bytes(vram, "vram=", share_of=self.manifest.expert_bytes) or 0
-        self.ram_budget, self.vram_budget = ram_budget, vram_budget   # bytes (RAM: None, unlimited)
-        self.device = self._vram_device(vram, vram_budget, device)
-        self.routing_profile = profile if profile is not None else find_routing_profile(self.path)
-        self.popularity = (expert_popularity(profile.popularity) if profile is not None
-                           else read_popularity(self.path))
+        ram_capacity = parse_bytes(ram, "ram=", share_of=self.manifest.expert_bytes)
+        vram_capacity = parse_bytes(vram, "vram=", share_of=self.manifest.expert_bytes) or 0
+        self.ram_capacity, self.vram_capacity = ram_capacity, vram_capacity   # bytes (RAM: None, unlimited)
+        self.device = self._vram_device(vram, vram_capacity, device)
+        given = routing_profile is not None
+        self.routing_profile = routing_profile if given else find_routing_profile(self.path)
+        self.popularity = expert_popularity(routing_profile.popularity) if given else read_popularity(self.path)
         self.disk = DiskTier(self.manifest, io=io)
         self.stats = StoreStats()
-        tiers = ([("vram", vram_budget)] if vram_budget else []) + [("ram", ram_budget if ram_budget is not None
-                                                                       else 1 << 62)]
-        guarded = guard and ram_budget is not None and not vram_budget
+        unlimited = 1 << 62
+        tiers = ([("vram", vram_capacity)] if vram_capacity else []) + [
+            ("ram", ram_capacity if ram_capacity is not None else unlimited)]
+        guarded = guard and ram_capacity is not None and not vram_capacity
         self.cache = ExpertCache(
             tiers, lambda: make_policy(policy, self.spec.num_layers, self.popularity, self.routing_profile),
-            guard=SchemeGuard(ram_budget, GUARD_WINDOW_TOKENS * len(self.spec.moe_layer_ids)) if guarded else None,
+            guard=SchemeGuard(ram_capacity, GUARD_WINDOW_TOKENS * len(self.spec.moe_layer_ids)) if guarded else None,
             enter=self._enter, stats=self.stats)
         self._lock = threading.RLock()
         self._in_flight: dict[Key, threading.Event] = {}
@@ -235,14 +236,14 @@ class TieredStore:
         self.disk.close()
 
     # ---- internals --------------------------------------------------------------------------------
-    def _vram_device(self, vram, vram_budget: int, device) -> torch.device | None:
-        if vram_budget and device is None:
+    def _vram_device(self, vram, vram_capacity: int, device) -> torch.device | None:
+        if vram_capacity and device is None:
             device = "cuda" if torch.cuda.is_available() else None
             if device is None:
                 raise StoreError(f"vram={vram!r}: no GPU here; give a device explicitly (device='cpu' is a "
                                  f"stand-in for tests)")
         check_device(device, "device=")
-        return torch.device(device) if vram_budget else None
+        return torch.device(device) if vram_capacity else None
 
     def _place_popular(self) -> None:
         """Fiddler's initial placement: the most popular experts in the fastest tiers, while they fit."""
@@ -307,5 +308,5 @@ class TieredStore:
 
 
 def open_store(path, **options) -> TieredStore:
-    """Open a store with tier budgets: open_store(path, ram="512MiB", vram=0, policy="lru"|"lfu"|...)."""
+    """Open a store with tier capacities: open_store(path, ram="512MiB", vram=0, policy="lru"|"lfu"|...)."""
     return TieredStore(path, **options)
