@@ -22,8 +22,11 @@ def paths(tiny_model, tmp_path_factory):
     text.write_text("To be, or not to be, that is the question. " * 20)
     binary = root / "trace.bin"
     binary.write_bytes(bytes(range(256)) * 4)
+    trace = root / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"seq": 0, "token": t, "layer": 0, "experts": [t % 4, (t + 1) % 4],
+                                         "weights": [0.6, 0.4]}) + "\n" for t in range(8)))
     return {"CKPT": str(checkpoint), "STORE": str(store), "TEXT": str(text), "BIN": str(binary),
-            "OUT": str(root / "new-store")}
+            "OUT": str(root / "new-store"), "TRACE": str(trace), "NOWHERE": str(root / "nowhere.txt")}
 
 
 BAD = [
@@ -63,6 +66,7 @@ BAD = [
     (["convert", "CKPT", "-o", "OUT", "--confidence", "1.5"], "--confidence"),
     (["convert", "CKPT", "-o", "OUT", "--calib-tokens", "1"], "--calib-tokens"),
     (["convert", "CKPT", "-o", "CKPT", "--force"], "is or contains the input"),
+    (["convert", "CKPT", "-o", "OUT", "--calib", "NOWHERE"], "nowhere.txt"),   # read before any work
     # eval
     (["eval", "CKPT", "--text", "TEXT", "--context", "0"], "--context"),
     (["eval", "CKPT", "--text", "TEXT", "--context", "600"], "--context"),   # past the model's 64
@@ -95,6 +99,12 @@ BAD = [
     (["bench", "STORE", "--memory-limit", "lots"], "--memory-limit"),
     (["bench", "STORE", "--compute", "gpu"], "--compute"),
     (["eval", "STORE", "--text", "TEXT", "--compute", "fused"], "--compute"),
+    # simulate
+    (["simulate", "TRACE", "--cache-experts", "0"], "--cache-experts"),
+    (["simulate", "TRACE", "--cache-experts", "4", "--policy", "fifo"], "--policy"),
+    (["simulate", "TRACE", "--cache-experts", "4", "--min-probability", "2"], "--min-probability"),
+    (["simulate", "TRACE", "--cache-experts", "4", "--tokens", "0"], "--tokens"),
+    (["simulate", "BIN", "--cache-experts", "4"], "trace.bin"),
 ]
 
 

@@ -98,6 +98,28 @@ def test_greedy_output_is_the_same_whatever_the_budgets_and_policies(store):
         assert stats.ram.peak_bytes <= (options["ram"] or 0) and stats.vram.peak_bytes <= options.get("vram", 0)
 
 
+def test_a_model_owns_its_store_and_is_freed_when_closed_without_the_garbage_collector(store, checkpoint):
+    import gc
+    import weakref
+
+    from edgemoe.loader import cli_flag
+
+    gc.disable()    # a reference cycle would keep the model (and its dense weights) alive from here on
+    try:
+        with edgemoe.load(store, preload="lookahead", ram="50%") as model:
+            greedy(model, n=3)
+            loader = model.store._loader
+            assert loader.is_alive() and model.preloader is not None
+        assert not loader.is_alive() and model.preloader is None and model.routing_hooks == []
+        alive = weakref.ref(model)
+        del model
+        assert alive() is None
+    finally:
+        gc.enable()
+    with pytest.raises(ValueError, match="--ram applies to stores, and this is a checkpoint directory"):
+        edgemoe.load(checkpoint, store=edgemoe.StoreOptions(ram="1GiB", name=cli_flag))
+
+
 def test_vram_tier_on_a_cpu_stand_in_matches_ram_logits(store):
     ids = tokens(edgemoe.load(store))
     ram_logits = edgemoe.load(store, compute="fused-float").logits(ids)

@@ -10,7 +10,7 @@ statistics it has. For benchmarks of random-weight models: `edgemoe bench STORE 
 of one model seed and other seeds are other texts through the same model (profile from one, replay
 another).
 
-Compare with a recorded trace: python edgemoe/scheduling/simulate.py TRACE --stats
+Compare with a recorded trace: edgemoe simulate TRACE --cache-experts N --stats
 """
 
 from __future__ import annotations
