@@ -8,8 +8,16 @@
 """
 
 from .errors import CheckpointError, EdgeMoEError, UnsupportedModelError
-from .loader import StoreOptions, load
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """load and StoreOptions are imported on first use: importing the package (as `edgemoe --help`
+    does) stays light, and torch and numba are loaded only by what computes."""
+    if name in ("load", "StoreOptions"):
+        from . import loader
+        return getattr(loader, name)
+    raise AttributeError(f"module 'edgemoe' has no attribute {name!r}")
 
 __all__ = ["CheckpointError", "EdgeMoEError", "StoreOptions", "UnsupportedModelError", "load", "__version__"]

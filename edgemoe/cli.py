@@ -1,9 +1,14 @@
 """The `edgemoe` command: thin typer commands over the library. Errors in input print one line naming
-the file, tensor or option, and exit with status 2."""
+the file, tensor or option, and exit with status 2.
+
+The library is imported inside each command, not at the top: `edgemoe --help` and a bad flag answer
+in about 0.5 s instead of the 4-5 s that importing torch and numba takes (measured on a 2-vCPU EPYC)."""
 
 from __future__ import annotations
 
+import functools
 import sys
+from inspect import Parameter, signature as signature_of
 from pathlib import Path
 from typing import List, Optional
 
@@ -109,49 +114,56 @@ def _model_path(model: Optional[Path]) -> Path:
     return bundled_model_path()
 
 
-def _ram_option(default=None, help_text="Store only: RAM budget for experts, bytes (512MiB) or a share of "
-               "the store's expert bytes (25%) (default: unlimited)."):
+def _ram_option(default=None, help_text="Store only: RAM for experts, bytes (512MiB) or a share of the store's "
+               "expert bytes (25%) (default: unlimited)."):
     return typer.Option(default, "--ram", help=help_text)
 
 
-def _vram_option():
-    return typer.Option(None, "--vram", help="Store only: VRAM for experts, bytes or a share of the store's "
-                        "expert bytes (default: none).")
+# The store's flags, shared by every command that runs a model (see _with_store_options).
+STORE_FLAGS = {
+    "ram": (Optional[str], _ram_option),
+    "vram": (Optional[str], lambda: typer.Option(None, "--vram", help="Store only: VRAM for experts, bytes or a "
+                                                 "share of the store's expert bytes (default: none).")),
+    "device": (Optional[str], lambda: typer.Option(None, "--device", help="Store only: torch device of the VRAM "
+                                                   "tier (default: cuda when present).")),
+    "policy": (str, lambda: typer.Option("lru", "--policy", help="Store only: eviction policy, lru, lfu, "
+                                         "frequency-distance or expected-use.")),
+    "preload": (str, lambda: typer.Option("auto", "--preload", help="Store only: auto (correlation if the store "
+                                          "has a profile, else lookahead), correlation, lookahead or none.")),
+    "skip_below": (float, lambda: typer.Option(0.0, "--skip-below", help="Store only, trades quality for reads: "
+                                               "an expert not in RAM that every token chose with a routing weight "
+                                               "below this (never as its strongest) is skipped and the other "
+                                               "weights rescaled (adaptive top-k; default 0: off).")),
+    "compute": (str, lambda: typer.Option("auto", "--compute", help="Store only: the experts' compute path, auto "
+                                          "(default: the fastest measured), fused-int, fused-float, dequant or "
+                                          "device.")),
+}
 
 
-def _device_option():
-    return typer.Option(None, "--device",
-                        help="Store only: torch device of the VRAM tier (default: cuda when present).")
+def _with_store_options(*names: str):
+    """A command that takes the store flags `names` (keys of STORE_FLAGS) and receives them as one
+    StoreOptions in its `store` parameter, checked once with the flags' names."""
+    def decorate(command):
+        signature = signature_of(command)
+        flags = [Parameter(n, Parameter.KEYWORD_ONLY, default=STORE_FLAGS[n][1](), annotation=STORE_FLAGS[n][0])
+                 for n in names]
 
+        @functools.wraps(command)
+        def with_options(**values):
+            from .loader import StoreOptions, cli_flag
+            store = StoreOptions(**{n: values.pop(n) for n in names}, name=cli_flag)
+            return command(**values, store=store)
 
-def _policy_option():
-    return typer.Option("lru", "--policy", help="Store only: eviction policy, lru, lfu, frequency-distance or expected-use.")
-
-
-def _skip_option():
-    return typer.Option(0.0, "--skip-below",
-                        help="Store only, trades quality for reads: an expert not in RAM that every token chose "
-                        "with a routing weight below this (never as its strongest) is skipped and the other "
-                        "weights rescaled (adaptive top-k; default 0: off).")
-
-
-
-
-def _compute_option():
-    return typer.Option("auto", "--compute",
-                        help="Store only: the experts' compute path, auto (default: the fastest measured), "
-                        "fused-int, fused-float, dequant or device.")
-
-
-
-
-def _preload_option():
-    return typer.Option("auto", "--preload",
-                        help="Store only: auto (correlation if the store has a profile, else lookahead), "
-                        "correlation, lookahead or none.")
+        kept = [p for p in signature.parameters.values() if p.name != "store"]
+        with_options.__signature__ = signature.replace(parameters=kept + flags)
+        with_options.__annotations__ = {**{k: v for k, v in command.__annotations__.items() if k != "store"},
+                                        **{n: STORE_FLAGS[n][0] for n in names}}
+        return with_options
+    return decorate
 
 
 @app.command()
+@_with_store_options("ram", "vram", "device", "policy", "preload", "skip_below")
 def run(
     model: Optional[Path] = typer.Argument(None, help=MODEL_HELP),
     prompt: str = typer.Option("", "--prompt", "-p", help="Text to continue (default: start from nothing)."),
@@ -167,24 +179,18 @@ def run(
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the tokenizer's chat template."),
     truncate: bool = typer.Option(False, "--truncate", help="A prompt longer than the model's context keeps its "
                                   "last tokens (default: refused)."),
-    ram: Optional[str] = _ram_option(),
-    vram: Optional[str] = _vram_option(),
-    device: Optional[str] = _device_option(),
-    policy: str = _policy_option(),
-    preload: str = _preload_option(),
-    skip_below: float = _skip_option(),
     stats: bool = typer.Option(False, "--stats", help="Print speed and cache figures after the text."),
     replay: Optional[Path] = typer.Option(None, "--replay", help="Route by this trace instead of the routers "
                                           "(a random-weight model routed as a real one was)."),
     dtype: str = _dtype_option(),
     threads: Optional[int] = _threads_option(),
+    store=None,
 ):
     """Generate text, streamed as it is produced, from a checkpoint directory or a store."""
     import edgemoe
 
     path = _model_path(model)
-    m = edgemoe.load(path, _dtype(dtype), threads, store=_store_options(ram, vram, device, policy, preload,
-                                                                    skip_below))
+    m = edgemoe.load(path, _dtype(dtype), threads, store=store)
     if replay is not None:
         _replay_for(m.spec, replay).attach(m)
     if m.tokenizer is None:
@@ -200,14 +206,6 @@ def run(
     sys.stdout.write("\n")
     if stats:
         _print_run_stats(m)
-
-
-def _store_options(ram, vram, device, policy, preload, skip_below=0.0, compute="auto"):
-    """The store options as given on the command line, checked here once (errors name the flags)."""
-    from .loader import StoreOptions, cli_flag
-
-    return StoreOptions(ram=ram, vram=vram, device=device, policy=policy, preload=preload, skip_below=skip_below,
-                        compute=compute, name=cli_flag)
 
 
 def _warn(message: str) -> None:
@@ -463,7 +461,7 @@ def bench(
     dtype: str = _dtype_option(),
     threads: Optional[int] = _threads_option(),
     quiet: bool = _quiet_option(),
-    compute: Optional[str] = _compute_option(),
+    compute: str = STORE_FLAGS["compute"][1](),
 ):
     """Time to first token and decode speed under a RAM budget, per mode, next to the physical limit."""
     import json
@@ -577,6 +575,7 @@ def _print_bench_table(records: list) -> None:
 
 
 @app.command("eval")
+@_with_store_options("ram", "vram", "device", "policy", "preload", "skip_below", "compute")
 def eval_(
     model: Optional[Path] = typer.Argument(None, help=MODEL_HELP),
     text: Optional[Path] = typer.Option(None, "--text", help="UTF-8 text file (default with the bundled "
@@ -588,19 +587,13 @@ def eval_(
                                           "max_position_embeddings, at most 1024)."),
     stride: Optional[int] = typer.Option(None, callback=_checked(options.integer_at_least, 1),
                                          help="Window step (default: context / 2)."),
-    ram: Optional[str] = _ram_option(),
-    vram: Optional[str] = _vram_option(),
-    device: Optional[str] = _device_option(),
-    policy: str = _policy_option(),
-    preload: str = _preload_option(),
-    skip_below: float = _skip_option(),
     decode: bool = typer.Option(False, "--decode", help="Score token by token through the KV cache, as "
                                 "generation runs (slower; for options that act per step: --skip-below, --ram)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     dtype: str = _dtype_option(),
     threads: Optional[int] = _threads_option(),
     quiet: bool = _quiet_option(),
-    compute: Optional[str] = _compute_option(),
+    store=None,
 ):
     """Perplexity over a text (sliding window); with --reference, agreement and KL too."""
     import json
@@ -616,8 +609,7 @@ def eval_(
         text = bundled_text("eval.txt")
     content = _read_text(text)
     path = _model_path(model)
-    m = edgemoe.load(path, _dtype(dtype), threads, store=_store_options(ram, vram, device, policy, preload,
-                                                                    skip_below, compute))
+    m = edgemoe.load(path, _dtype(dtype), threads, store=store)
     options.window_length(context, "--context", m.context_length)
     if stride is not None and stride > (context or m.context_length):
         raise options.OptionError("--stride", stride, "expected at most the window length (--context)")
@@ -651,18 +643,19 @@ def _read_text(path: Path) -> str:
         raise EdgeMoEError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
-def _load_served(model: Optional[Path], dtype: str, threads, ram, vram, device, policy: str, preload: str):
+def _load_served(model: Optional[Path], dtype: str, threads, store):
     """The model for serve and chat, with run's store options (refused for a checkpoint directory)."""
     import edgemoe
 
     path = _model_path(model)
-    m = edgemoe.load(path, _dtype(dtype), threads, store=_store_options(ram, vram, device, policy, preload))
+    m = edgemoe.load(path, _dtype(dtype), threads, store=store)
     if m.tokenizer is None:
         raise EdgeMoEError(f"{path}: no tokenizer.json, cannot generate text")
     return m
 
 
 @app.command()
+@_with_store_options("ram", "vram", "device", "policy", "preload")
 def serve(
     model: Optional[Path] = typer.Argument(None, help="Checkpoint directory or store (default: the bundled model)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
@@ -671,9 +664,9 @@ def serve(
                                              "(default: the directory's name)."),
     max_batch: int = typer.Option(16, "--max-batch", callback=_checked(options.integer_at_least, 1),
                                   help="Requests sharing one forward step at most."),
-    ram: Optional[str] = _ram_option(), vram: Optional[str] = _vram_option(), device: Optional[str] = _device_option(),
-    policy: str = _policy_option(), preload: str = _preload_option(), dtype: str = _dtype_option(),
+    dtype: str = _dtype_option(),
     threads: Optional[int] = _threads_option(),
+    store=None,
 ):
     """OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) with continuous batching."""
     import logging
@@ -681,11 +674,12 @@ def serve(
     from .server import serve as serve_http
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    m = _load_served(model, dtype, threads, ram, vram, device, policy, preload)
+    m = _load_served(model, dtype, threads, store)
     serve_http(m, host, port, model_name=model_name, max_batch=max_batch)
 
 
 @app.command()
+@_with_store_options("ram", "vram", "device", "policy", "preload")
 def chat(
     model: Optional[Path] = typer.Argument(None, help="Checkpoint directory or store (default: the bundled model)."),
     max_new_tokens: int = typer.Option(200, "--max-new-tokens", "-n", callback=_checked(options.integer_at_least, 1),
@@ -696,14 +690,14 @@ def chat(
     top_p: Optional[float] = typer.Option(None, "--top-p", callback=_checked(options.probability)),
     seed: Optional[int] = typer.Option(None, help="Seed for sampling."),
     system: Optional[str] = typer.Option(None, "--system", help="A system message before the conversation."),
-    ram: Optional[str] = _ram_option(), vram: Optional[str] = _vram_option(), device: Optional[str] = _device_option(),
-    policy: str = _policy_option(), preload: str = _preload_option(), dtype: str = _dtype_option(),
+    dtype: str = _dtype_option(),
     threads: Optional[int] = _threads_option(),
+    store=None,
 ):
     """Chat on stdin/stdout through the tokenizer's chat template (/reset, /exit; Ctrl-C stops an answer)."""
     from .chat import chat_loop
 
-    m = _load_served(model, dtype, threads, ram, vram, device, policy, preload)
+    m = _load_served(model, dtype, threads, store)
     sampling = {k: v for k, v in dict(temperature=temperature, top_k=top_k, top_p=top_p).items() if v is not None}
     chat_loop(m, input, sys.stdout, max_new_tokens=max_new_tokens, system=system, seed=seed, **sampling)
 

@@ -12,8 +12,6 @@ import math
 import numbers
 from typing import Sequence
 
-import torch
-
 from .errors import EdgeMoEError, option_message
 
 
@@ -119,6 +117,8 @@ def _finite(text: str) -> float | None:
 def check_device(value, option: str):
     """The VRAM tier's device, one this build of torch can use ('cuda', 'cuda:1', 'mps'; 'cpu' is a
     stand-in for tests). A torch.device or name; returned unchanged."""
+    import torch   # here, not at the top: the option checks stay light for the command line
+
     if value is None:
         return None
     try:

@@ -78,7 +78,7 @@ def test_chunked_prefill_gives_the_same_text_and_reads_each_expert_once_per_chun
     from edgemoe.convert import convert
 
     convert(tiny_model("mixtral"), tmp_path / "s", bits=8)
-    model = edgemoe.load(tmp_path / "s", preload="none")
+    model = edgemoe.load(tmp_path / "s", preload="none", compute="fused-float")   # one path for every chunk size
     prompt = model.tokenizer.encode("All the world's a stage, and all the men and women merely players; " * 3)
     whole = GenerationOptions(max_new_tokens=6, stop_token_ids=[], prefill_chunk=10_000)
     chunked = GenerationOptions(max_new_tokens=6, stop_token_ids=[], prefill_chunk=16)

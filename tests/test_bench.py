@@ -11,7 +11,7 @@ import edgemoe
 from edgemoe.bench import (RECORD_FIELDS, BenchConfig, Bandwidths, bench, confine_memory, dense_bytes_per_token,
                            disk_bandwidth, leave_memory_group, memory_bandwidth, parse_ram)
 from edgemoe.cli import main
-from edgemoe.tracing import profile_store, trace_text
+from edgemoe.tracing import trace_text
 from edgemoe.replay import RoutingReplay
 from edgemoe.store import read_manifest
 from edgemoe.convert import convert
@@ -24,8 +24,7 @@ FIXED = Bandwidths(memory=10e9, disk=1e9)
 @pytest.fixture(scope="module")
 def store(tiny_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "store"
-    convert(tiny_model("qwen3_moe", num_hidden_layers=4, num_experts=6), out, bits=4)
-    profile_store(out, text=TEXT)
+    convert(tiny_model("qwen3_moe", num_hidden_layers=4, num_experts=6), out, bits=4, calib_text=TEXT)   # profiled
     return out
 
 

@@ -12,8 +12,7 @@ import edgemoe
 from edgemoe.store.profile_file import load_routing_profile
 from edgemoe.cli import main
 from edgemoe.generate import GenerationOptions, generate_batch
-from edgemoe.scheduling.preload import Preloader
-from edgemoe.tracing import profile_store, trace_text
+from edgemoe.tracing import trace_text
 from edgemoe.store import open_store, read_manifest
 from edgemoe.convert import convert
 from edgemoe.scheduling import simulate as sim
@@ -27,8 +26,7 @@ TEXT = ("Now is the winter of our discontent made glorious summer by this sun of
 @pytest.fixture(scope="module")
 def store(tiny_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("sched") / "store"
-    convert(tiny_model("qwen3_moe", num_hidden_layers=4, num_experts=6), out, bits=4)
-    profile_store(out, text=TEXT)
+    convert(tiny_model("qwen3_moe", num_hidden_layers=4, num_experts=6), out, bits=4, calib_text=TEXT)   # profiled
     return out
 
 
