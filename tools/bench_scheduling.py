@@ -44,7 +44,7 @@ def run_runtime(store, ids, ram: int, policy: str, preload: str) -> dict:
                                                                     if st.preloads_loaded else None),
               "predictor_precision": model.preloader.precision if preload != "none" else None,
               "tokens_per_s": len(ids) / seconds}
-    model.store.close()
+    model.close()
     return result, recorder.records
 
 
