@@ -36,10 +36,10 @@ def decode(model, ids):
 
 def test_with_nothing_resident_weak_choices_are_dropped_and_the_rest_rescaled(store):
     ids = [5, 17, 33, 2, 90, 41, 7, 64]
-    skipping = edgemoe.load(store, torch.float32, preload="none", ram=0, skip_below=0.4)
+    skipping = edgemoe.load(store, torch.float32, preload="none", ram=0, skip_below=0.4, compute="fused-float")
     got = decode(skipping, ids)                            # one token per step: the rule is per token
     assert skipping.experts.skipped > 0
-    reference = edgemoe.load(store, torch.float32, preload="none")
+    reference = edgemoe.load(store, torch.float32, preload="none", compute="fused-float")
     reference.route = dropping_weak(reference, 0.4)
     expected = decode(reference, ids)                      # zero weights: the same sums
     assert (got - expected).abs().max() <= 1e-4
