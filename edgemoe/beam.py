@@ -14,13 +14,14 @@ Shapes: N beams, V vocabulary, K candidates per step.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
 from .cache import KVCache
-from .generate import GenerationOptions, _warn, eos_token_ids, fit_context, new_token_limit
+from .generate import ContextWarning, GenerationOptions, eos_token_ids, fit_context, new_token_limit
 from .model import MoEModel, Segment
 from .options import finite_number, integer_at_least
 
@@ -63,6 +64,10 @@ def beam_search(model: MoEModel, prompt_ids: Sequence[int], num_beams: int, max_
     if limit < max_new_tokens and any(len(tokens) == limit for tokens, _ in search.finished):
         warn(f"beams stopped at the model's context of {model.context_length} tokens")
     return search.finished
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, ContextWarning, stacklevel=3)
 
 
 def _prefill(model: MoEModel, prompt: list[int], chunk: int) -> tuple[list[Beam], torch.Tensor]:
@@ -124,7 +129,8 @@ class _Search:
             return False
         if self.early_stopping:
             return True
-        # Scored at its current length, as transformers does (not the longest it could reach).
+        # Scored at its current length, as transformers does (not the longest it could reach), and
+        # in float32 like its scores, so that a tie falls the same way.
         length = len(beams[0].tokens)
         best_live = float(torch.tensor(beams[0].score, dtype=torch.float32) / length ** self.length_penalty)
         return best_live <= self.finished[-1][1]
