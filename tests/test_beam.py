@@ -120,6 +120,26 @@ def test_beams_run_in_one_forward_step_reading_each_expert_at_most_once(checkpoi
     assert len(hypotheses) == 4
 
 
+def test_caches_are_forked_only_for_a_parent_picked_again(models, prompt, monkeypatch):
+    """Each step's beams hold distinct caches; a cache carried on from the step before is a parent's
+    first pick, every other one is a fork, and there is one fork per new cache (no copy is wasted)."""
+    from edgemoe.cache import KVCache
+    ours = models[1]
+    forks, steps = [], []
+    fork = KVCache.fork
+    monkeypatch.setattr(KVCache, "fork", lambda cache: forks.append(fork(cache)) or forks[-1])
+    forward = ours.forward
+    monkeypatch.setattr(ours, "forward", lambda tokens, segments, last_only=False: (
+        steps.append([s.cache for s in segments]), forward(tokens, segments, last_only))[1])
+    beam_search(ours, prompt, 4, NEW_TOKENS, stop_token_ids=[])
+    decode = steps[1:]                                  # steps[0] is the prefill
+    carried = [len({id(c) for c in now} & {id(c) for c in before}) for before, now in zip(decode, decode[1:])]
+    assert all(len({id(c) for c in step}) == len(step) == 4 for step in decode)
+    assert {id(c) for step in decode for c in step} - {id(steps[0][0])} == {id(f) for f in forks}
+    assert len(forks) == 3 + sum(4 - n for n in carried)       # the first step: the prompt's cache + 3 forks
+    assert sum(carried) > 0
+
+
 def test_beams_stop_at_the_context(tiny_model, prompt):
     model = edgemoe.load(tiny_model("mixtral", max_position_embeddings=16))
     warnings = []
