@@ -182,6 +182,14 @@ def run(
     stats: bool = typer.Option(False, "--stats", help="Print speed and cache figures after the text."),
     replay: Optional[Path] = typer.Option(None, "--replay", help="Route by this trace instead of the routers "
                                           "(a random-weight model routed as a real one was)."),
+    beams: Optional[int] = typer.Option(None, "--beams", callback=_checked(options.integer_at_least, 1),
+                                        help="Beam search with this many beams, run together through each layer; "
+                                        "prints the best beam (not streamed)."),
+    length_penalty: Optional[float] = typer.Option(None, "--length-penalty", callback=_checked(options.finite_number),
+                                                   help="With --beams: a finished beam scores its summed "
+                                                   "log-probabilities / length ** this (default 1)."),
+    early_stopping: bool = typer.Option(False, "--early-stopping", help="With --beams: stop as soon as --beams "
+                                        "beams have finished."),
     dtype: str = _dtype_option(),
     threads: Optional[int] = _threads_option(),
     store=None,
@@ -189,6 +197,9 @@ def run(
     """Generate text, streamed as it is produced, from a checkpoint directory or a store."""
     import edgemoe
 
+    _check_beam_flags(beams, length_penalty, early_stopping,
+                      {"--temperature": temperature is not None, "--top-k": top_k is not None,
+                       "--top-p": top_p is not None, "--seed": seed is not None, "--stop": bool(stop)})
     path = _model_path(model)
     m = edgemoe.load(path, _dtype(dtype), threads, store=store)
     if replay is not None:
@@ -200,12 +211,38 @@ def run(
     sampling = {k: v for k, v in dict(temperature=temperature, top_k=top_k, top_p=top_p).items() if v is not None}
     if not chat:
         sys.stdout.write(prompt)
-    m.generate(text, on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()),
-               on_warning=_warn, max_new_tokens=max_new_tokens, seed=seed, stop_strings=tuple(stop),
-               truncate=truncate, **sampling)
+    if beams is not None:
+        sys.stdout.write(_best_beam_text(m, text, beams, max_new_tokens, length_penalty, early_stopping, truncate))
+    else:
+        m.generate(text, on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()),
+                   on_warning=_warn, max_new_tokens=max_new_tokens, seed=seed, stop_strings=tuple(stop),
+                   truncate=truncate, **sampling)
     sys.stdout.write("\n")
     if stats:
         _print_run_stats(m)
+
+
+def _check_beam_flags(beams, length_penalty, early_stopping, sampling_given: dict[str, bool]) -> None:
+    """Beam search is deterministic and ends on stop tokens only: no sampling flags, no --stop; its
+    own flags only with --beams."""
+    options.not_with(beams, "--beams", sampling_given, "beam search neither samples nor stops on strings")
+    options.only_with(length_penalty, "--length-penalty", "--beams", beams is not None)
+    options.only_with(True if early_stopping else None, "--early-stopping", "--beams", beams is not None)
+
+
+def _best_beam_text(model, prompt, beams: int, max_new_tokens: int, length_penalty, early_stopping: bool,
+                    truncate: bool) -> str:
+    from .beam import beam_search
+    from .generate import StopStringStream
+
+    ids = model.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    hypotheses = beam_search(model, ids, beams, max_new_tokens, 1.0 if length_penalty is None else length_penalty,
+                             early_stopping, truncate=truncate, warn=_warn)
+    stream = StopStringStream(model.tokenizer)     # decoded as generate decodes its tokens
+    for token in hypotheses[0][0] if hypotheses else []:
+        stream.push(token)
+    stream.finish()
+    return stream.text
 
 
 def _warn(message: str) -> None:

@@ -32,6 +32,15 @@ def finite_at_least(value: float | None, option: str, low: float = 0.0) -> float
     return float(value)
 
 
+def finite_number(value: float | None, option: str) -> float | None:
+    """Any finite number (a length penalty may be negative)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise OptionError(option, value, "expected a finite number")
+    return float(value)
+
+
 def probability(value: float | None, option: str) -> float | None:
     """A number in (0, 1] (top-p, a share)."""
     if value is None:
@@ -56,6 +65,19 @@ def window_length(value: int | None, option: str, context: int) -> int | None:
         raise OptionError(option, value, f"longer than the model's context of {context} tokens "
                                          f"(max_position_embeddings)")
     return value
+
+
+def not_with(value, option: str, others: dict[str, bool], why: str) -> None:
+    """Refuse `option` (when given) together with any of `others` (flag -> whether it was given)."""
+    clash = [flag for flag, given in others.items() if given]
+    if value is not None and clash:
+        raise OptionError(option, value, f"cannot be combined with {', '.join(clash)} ({why})")
+
+
+def only_with(value, option: str, needed: str, needed_given: bool) -> None:
+    """Refuse `option` (when given) without the option it modifies."""
+    if value is not None and not needed_given:
+        raise OptionError(option, value, f"only with {needed}")
 
 
 def one_of(value: str | None, option: str, choices: Sequence[str]) -> str | None:

@@ -53,6 +53,16 @@ BAD = [
     (["run", "CKPT", "--threads", "0"], "--threads"),
     (["run", "STORE", "--replay", "BIN"], "trace.bin"),
     (["run", "CKPT", "--bogus"], "--bogus"),
+    (["run", "CKPT", "--beams", "0"], "--beams"),
+    (["run", "CKPT", "--beams", "two"], "--beams"),
+    (["run", "CKPT", "--beams", "2", "--temperature", "0.7"], "--temperature"),   # beams do not sample
+    (["run", "CKPT", "--beams", "2", "--top-k", "5"], "--top-k"),
+    (["run", "CKPT", "--beams", "2", "--top-p", "0.9"], "--top-p"),
+    (["run", "CKPT", "--beams", "2", "--seed", "1"], "--seed"),
+    (["run", "CKPT", "--beams", "2", "--stop", "x"], "--stop"),
+    (["run", "CKPT", "--beams", "2", "--length-penalty", "nan"], "--length-penalty"),
+    (["run", "CKPT", "--length-penalty", "0.5"], "--length-penalty"),            # only with --beams
+    (["run", "CKPT", "--early-stopping"], "--early-stopping"),
     # convert
     (["convert", "CKPT", "-o", "OUT", "--bits", "3"], "--bits"),
     (["convert", "CKPT", "-o", "OUT", "--budget", "200%"], "--budget"),

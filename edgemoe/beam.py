@@ -1,0 +1,136 @@
+"""Beam search, every live beam batched through each layer: one forward step per new token for all
+beams, so each expert the beams choose is read once per step for all of them.
+
+Semantics are transformers' beam search (`generate(num_beams=N, do_sample=False)`): scores are
+summed float32 log-probabilities; each step keeps the best K = max(2, 1 + stop tokens) * N
+continuations of all beams; a continuation among the best N that ends in a stop token (or reaches
+the last allowed token) is a finished hypothesis scored sum_logprobs / generated_length **
+length_penalty (the length counts the stop token); the next beams are the best N unfinished ones.
+The search ends at the token limit, or once N hypotheses are finished and either early_stopping is
+set or the best live beam, scored at its current length, cannot beat the worst finished one.
+
+Shapes: N beams, V vocabulary, K candidates per step.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from .cache import KVCache
+from .generate import ContextWarning, GenerationOptions, eos_token_ids, fit_context, new_token_limit
+from .model import MoEModel, Segment
+from .options import finite_number, integer_at_least
+
+
+@dataclass
+class Beam:
+    tokens: list[int]     # generated so far
+    score: float          # summed log-probabilities (float32 value)
+    cache: KVCache        # holds the prompt and every token but the last of `tokens`
+
+
+def beam_search(model: MoEModel, prompt_ids: Sequence[int], num_beams: int, max_new_tokens: int,
+                length_penalty: float = 1.0, early_stopping: bool = False,
+                stop_token_ids: Sequence[int] | None = None, truncate: bool = False,
+                warn: Callable[[str], None] | None = None) -> list[tuple[list[int], float]]:
+    """The finished hypotheses, best first (at most num_beams): (new token ids without the stop
+    token, score). The prompt is prefilled once, its cache forked per beam; a prompt past the context
+    is refused or truncated as generate does (fit_context), and no beam outgrows the context.
+    stop_token_ids None: the model's eos tokens."""
+    num_beams = integer_at_least(num_beams, "num_beams=", 1)
+    max_new_tokens = integer_at_least(max_new_tokens, "max_new_tokens=", 0)
+    length_penalty = finite_number(length_penalty, "length_penalty=")
+    if len(prompt_ids) == 0:
+        raise ValueError("beam_search: the prompt is empty")
+    warn = warn or _warn
+    opts = GenerationOptions(max_new_tokens=max_new_tokens, truncate=truncate)
+    prompt = fit_context(model, prompt_ids, opts, warn)
+    limit = new_token_limit(model, len(prompt), opts)
+    if limit == 0:
+        return []
+    stops = set(stop_token_ids if stop_token_ids is not None else eos_token_ids(model))
+    search = _Search(num_beams, limit, length_penalty, early_stopping, stops)
+    beams, logits = _prefill(model, prompt, opts.prefill_chunk)
+    while True:
+        beams = search.step(beams, logits)
+        if search.done(beams):
+            break
+        tokens = torch.tensor([b.tokens[-1] for b in beams])
+        logits = model.forward(tokens, [Segment(b.cache, 1) for b in beams], last_only=True)
+    if limit < max_new_tokens and any(len(tokens) == limit for tokens, _ in search.finished):
+        warn(f"beams stopped at the model's context of {model.context_length} tokens")
+    return search.finished
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, ContextWarning, stacklevel=3)
+
+
+def _prefill(model: MoEModel, prompt: list[int], chunk: int) -> tuple[list[Beam], torch.Tensor]:
+    """One beam holding the prompt, and its next-token logits [1, V]."""
+    cache = model.new_cache()
+    for start in range(0, len(prompt), chunk):
+        logits = model.logits(prompt[start:start + chunk], cache)
+    return [Beam([], 0.0, cache)], logits[-1:]
+
+
+class _Search:
+    """The beams' bookkeeping: candidates, finished hypotheses, the done rule."""
+
+    def __init__(self, num_beams: int, limit: int, length_penalty: float, early_stopping: bool, stops: set[int]):
+        self.num_beams, self.limit = num_beams, limit
+        self.length_penalty, self.early_stopping, self.stops = length_penalty, early_stopping, stops
+        self.keep = max(2, 1 + len(stops)) * num_beams
+        self.finished: list[tuple[list[int], float]] = []   # best first, at most num_beams
+
+    def step(self, beams: list[Beam], logits: torch.Tensor) -> list[Beam]:
+        """Beams after one token: logits [len(beams), V] -> the next beams (their caches reused for a
+        parent's first pick, forked for its others); finished hypotheses recorded."""
+        scores = torch.tensor([b.score for b in beams], dtype=torch.float32)
+        totals = (torch.log_softmax(logits.float(), dim=-1) + scores[:, None]).reshape(-1)   # [len(beams) * V]
+        best, index = torch.topk(totals, min(self.keep, totals.numel()))
+        vocab = logits.shape[-1]
+        length = len(beams[0].tokens) + 1
+        last = length == self.limit
+        new_finished, chosen = [], []
+        for rank, (total, flat) in enumerate(zip(best, index.tolist())):
+            parent, token = beams[flat // vocab], flat % vocab
+            if token in self.stops or last:
+                if rank < self.num_beams:      # only the best N may finish (the rest are spares)
+                    kept = parent.tokens if token in self.stops else parent.tokens + [token]
+                    new_finished.append((kept, float(total / length ** self.length_penalty)))
+            elif len(chosen) < self.num_beams:
+                chosen.append((parent, token, float(total)))
+        self._record(new_finished)
+        return [] if last else self._next_beams(chosen)
+
+    def _record(self, hypotheses: list[tuple[list[int], float]]) -> None:
+        merged = self.finished + hypotheses
+        self.finished = sorted(merged, key=lambda h: h[1], reverse=True)[:self.num_beams]
+
+    @staticmethod
+    def _next_beams(chosen: list[tuple[Beam, int, float]]) -> list[Beam]:
+        used: set[int] = set()
+        beams = []
+        for parent, token, score in chosen:
+            cache = parent.cache.fork() if id(parent) in used else parent.cache
+            used.add(id(parent))
+            beams.append(Beam(parent.tokens + [token], score, cache))
+        return beams
+
+    def done(self, beams: list[Beam]) -> bool:
+        if not beams:
+            return True
+        if len(self.finished) < self.num_beams:
+            return False
+        if self.early_stopping:
+            return True
+        # Scored at its current length, as transformers does (not the longest it could reach), and
+        # in float32 like its scores, so that a tie falls the same way.
+        length = len(beams[0].tokens)
+        best_live = float(torch.tensor(beams[0].score, dtype=torch.float32) / length ** self.length_penalty)
+        return best_live <= self.finished[-1][1]
