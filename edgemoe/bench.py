@@ -1,12 +1,12 @@
-"""`edgemoe bench STORE`: time to first token and decode speed of a store under a RAM budget, in
+"""`edgemoe bench STORE`: time to first token and decode speed of a store under a RAM capacity, in
 three modes run by one harness on the same store, next to the physical limit of each run
 (contract: docs/benchmarks.md, "edgemoe bench").
 
 Modes:
 - "all-in-ram": every expert read into RAM before timing; the no-I/O bound.
-- "on-demand-lru": the RAM budget, LRU eviction, no preload and no overlap of reads with compute
+- "on-demand-lru": the RAM capacity, LRU eviction, no preload and no overlap of reads with compute
   (EdgeMoE's IO-EXP baseline, Mixtral-offloading's scheme).
-- "predictive": the RAM budget, expected-use eviction with its preload admission (edgemoe/scheduling/policies.py),
+- "predictive": the RAM capacity, expected-use eviction with its preload admission (edgemoe/scheduling/policies.py),
   popularity placement at load, correlation preload from the store's routing profile, and reads
   overlapped with compute.
 
@@ -44,7 +44,7 @@ RECORD_FIELDS = ("mode", "ram_bytes", "prefill_tokens", "ttft_s", "decode_tok_s"
 
 @dataclass
 class BenchConfig:
-    ram: int                                   # RAM budget for experts, bytes (all-in-ram ignores it)
+    ram: int                                   # RAM capacity for experts, bytes (all-in-ram ignores it)
     modes: Sequence[str] = MODES
     prefill_tokens: Sequence[int] = (512, 2048)
     decode_tokens: int = 32
@@ -173,7 +173,7 @@ CGROUP_V1_MEMORY = Path("/sys/fs/cgroup/memory")
 
 def confine_memory(limit: str, root: Path = CGROUP_V1_MEMORY) -> Path:
     """Move this process into a new cgroup v1 memory group limited to `limit` (page cache counts):
-    a RAM budget then holds for everything the process touches. Linux, root, cgroup v1 only."""
+    a RAM limit then holds for everything the process touches. Linux, root, cgroup v1 only."""
     from edgemoe.store import parse_bytes
 
     nbytes = parse_bytes(limit, "--memory-limit")

@@ -350,7 +350,7 @@ def _budget(text: str, metric: str) -> float:
 @app.command()
 def inspect(
     store: Path = typer.Argument(..., help="Store directory."),
-    ram: Optional[str] = _ram_option(help_text="Show where experts would be placed with this RAM budget "
+    ram: Optional[str] = _ram_option(help_text="Show where experts would be placed with this RAM capacity "
                                      "(bytes or a share of the expert bytes)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Draw the width map (layer x expert) to this PNG "
                                         "(needs matplotlib: pip install 'edgemoe[plot]')."),
@@ -472,7 +472,7 @@ def profile(
 @app.command()
 def bench(
     store: Path = typer.Argument(..., help="Store directory."),
-    ram: str = _ram_option("25%", "RAM budget for experts: bytes (e.g. 1GiB) or a share of the store's expert "
+    ram: str = _ram_option("25%", "RAM for experts: bytes (e.g. 1GiB) or a share of the store's expert "
                            "bytes (e.g. 25%)."),
     mode: List[str] = typer.Option([], "--mode", callback=_checked(_bench_mode),
                                    help="all-in-ram, on-demand-lru or predictive (repeatable; default: all three)."),
@@ -500,7 +500,7 @@ def bench(
     quiet: bool = _quiet_option(),
     compute: str = STORE_FLAGS["compute"][1](),
 ):
-    """Time to first token and decode speed under a RAM budget, per mode, next to the physical limit."""
+    """Time to first token and decode speed with a RAM capacity, per mode, next to the physical limit."""
     import json
 
     from edgemoe.store import read_manifest

@@ -1,7 +1,7 @@
 """The disk tier: one read per expert blob, checksum verified the first time it is read.
 
 io="buffered": pread through the page cache, then posix_fadvise(DONTNEED) on the range, so that a
-RAM budget is not silently doubled by cached file pages (Linux; elsewhere the page cache keeps them).
+RAM capacity is not silently doubled by cached file pages (Linux; elsewhere the page cache keeps them).
 io="direct": O_DIRECT into a page-aligned buffer (blobs are 4096-aligned and padded for this);
 falls back to buffered where the file system refuses O_DIRECT (tmpfs, macOS).
 """
