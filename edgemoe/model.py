@@ -152,7 +152,7 @@ class MoEModel:
         on_layer_input(l, x) sees each layer's input (the budget search caches them)."""
         t = self.timings
         s = self.spec
-        cos, sin = rope_tables(positions, s.rope_dim, s.rope_theta, s.rope_inv_freq, s.rope_attention_factor)
+        cos, sin = rope_tables(positions, s.rope_dim, s.rope_theta, *self._rope_scaling(positions))
         for l in range(start, self.spec.num_layers):
             if on_layer_input is not None:
                 on_layer_input(l, x)
@@ -164,6 +164,14 @@ class MoEModel:
             t.attention += t1 - t0
             t.experts += time.perf_counter() - t1
         return x
+
+    def _rope_scaling(self, positions: torch.Tensor) -> tuple:
+        """(inverse frequencies, cos/sin factor) for a step at these positions: LongRoPE's long set
+        once the step reaches past the original context (as Phi-3.5-MoE's own code), else the spec's."""
+        s = self.spec
+        if s.rope_long_after is not None and positions.numel() and int(positions.max()) + 1 > s.rope_long_after:
+            return s.rope_long_inv_freq, s.rope_long_attention_factor
+        return s.rope_inv_freq, s.rope_attention_factor
 
     def embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids [T] -> hidden states [T, D] in the activation dtype."""

@@ -72,7 +72,11 @@ class ModelSpec:
     attention_scale: float | None = None  # softmax scale of q.k; None = 1/sqrt(key dims)
     rope_interleave: bool = False         # rotary pairs are adjacent dims (2i, 2i+1), not (i, i+Dh/2)
     rope_inv_freq: tuple[float, ...] | None = None  # scaled rotary frequencies [Dh/2] (YaRN); None: theta's
-    rope_attention_factor: float = 1.0    # multiplies the rotary cos and sin (YaRN)
+    rope_attention_factor: float = 1.0    # multiplies the rotary cos and sin (YaRN, LongRoPE)
+    # LongRoPE: a step reaching past `rope_long_after` positions uses these instead of the two above
+    rope_long_after: int | None = None
+    rope_long_inv_freq: tuple[float, ...] | None = None
+    rope_long_attention_factor: float = 1.0
     router: str = "softmax"               # a ROUTERS name in edgemoe/layers.py
     n_group: int = 1                      # group-limited routing: expert groups, and groups kept per token
     topk_group: int = 1
@@ -125,8 +129,9 @@ class ModelSpec:
         d = dict(d)
         d["moe_layers"] = tuple(d["moe_layers"])
         d["sliding_windows"] = tuple(d["sliding_windows"])
-        if d.get("rope_inv_freq") is not None:
-            d["rope_inv_freq"] = tuple(d["rope_inv_freq"])
+        for name in ("rope_inv_freq", "rope_long_inv_freq"):
+            if d.get(name) is not None:
+                d[name] = tuple(d[name])
         return cls(**d)
 
     @property

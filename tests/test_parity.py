@@ -51,6 +51,33 @@ CONFIGS = [
 ARCHITECTURES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "phimoe"]
 
 
+SHORT, LONG = [1.0 + 0.25 * i for i in range(8)], [1.5 + 0.5 * i for i in range(8)]
+
+
+def longrope(short, long, short_mscale, long_mscale, original):
+    return {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": short,
+                                "long_factor": long, "short_mscale": short_mscale, "long_mscale": long_mscale,
+                                "original_max_position_embeddings": original}}
+
+
+CONFIGS.append(("phimoe", longrope(SHORT, LONG, 1.1, 1.3, 64)))   # Phi-3.5-MoE's rotary, within its original context
+
+
+def test_longrope_past_the_original_context_uses_the_long_factors(tiny_model):
+    """A step reaching past original_max_position_embeddings rotates by the long factors and mscale,
+    as Phi-3.5-MoE's own code does (transformers' port keeps the short factors there): compared with
+    transformers on the same weights configured with the long set as its short one."""
+    ours = edgemoe.load(tiny_model("phimoe", **longrope(SHORT, LONG, 1.1, 1.3, 10)))
+    long_as_short = reference(tiny_model("phimoe", **longrope(LONG, LONG, 1.3, 1.3, 64)))
+    short = reference(tiny_model("phimoe", **longrope(SHORT, SHORT, 1.1, 1.1, 64)))
+    tokens = random_tokens(13, ours.spec.vocab_size)
+    with torch.no_grad():
+        past, within = long_as_short(tokens[None]).logits[0], short(tokens[None, :10]).logits[0]
+    assert (ours.logits(tokens) - past).abs().max() <= TOL            # 13 positions > 10: the long set
+    assert (ours.logits(tokens[:10]) - within).abs().max() <= TOL     # 10 positions: the short set
+    assert (past[:10] - within).abs().max() > 100 * TOL               # the two sets differ
+
+
 def _ids(config):
     arch, overrides = config
     return "-".join([arch] + [f"{k}={v}" for k, v in overrides.items()])

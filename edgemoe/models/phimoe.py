@@ -9,15 +9,22 @@ and lm_head.bias.
 
 from __future__ import annotations
 
+import math
+
+import torch
+
 from .common import attention_fields
 from .mixtral import tensor_names as mixtral_names
-from ..spec import ModelSpec, TensorNames, config_value
+from ..errors import CheckpointError
+from ..spec import ModelSpec, TensorNames, config_value, rope_parameters
 
 MODEL_TYPE = "phimoe"
 
 
 def parse_config(config: dict) -> ModelSpec:
-    fields = attention_fields(config)
+    fields = attention_fields(config, rope_types=("default", "longrope"))
+    if rope_parameters(config)["rope_type"] == "longrope":
+        fields.update(longrope_fields(config, fields["head_dim"], fields["rope_theta"]))
     num_layers = fields["num_layers"]
     bias = bool(config.get("attention_bias", False))
     fields["rms_norm_eps"] = float(config_value(config, "rms_norm_eps", default=1e-5))  # the LayerNorms' eps
@@ -54,3 +61,27 @@ def tensor_names(spec: ModelSpec) -> TensorNames:
     if spec.lm_head_bias:
         dense["lm_head_bias"] = "lm_head.bias"
     return names
+
+
+def longrope_fields(config: dict, head_dim: int, base: float) -> dict:
+    """ModelSpec fields of LongRoPE as Phi-3.5-MoE configures it (rope_scaling type "longrope" with
+    short_factor / long_factor per rotary frequency and short_mscale / long_mscale): frequencies
+    theta's divided by the factors, cos/sin times the mscale; the long set once a step reaches past
+    original_max_position_embeddings."""
+    params = rope_parameters(config)
+    where = f"{params['field']}"
+    original = config.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+    if not isinstance(original, int) or original < 1:
+        raise CheckpointError(f"{where}: longrope needs original_max_position_embeddings, got {original!r}")
+    factor = config_value(config, "max_position_embeddings") / original
+    default_mscale = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    sets = {}
+    for kind in ("short", "long"):
+        factors = params.get(f"{kind}_factor")
+        if not isinstance(factors, list) or len(factors) != head_dim // 2:
+            raise CheckpointError(f"{where}: {kind}_factor must list {head_dim // 2} numbers (head_dim / 2)")
+        shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        inv_freq = 1.0 / (torch.tensor(factors, dtype=torch.float32) * base ** shape)
+        sets[kind] = (tuple(inv_freq.tolist()), float(params.get(f"{kind}_mscale") or default_mscale))
+    return dict(rope_inv_freq=sets["short"][0], rope_attention_factor=sets["short"][1], rope_long_after=original,
+                rope_long_inv_freq=sets["long"][0], rope_long_attention_factor=sets["long"][1])
