@@ -2,7 +2,7 @@
 the file, tensor or option, and exit with status 2.
 
 The library is imported inside each command, not at the top: `edgemoe --help` and a bad flag answer
-in about 0.5 s instead of the 4-5 s that importing torch and numba takes (measured on a 2-vCPU EPYC)."""
+without loading torch and numba, which take seconds (docs/benchmarks.md, "Command start-up")."""
 
 from __future__ import annotations
 

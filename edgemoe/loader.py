@@ -4,17 +4,19 @@ store (dense weights in RAM, experts in the tiered store)."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Callable
 
 import torch
-
-from dataclasses import dataclass, field, fields
-from typing import Callable
+from safetensors import safe_open
 
 from edgemoe.options import OptionError, check_device, one_of, parse_bytes
 from edgemoe.scheduling.policies import POLICIES
 from edgemoe.scheduling.preload import PREDICTORS
-from edgemoe.store.disk import IO_MODES
+from edgemoe.store import TieredStore
+from edgemoe.store.disk import IO_MODES, drop_page_cache
+from edgemoe.store.format import DENSE_FILE, MANIFEST, StoreError, crc32
 
 from .checkpoint import Checkpoint, read_json
 from .errors import CheckpointError, EdgeMoEError
@@ -23,6 +25,7 @@ from .model import MoEModel
 from .models import architecture
 from .spec import ModelSpec
 from .precision import compute_dtype
+from .quantized import COMPUTE_CHOICES, StoreExperts
 from .tokenizer import Tokenizer
 from .weights import iter_experts, plan_weights, read_dense
 
@@ -61,8 +64,6 @@ class StoreOptions:
     name: Callable[[str], str] = field(default=python_name, repr=False, compare=False)
 
     def __post_init__(self):
-        from .quantized import COMPUTE_CHOICES
-
         n = self.name
         parse_bytes(self.ram, n("ram"), allow_share=True)
         parse_bytes(self.vram, n("vram"), allow_share=True)
@@ -133,7 +134,6 @@ def model_from_checkpoint(ckpt: Checkpoint, planned, dtype: torch.dtype | None =
 
 
 def is_store(path: str | os.PathLike) -> bool:
-    from edgemoe.store.format import MANIFEST, DENSE_FILE
     path = Path(path)
     return (path / MANIFEST).exists() or (path / DENSE_FILE).exists()
 
@@ -143,13 +143,6 @@ def load_store(path: str | os.PathLike, options: StoreOptions | None = None, dty
     """A model whose experts stay in a tiered store, held and run as `options` say (default
     StoreOptions()); the model owns the store: close it with model.close() or use the model as a
     context manager. manifest: the store's, already parsed (the converter's store before commit)."""
-    from safetensors import safe_open
-
-    from edgemoe.store import TieredStore
-    from edgemoe.store.disk import drop_page_cache
-    from edgemoe.store.format import StoreError, crc32
-    from .quantized import StoreExperts
-
     o = options or StoreOptions()
     store = TieredStore(path, ram=o.ram, vram=o.vram, device=o.device, policy=o.policy, io=o.io,
                         place_popular=o.place_popular, routing_profile=o.routing_profile, manifest=manifest)

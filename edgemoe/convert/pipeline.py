@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import resource
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -122,7 +123,7 @@ def convert(model_dir, out, bits: int = 4, widths: dict[Key, int] | str | Path |
                                  lambda done, total: report("writing experts", done, total))
             extra = {"budget": search.to_json()} if search is not None else {}
             manifest = writer.manifest(spec, ckpt.path, method, group_size, extra)
-            heldout = _check_store(writer.partial, manifest, calib_text, budget, reference, threads, report)
+            heldout = _profile_and_confirm(writer.partial, manifest, calib_text, budget, reference, threads, report)
             if heldout is not None:
                 manifest.data["budget"]["heldout_loss"] = heldout
             writer.commit(manifest)
@@ -145,7 +146,8 @@ def _search_widths(reference, budget: QualityBudget, calib_text: str, group_size
     return result, packed
 
 
-def _check_store(path: Path, manifest, calib_text, budget, reference, threads, report: Progress) -> float | None:
+def _profile_and_confirm(path: Path, manifest, calib_text, budget, reference, threads,
+                         report: Progress) -> float | None:
     """Open the store being written: profile its routing on calib_text (saved beside it) and, after
     a search, measure the held-out loss against the reference model (returned)."""
     if calib_text is None:
@@ -163,9 +165,7 @@ def _check_store(path: Path, manifest, calib_text, budget, reference, threads, r
 
 
 def _report(out: Path, writer: StoreWriter, widths, start: float, search, heldout, profiled) -> ConvertReport:
-    counts: dict[int, int] = {}
-    for b in widths.values():
-        counts[b] = counts.get(b, 0) + 1
+    counts = Counter(widths.values())
     entries = writer.entries
     params = sum(t["shape"][0] * t["shape"][1] for e in entries for t in e.tensors.values())
     return ConvertReport(out, len(entries), sum(e.stored_length for e in entries),

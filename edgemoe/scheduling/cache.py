@@ -25,6 +25,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+from .guard import GuardedPolicy
+
 Key = tuple[int, int]
 
 
@@ -125,7 +127,6 @@ class ExpertCache:
             tier_stats = self.stats.tiers.setdefault(name, TierStats())
             self.tiers.append(Tier(name, capacity, make_policy(), tier_stats))
         if guard is not None:   # the guard judges the tier experts leave the cache from
-            from .guard import GuardedPolicy
             self.tiers[-1].policy = GuardedPolicy(self.tiers[-1].policy, guard)
         self._enter = enter or (lambda item, tier: item)
         self.pinned: set[Key] = set()        # needed by the running layer (begin_layer)

@@ -53,9 +53,10 @@ def save_routing_profile(store_dir, profile: RoutingProfile) -> Path:
     return path
 
 
-def find_routing_profile(store_dir) -> RoutingProfile | None:
-    """The store's routing profile, or None without one (no profile.json, or no "routing" section)."""
-    data = read_profile_file(store_dir)
+def find_routing_profile(store_dir, data: dict | None = None) -> RoutingProfile | None:
+    """The store's routing profile, or None without one (no profile.json, or no "routing" section).
+    data: profile.json's contents when already read."""
+    data = read_profile_file(store_dir) if data is None else data
     return _routing(Path(store_dir) / PROFILE, data["routing"]) if "routing" in data else None
 
 
@@ -70,9 +71,9 @@ def load_routing_profile(store_dir) -> RoutingProfile:
     return _routing(path, data["routing"])
 
 
-def read_popularity(store_dir) -> dict[Key, float]:
-    """profile.json's popularity by (layer, expert); {} without one."""
-    data = read_profile_file(store_dir)
+def read_popularity(store_dir, data: dict | None = None) -> dict[Key, float]:
+    """profile.json's popularity by (layer, expert); {} without one. data: as find_routing_profile."""
+    data = read_profile_file(store_dir) if data is None else data
     if "popularity" not in data:
         return {}
     try:

@@ -32,7 +32,7 @@ from edgemoe.scheduling.profile import RoutingProfile
 from .disk import DiskTier
 from .format import ExpertEntry, Manifest, StoreError, decode_blob, read_manifest
 from .loads import LoadQueue
-from .profile_file import expert_popularity, find_routing_profile, read_popularity
+from .profile_file import expert_popularity, find_routing_profile, read_popularity, read_profile_file
 
 Key = tuple[int, int]
 PRELOAD_QUEUE = 64    # queued background reads at most: loading is best effort, never a backlog
@@ -113,9 +113,12 @@ class TieredStore:
         vram_capacity = parse_bytes(vram, "vram=", share_of=self.manifest.expert_bytes) or 0
         self.ram_capacity, self.vram_capacity = ram_capacity, vram_capacity   # bytes (RAM: None, unlimited)
         self.device = self._vram_device(vram, vram_capacity, device)
-        given = routing_profile is not None
-        self.routing_profile = routing_profile if given else find_routing_profile(self.path)
-        self.popularity = expert_popularity(routing_profile.popularity) if given else read_popularity(self.path)
+        if routing_profile is not None:
+            self.routing_profile, self.popularity = routing_profile, expert_popularity(routing_profile.popularity)
+        else:
+            profile_json = read_profile_file(self.path)     # read once for both
+            self.routing_profile = find_routing_profile(self.path, profile_json)
+            self.popularity = read_popularity(self.path, profile_json)
         self.disk = DiskTier(self.manifest, io=io)
         self.stats = StoreStats()
         unlimited = 1 << 62
