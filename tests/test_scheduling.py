@@ -164,6 +164,21 @@ def test_predictions_wait_while_the_running_layer_waits_for_the_disk():
     assert not q.put((4, 0), urgent=True) and len(q) == 8   # full: best effort, nothing queued
 
 
+def test_the_next_layer_releases_held_predictions_when_it_needs_no_read():
+    from edgemoe.store.loads import LoadQueue
+    q = LoadQueue(capacity=8)
+    q.await_layer([(0, 0)])                           # layer 0 waits for the disk
+    q.put((2, 0), urgent=False)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(q.get()))
+    reader.start()
+    reader.join(0.1)
+    assert got == []
+    q.await_layer([])                                 # layer 1 has everything resident: the disk is free
+    reader.join(5)
+    assert got == [((2, 0), False)]
+
+
 def test_a_preload_starts_only_after_the_running_layers_reads(store):
     with open_store(store, place_popular=False) as s:
         s.begin_layer(0, needed=[(0, 0)])

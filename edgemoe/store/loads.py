@@ -52,9 +52,12 @@ class LoadQueue:
 
     def await_layer(self, missing) -> None:
         """The running layer needs these experts from disk: hold predictions until they arrive."""
+        missing = set(missing)
         with self._cond:
-            self._awaiting = set(missing)
-            self._cond.notify_all()
+            released = self._awaiting and not missing
+            self._awaiting = missing
+            if released:   # held predictions may go; otherwise waking the loader only costs a GIL handover
+                self._cond.notify_all()
 
     def arrived(self, key: Key) -> None:
         """`key` is resident or was served: the running layer no longer waits for it."""
