@@ -89,6 +89,12 @@ def _dtype_option():
                         "type natively, else float32), float32, bfloat16 or float16. Activations are float32.")
 
 
+def _dense_bits_option():
+    return typer.Option(None, "--dense-bits", callback=_checked(options.one_of, (8, 4)),
+                        help="Quantize the dense projections and the LM head to 8 or 4 bits at load (fewer bytes "
+                        "per token; the embedding and routers stay as --dtype says).")
+
+
 def _threads_option():
     return typer.Option(None, "--threads", callback=_checked(options.integer_at_least, 1),
                         help="Threads for the kernels (default: the cores other processes leave free, "
@@ -191,6 +197,7 @@ def run(
     early_stopping: bool = typer.Option(False, "--early-stopping", help="With --beams: stop as soon as --beams "
                                         "beams have finished."),
     dtype: str = _dtype_option(),
+    dense_bits: Optional[int] = _dense_bits_option(),
     threads: Optional[int] = _threads_option(),
     store=None,
 ):
@@ -201,7 +208,7 @@ def run(
                       {"--temperature": temperature is not None, "--top-k": top_k is not None,
                        "--top-p": top_p is not None, "--seed": seed is not None, "--stop": bool(stop)})
     path = _model_path(model)
-    m = edgemoe.load(path, _dtype(dtype), threads, store=store)
+    m = edgemoe.load(path, _dtype(dtype), threads, store=store, dense_bits=dense_bits)
     if replay is not None:
         _replay_for(m.spec, replay).attach(m)
     if m.tokenizer is None:
@@ -496,6 +503,7 @@ def bench(
                                                "included (Linux, root)."),
     as_json: bool = typer.Option(False, "--json", help="Print the records as JSON."),
     dtype: str = _dtype_option(),
+    dense_bits: Optional[int] = _dense_bits_option(),
     threads: Optional[int] = _threads_option(),
     quiet: bool = _quiet_option(),
     compute: str = STORE_FLAGS["compute"][1](),
@@ -522,7 +530,8 @@ def bench(
         routed_by, replayer = "the model's own routers", None
     config = BenchConfig(ram=parse_ram(ram, store), modes=tuple(mode) or MODES, prefill_tokens=lengths,
                          decode_tokens=decode_tokens, warmup_tokens=warmup_tokens, repeats=repeats, cold=cold,
-                         replay=replayer, dtype=_dtype(dtype), threads=threads, routing_profile=profile,
+                         replay=replayer, dtype=_dtype(dtype), dense_bits=dense_bits, threads=threads,
+                         routing_profile=profile,
                          compute=options.one_of(compute, "--compute", COMPUTE_CHOICES))
     # The bandwidths are measured first, outside the memory limit: their 1 GiB buffer is not the run's.
     bandwidths = measure_bandwidths(store)
@@ -628,6 +637,7 @@ def eval_(
                                 "generation runs (slower; for options that act per step: --skip-below, --ram)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     dtype: str = _dtype_option(),
+    dense_bits: Optional[int] = _dense_bits_option(),
     threads: Optional[int] = _threads_option(),
     quiet: bool = _quiet_option(),
     store=None,
@@ -680,12 +690,12 @@ def _read_text(path: Path) -> str:
         raise EdgeMoEError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
-def _load_served(model: Optional[Path], dtype: str, threads, store):
+def _load_served(model: Optional[Path], dtype: str, dense_bits: Optional[int], threads, store):
     """The model for serve and chat, with run's store options (refused for a checkpoint directory)."""
     import edgemoe
 
     path = _model_path(model)
-    m = edgemoe.load(path, _dtype(dtype), threads, store=store)
+    m = edgemoe.load(path, _dtype(dtype), threads, store=store, dense_bits=dense_bits)
     if m.tokenizer is None:
         raise EdgeMoEError(f"{path}: no tokenizer.json, cannot generate text")
     return m
@@ -702,6 +712,7 @@ def serve(
     max_batch: int = typer.Option(16, "--max-batch", callback=_checked(options.integer_at_least, 1),
                                   help="Requests sharing one forward step at most."),
     dtype: str = _dtype_option(),
+    dense_bits: Optional[int] = _dense_bits_option(),
     threads: Optional[int] = _threads_option(),
     store=None,
 ):
@@ -711,7 +722,7 @@ def serve(
     from .server import serve as serve_http
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    m = _load_served(model, dtype, threads, store)
+    m = _load_served(model, dtype, dense_bits, threads, store)
     serve_http(m, host, port, model_name=model_name, max_batch=max_batch)
 
 
@@ -728,13 +739,14 @@ def chat(
     seed: Optional[int] = typer.Option(None, help="Seed for sampling."),
     system: Optional[str] = typer.Option(None, "--system", help="A system message before the conversation."),
     dtype: str = _dtype_option(),
+    dense_bits: Optional[int] = _dense_bits_option(),
     threads: Optional[int] = _threads_option(),
     store=None,
 ):
     """Chat on stdin/stdout through the tokenizer's chat template (/reset, /exit; Ctrl-C stops an answer)."""
     from .chat import chat_loop
 
-    m = _load_served(model, dtype, threads, store)
+    m = _load_served(model, dtype, dense_bits, threads, store)
     sampling = {k: v for k, v in dict(temperature=temperature, top_k=top_k, top_p=top_p).items() if v is not None}
     chat_loop(m, input, sys.stdout, max_new_tokens=max_new_tokens, system=system, seed=seed, **sampling)
 

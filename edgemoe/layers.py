@@ -12,11 +12,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .dense import QuantizedLinear
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, C] @ weight [R, C]^T (+ bias) -> [T, R] in x's dtype, multiplied in the weight's dtype
     (a bfloat16 matrix is read at half the bytes of a float32 copy, and torch's bfloat16 GEMM
-    accumulates in float32; its output is rounded to bfloat16); activations stay float32."""
+    accumulates in float32; its output is rounded to bfloat16); activations stay float32.
+    weight may be a QuantizedLinear (edgemoe.dense), which multiplies itself."""
+    if isinstance(weight, QuantizedLinear):
+        y = weight(x).to(x.dtype)
+        return y if bias is None else y + bias
     if x.dtype != weight.dtype:
         y = F.linear(x.to(weight.dtype), weight).to(x.dtype)
         return y if bias is None else y + bias

@@ -20,6 +20,7 @@ from edgemoe.store.format import DENSE_FILE, MANIFEST, StoreError, crc32
 
 from .checkpoint import Checkpoint, read_json
 from .errors import CheckpointError, EdgeMoEError
+from .dense import DENSE_BITS
 from .experts import DenseExpert, InMemoryExperts
 from .model import MoEModel
 from .models import architecture
@@ -167,20 +168,27 @@ def load_store(path: str | os.PathLike, options: StoreOptions | None = None, dty
 
 
 def load(path: str | os.PathLike, dtype: torch.dtype | None = None, threads: int | None = None,
-         store: StoreOptions | None = None, **options) -> MoEModel:
+         store: StoreOptions | None = None, dense_bits: int | None = None, **options) -> MoEModel:
     """A model from a Hugging Face checkpoint directory (all in RAM) or from a store (experts tiered,
     held and run as `store` says, or StoreOptions(**options): load(path, ram="25%", policy="lfu")).
     Dense weight matrices in `dtype`, by default as the checkpoint stores them where the CPU
     computes that type natively, else float32; activations float32. threads: the kernels' thread
-    count (None: the cores other processes leave free, followed as the machine's load changes)."""
+    count (None: the cores other processes leave free, followed as the machine's load changes).
+    dense_bits: 8 or 4 quantizes the dense projections and the LM head at load (edgemoe.dense)."""
     if store is not None and options:
         raise TypeError("load: give store=StoreOptions(...) or option keywords, not both")
+    if dense_bits is not None and dense_bits not in DENSE_BITS:
+        raise OptionError("dense_bits=", dense_bits, f"expected one of {DENSE_BITS} (or None: as loaded)")
     store = store if store is not None else StoreOptions(**options)
     if is_store(path):
-        return load_store(path, store, dtype, threads)
-    given = store.given()
-    if given:
-        verb = "applies" if len(given) == 1 else "apply"
-        raise EdgeMoEError(f"{path}: {', '.join(given)} {verb} to stores, and this is a checkpoint directory "
-                           f"(make a store with edgemoe convert)")
-    return load_checkpoint(path, dtype, threads)
+        model = load_store(path, store, dtype, threads)
+    else:
+        given = store.given()
+        if given:
+            verb = "applies" if len(given) == 1 else "apply"
+            raise EdgeMoEError(f"{path}: {', '.join(given)} {verb} to stores, and this is a checkpoint directory "
+                               f"(make a store with edgemoe convert)")
+        model = load_checkpoint(path, dtype, threads)
+    if dense_bits is not None:
+        model.quantize_dense(dense_bits)
+    return model

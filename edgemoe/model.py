@@ -22,6 +22,7 @@ import torch
 
 from .attention import QKV_PROJECTIONS
 from .cache import KVCache
+from .dense import quantize_layer, quantize_matrix
 from .experts import ExpertBatches, ExpertProvider
 from .layers import attend, attention_mask, layer_norm, linear, rms_norm, rope_tables, route_by_spec, swiglu
 from .spec import ModelSpec
@@ -69,6 +70,7 @@ class MoEModel:
         self.generation_config = generation_config or {}
         self.name = name
         self.dtype = torch.float32   # activations, residual stream, KV cache; weights keep their own
+        self.dense_bits = None       # quantize_dense's width, if called
         self.embed = dense["embed"]
         self.final_norm = dense["norm"]
         self.final_norm_bias = dense.get("norm_bias")
@@ -106,6 +108,13 @@ class MoEModel:
             self.store.close()
 
     # ---- public API -------------------------------------------------------------------------------
+    def quantize_dense(self, bits: int) -> None:
+        """Quantize the dense projections and the LM head to `bits` (edgemoe.dense), in place; the
+        embedding stays as loaded (a tied LM head gets a quantized copy of it)."""
+        self.layers = [quantize_layer(w, bits) for w in self.layers]
+        self.lm_head = quantize_matrix(self.lm_head, bits)
+        self.dense_bits = bits
+
     def new_cache(self) -> KVCache:
         s = self.spec
         return KVCache(s.num_layers, s.num_kv_heads, s.key_dim, dtype=self.dtype, value_dim=s.value_dim)

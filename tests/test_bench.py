@@ -145,12 +145,12 @@ def test_leave_memory_group_moves_back_and_reports_the_peak(tmp_path, capsys):
 def test_bench_command_prints_json_records(store, monkeypatch, capsys):
     monkeypatch.setattr("edgemoe.bench.measure_bandwidths", lambda path: FIXED)
     monkeypatch.setattr(sys, "argv", ["edgemoe", "bench", str(store), "--mode", "on-demand-lru", "--prefill", "6",
-                                      "--decode-tokens", "2", "--repeats", "1", "--json"])
+                                      "--decode-tokens", "2", "--repeats", "1", "--json", "--dense-bits", "8"])
     with pytest.raises(SystemExit) as exit_info:
         main()
     assert exit_info.value.code == 0
     (record,) = json.loads(capsys.readouterr().out)
-    assert record["mode"] == "on-demand-lru" and record["prefill_tokens"] == 6
+    assert record["mode"] == "on-demand-lru" and record["prefill_tokens"] == 6 and record["dense_bits"] == 8
     assert record["ram_bytes"] == int(0.25 * expert_bytes(store))
 
 

@@ -1,0 +1,63 @@
+"""Dense weight matrices quantized at load (--dense-bits): packed INT8 or INT4 codes per output
+channel, multiplied by the experts' kernels.
+
+A decode token reads every dense matrix once. On an AVX2 CPU without native bfloat16 they are
+float32 (edgemoe/precision.py), and on the Mixtral-shaped 3B model that is 468 MB a token against
+356 MB of INT4 experts; INT8 codes read a quarter of it. Quantized: the attention projections (and
+their MLA latents), dense-MLP layers, shared experts and the LM head. Kept as loaded: the embedding
+(a row gather, not a multiply), the routers (expert choice is sensitive and their matrices are
+small), norms and biases.
+
+A QuantizedLinear multiplies a few tokens on the integer kernel (int8 activations, edgemoe.kernels
+.qmatmul_int), more by dequantizing once and one float32 GEMM: per token the kernel redoes its dot
+products, so a GEMM wins from some token count on (KERNEL_MAX_TOKENS, measured with
+tools/bench_dense_dtype.py).
+
+Shapes: T tokens, R rows (outputs), C columns (inputs).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from edgemoe import kernels
+from edgemoe.quant import QuantizedTensor, quantize
+
+DENSE_BITS = (8, 4)
+# Per output channel at 8 bits; groups of 128 inputs at 4 bits, where one scale per row of 1024 or
+# more loses too much (the eval figures in docs/benchmarks.md).
+GROUP_SIZE = {8: None, 4: 128}
+QUANTIZED_ROLES = ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "kv_b", "mlp.gate", "mlp.up", "mlp.down",
+                   "shared.gate", "shared.up", "shared.down")
+KERNEL_MAX_TOKENS = 8
+
+
+class QuantizedLinear:
+    """A weight [R, C] as packed codes; called on x [T, C] it returns float32 [T, R] (edgemoe.layers.linear)."""
+
+    def __init__(self, qt: QuantizedTensor):
+        self.qt = qt
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.qt.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.qt.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        if x.shape[0] <= KERNEL_MAX_TOKENS:
+            return torch.from_numpy(kernels.qmatmul_int(x.contiguous().numpy(), self.qt))
+        return F.linear(x, kernels.dequantize(self.qt))
+
+
+def quantize_matrix(weight: torch.Tensor, bits: int) -> QuantizedLinear:
+    return QuantizedLinear(quantize(weight, bits, GROUP_SIZE[bits]))
+
+
+def quantize_layer(weights: dict, bits: int) -> dict:
+    """One decoder layer's weights (canonical names) with its QUANTIZED_ROLES quantized."""
+    return {name: quantize_matrix(w, bits) if name in QUANTIZED_ROLES else w for name, w in weights.items()}

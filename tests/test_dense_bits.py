@@ -1,0 +1,111 @@
+"""Dense projections quantized at load (edgemoe.dense, --dense-bits), against plain torch computations."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import edgemoe
+from edgemoe.dense import KERNEL_MAX_TOKENS, QUANTIZED_ROLES, QuantizedLinear, quantize_matrix
+from edgemoe.model import MoEModel, Segment
+from edgemoe.options import OptionError
+from edgemoe.quant import dequantize_reference
+
+from helpers import run_cli, weights
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("tokens", [1, KERNEL_MAX_TOKENS, KERNEL_MAX_TOKENS + 1, 40])
+def test_quantized_linear_is_the_dequantized_matrix_product(bits, tokens):
+    w = weights(96, 200, seed=bits)
+    layer = quantize_matrix(w, bits)
+    x = torch.randn(tokens, 200, generator=torch.Generator().manual_seed(tokens))
+    expected = F.linear(x.double(), dequantize_reference(layer.qt).double()).float()
+    y = layer(x)
+    assert y.dtype == torch.float32 and y.shape == (tokens, 96)
+    # Few tokens multiply on the integer kernel (activations rounded to int8: ~1% of a row's scale),
+    # more by dequantize + GEMM (float32 rounding only).
+    tolerance = 2e-2 if tokens <= KERNEL_MAX_TOKENS else 1e-4
+    assert torch.allclose(y, expected, rtol=0, atol=tolerance * expected.abs().max().item())
+    # the quantized matrix itself is close to the original: the width was applied, not ignored
+    err = (dequantize_reference(layer.qt) - w).abs().max().item()
+    assert 0 < err < {8: 0.01, 4: 0.2}[bits] * w.abs().max().item()
+
+
+def test_a_model_quantizes_its_projections_and_lm_head_only(tiny_model):
+    float_model = edgemoe.load(tiny_model("mixtral"))
+    model = edgemoe.load(tiny_model("mixtral"), dense_bits=8)
+    for w, w_float in zip(model.layers, float_model.layers):
+        for name, t in w.items():
+            if name in QUANTIZED_ROLES:
+                assert isinstance(t, QuantizedLinear) and t.shape == tuple(w_float[name].shape)
+            else:
+                assert torch.equal(t, w_float[name])   # router, norms: as loaded
+    assert isinstance(model.lm_head, QuantizedLinear)
+    assert torch.equal(model.embed, float_model.embed)
+
+
+def test_a_tied_lm_head_is_a_quantized_copy_of_the_embedding(tiny_model):
+    path = tiny_model("qwen2_moe", tie_word_embeddings=True)
+    model = edgemoe.load(path, dense_bits=8)
+    assert model.spec.tie_word_embeddings and isinstance(model.embed, torch.Tensor)
+    expected = quantize_matrix(model.embed, 8).qt
+    assert (model.lm_head.qt.packed == expected.packed).all()
+
+
+def dequantized_twin(model: MoEModel) -> MoEModel:
+    """The same model with every QuantizedLinear replaced by its dequantized float32 matrix."""
+    dense = {name: dequantize_reference(w.qt) if isinstance(w, QuantizedLinear) else w
+             for name, w in model.dense_weights().items()}
+    dense["lm_head"] = dequantize_reference(model.lm_head.qt)
+    spec = dataclasses.replace(model.spec, tie_word_embeddings=False)
+    return MoEModel(spec, dense, model.experts)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_logits_are_those_of_the_dequantized_weights_in_prefill_and_cached_decode(tiny_model, bits):
+    model = edgemoe.load(tiny_model("mixtral", tie_word_embeddings=True), dense_bits=bits)
+    twin = dequantized_twin(model)
+    tokens = torch.arange(3, 3 + 2 * KERNEL_MAX_TOKENS)
+    expected = twin.logits(tokens)
+    scale = expected.abs().max().item()
+    prefill = model.logits(tokens)                  # dequantize + GEMM
+    assert (prefill - expected).abs().max().item() < 1e-4 * scale
+    cache = model.new_cache()
+    model.logits(tokens[:4], cache)
+    decoded = torch.cat([model.logits(tokens[i:i + 1], cache) for i in range(4, len(tokens))])   # the kernel
+    # int8 activations round each product by up to ~0.5%, compounded over the layers of a random
+    # model whose logits are near-ties (so argmax is no measure here: see the trained model below);
+    # a wrong kernel is off by the whole scale
+    assert (decoded - expected[4:]).abs().mean().item() < 0.02 * scale
+
+
+def test_a_trained_model_keeps_its_predictions_at_8_bits():
+    """The bundled model (trained): int8 dense projections agree with float32 on the next token
+    nearly always (the full eval is in docs/benchmarks.md)."""
+    from edgemoe.bundled import bundled_model_path
+    from edgemoe.evaluate import evaluate_text
+    path = bundled_model_path()
+    text = (path / "eval.txt").read_text()[:3000]
+    result = evaluate_text(edgemoe.load(path, dense_bits=8), text, reference=edgemoe.load(path), decode=True)
+    assert result.top1_agreement >= 0.97
+    assert abs(result.perplexity / result.reference_perplexity - 1) < 0.01
+
+
+def test_dense_bits_reach_a_store_model_and_the_forward_step(tiny_model, tmp_path):
+    from edgemoe.convert import convert
+    store = tmp_path / "store"
+    convert(tiny_model("mixtral"), store, bits=8)
+    with edgemoe.load(store, dense_bits=8) as model:
+        assert isinstance(model.layers[0]["q"], QuantizedLinear)
+        cache = model.new_cache()
+        logits = model.forward(torch.tensor([5, 6, 7]), [Segment(cache, 3)], last_only=True)
+        assert logits.shape == (1, model.spec.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_bad_dense_bits_are_refused_by_name(tiny_model, monkeypatch, capsys):
+    with pytest.raises(OptionError, match="dense_bits="):
+        edgemoe.load(tiny_model("mixtral"), dense_bits=2)
+    status, err = run_cli(monkeypatch, capsys, "run", str(tiny_model("mixtral")), "-p", "a", "--dense-bits", "3")
+    assert status == 2 and "--dense-bits" in err
