@@ -54,6 +54,8 @@ ARCH_DEFAULTS = {
                         q_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=20, n_group=4,
                         topk_group=2, routed_scaling_factor=2.5),
     "phimoe": dict(num_local_experts=4, intermediate_size=96, attention_bias=True, lm_head_bias=True),
+    # Alternate sliding-window (4 positions, shorter than the tests' texts) and full attention layers.
+    "gpt_oss": dict(num_local_experts=4, intermediate_size=64, head_dim=16, sliding_window=4),
 }
 
 
