@@ -69,7 +69,11 @@ def _layer_layout(ckpt: Checkpoint, spec: ModelSpec, names: ExpertNames, problem
         return "per_expert"
     E, I, D = spec.num_experts, spec.expert_hidden, spec.hidden_size
     gate_up, down = names.fused_gate_up, names.fused_down
-    if names.fused == "gpt_oss" and all(f"{n}_{part}" in ckpt for n in (gate_up, down) for part in ("blocks", "scales")):
+    mxfp4 = [f"{n}_{part}" for n in (gate_up, down) for part in ("blocks", "scales")]
+    if names.fused == "gpt_oss" and any(n in ckpt for n in mxfp4):
+        if not all(n in ckpt for n in mxfp4):
+            problems.append("missing " + _short_list([n for n in mxfp4 if n not in ckpt]) + " (MXFP4 experts)")
+            return None
         for name, rows_cols in ((gate_up, (E, 2 * I, D)), (down, (E, D, I))):
             problems += check_mxfp4_shapes(f"{name}_blocks", ckpt.shape(f"{name}_blocks"),
                                            ckpt.shape(f"{name}_scales"), rows_cols)
