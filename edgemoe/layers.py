@@ -1,5 +1,5 @@
-"""The dense math of a decoder layer: RMSNorm / LayerNorm, rotary embeddings, attention over a KV cache,
-SwiGLU, routing (one function per router kind, chosen by ModelSpec.router). Plain functions on tensors,
+"""The dense math of a decoder layer: RMSNorm / LayerNorm, rotary embeddings, attention over a KV cache
+(with optional attention sinks), SwiGLU, routing (one function per router kind, chosen by ModelSpec.router). Plain functions on tensors,
 inference only.
 
 Shapes: T tokens in the step (all sequences, flattened), D hidden, H query heads, K kv heads, Dh head dim
@@ -87,7 +87,8 @@ def attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     sink takes its share of each query's probability mass, so the values' weights sum to below 1."""
     heads, group = q.shape[1], q.shape[1] // k.shape[0]
     keys, values = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)   # [H, L, D*]
-    scores = torch.matmul(q.transpose(0, 1), keys.transpose(1, 2)) * (scale or q.shape[-1] ** -0.5)  # [H, S, L]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.matmul(q.transpose(0, 1), keys.transpose(1, 2)) * scale          # [H, S, L]
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     sink = sinks.to(scores.dtype).view(heads, 1, 1).expand(heads, q.shape[0], 1)

@@ -71,8 +71,8 @@ class QuantizedExpert:
             device = next(iter(w.values())).device
             return self.activation(x.to(device, torch.float32), dense_matmul(w)).to(x.device, x.dtype)
         if path in PER_MATRIX:
-            kernel, t = PER_MATRIX[path], r.tensors
-            matmul = lambda h, role: torch.from_numpy(kernel(h.contiguous().numpy(), t[role]))
+            def matmul(h: torch.Tensor, role: str) -> torch.Tensor:
+                return torch.from_numpy(PER_MATRIX[path](h.contiguous().numpy(), r.tensors[role]))
         else:
             matmul = dense_matmul({role: kernels.dequantize(qt) for role, qt in r.tensors.items()})
         return self.activation(x.float(), matmul).to(x.dtype)

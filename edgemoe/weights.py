@@ -39,7 +39,7 @@ class ExpertSource:
         if self.layout == "per_expert":
             return tuple(n.per_expert(self.expert).values())
         if self.layout == "gpt_oss_mxfp4":
-            return tuple(f"{name}_{part}" for name in (n.fused_gate_up, n.fused_down) for part in ("blocks", "scales"))
+            return tuple(_mxfp4_names(n))
         return n.fused_gate_up, n.fused_down
 
 
@@ -69,15 +69,8 @@ def _layer_layout(ckpt: Checkpoint, spec: ModelSpec, names: ExpertNames, problem
         return "per_expert"
     E, I, D = spec.num_experts, spec.expert_hidden, spec.hidden_size
     gate_up, down = names.fused_gate_up, names.fused_down
-    mxfp4 = [f"{n}_{part}" for n in (gate_up, down) for part in ("blocks", "scales")]
-    if names.fused == "gpt_oss" and any(n in ckpt for n in mxfp4):
-        if not all(n in ckpt for n in mxfp4):
-            problems.append("missing " + _short_list([n for n in mxfp4 if n not in ckpt]) + " (MXFP4 experts)")
-            return None
-        for name, rows_cols in ((gate_up, (E, 2 * I, D)), (down, (E, D, I))):
-            problems += check_mxfp4_shapes(f"{name}_blocks", ckpt.shape(f"{name}_blocks"),
-                                           ckpt.shape(f"{name}_scales"), rows_cols)
-        return "gpt_oss_mxfp4"
+    if names.fused == "gpt_oss" and any(n in ckpt for n in _mxfp4_names(names)):
+        return _mxfp4_layout(ckpt, spec, names, problems)
     if gate_up in ckpt and down in ckpt:
         shapes = {"stacked": ((E, 2 * I, D), (E, D, I)), "gpt_oss": ((E, D, 2 * I), (E, I, D))}[names.fused]
         for name, shape in zip((gate_up, down), shapes):
@@ -90,6 +83,24 @@ def _layer_layout(ckpt: Checkpoint, spec: ModelSpec, names: ExpertNames, problem
     else:
         problems.append("missing " + _short_list([n for n in per_expert if n not in ckpt]) + f" (nor fused {gate_up})")
     return None
+
+
+def _mxfp4_names(names: ExpertNames) -> list[str]:
+    return [f"{n}_{part}" for n in (names.fused_gate_up, names.fused_down) for part in ("blocks", "scales")]
+
+
+def _mxfp4_layout(ckpt: Checkpoint, spec: ModelSpec, names: ExpertNames, problems: list[str]) -> str | None:
+    """GPT-OSS's MXFP4 experts: all four tensors there, blocks and scales of gate_up [E, 2I, D] and
+    down [E, D, I]; None (with problems noted) otherwise."""
+    missing = [n for n in _mxfp4_names(names) if n not in ckpt]
+    if missing:
+        problems.append(f"missing {_short_list(missing)} (MXFP4 experts)")
+        return None
+    E, I, D = spec.num_experts, spec.expert_hidden, spec.hidden_size
+    for name, rows_cols in ((names.fused_gate_up, (E, 2 * I, D)), (names.fused_down, (E, D, I))):
+        problems += check_mxfp4_shapes(f"{name}_blocks", ckpt.shape(f"{name}_blocks"),
+                                       ckpt.shape(f"{name}_scales"), rows_cols)
+    return "gpt_oss_mxfp4"
 
 
 def plan_weights(ckpt: Checkpoint, spec: ModelSpec, names: TensorNames) -> WeightPlan:
