@@ -20,7 +20,7 @@ Cq / Ckv query / key-value latent ranks) replaces q, k, v, o by:
     layers.{l}.kv_a [Ckv+R, D]  .kv_a_norm [Ckv]  .kv_b [H*(N+Dv), Ckv]  .o [D, H*Dv]
     (+ .q_a_bias [Cq], .kv_a_bias [Ckv+R] and .o_bias [D] with attention biases)
 Experts (I expert hidden): (layer, expert) -> gate [I, D], up [I, D], down [D, I].
-Expert biases (expert_activation="gpt_oss"), dense and stacked over a layer's experts, float32 in the model:
+Expert biases (expert_activation="gpt_oss"), dense and stacked over a layer's experts:
     layers.{l}.expert_gate_up_bias [E, 2I] (gate biases at even indices, up at odd, as GPT-OSS stores them)
     layers.{l}.expert_down_bias [E, D]
 """
