@@ -93,8 +93,8 @@ def checkpoints(tiny_model):
 
 
 def dequantized_reference(path, bits):
-    """The checkpoint's model with each expert's matrices replaced by quantize -> dequantize_reference."""
-    model = edgemoe.load(path)
+    """The checkpoint's model (float32) with each expert's matrices replaced by quantize -> dequantize_reference."""
+    model = edgemoe.load(path, dtype=torch.float32)
     model.experts = InMemoryExperts({key: DenseExpert(**{role: dequantize_reference(quantize(getattr(e, role), bits))
                                                         for role in ("gate", "up", "down")}, activation=e.activation)
                                      for key, e in model.experts.experts.items()})
@@ -173,3 +173,24 @@ def test_malformed_checkpoints_name_the_tensor(tiny_model, tmp_path, mxfp4, edit
     rewrite(path, edit)
     with pytest.raises(CheckpointError, match=message):
         edgemoe.load(path)
+
+
+def test_a_bfloat16_mxfp4_checkpoint_like_the_released_ones(tiny_model, tmp_path):
+    """bfloat16 dense weights and biases, MXFP4 experts: float32 parity with transformers, and a store
+    from it runs the experts with their bfloat16 biases."""
+    import transformers
+
+    path = tiny_model("gpt_oss", dtype="bfloat16", mxfp4=True, swiglu_limit=0.5)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                            experts_implementation="eager").eval()
+    ours = edgemoe.load(path, dtype=torch.float32)
+    ids = torch.tensor(ours.tokenizer.encode(TEXT))
+    with torch.no_grad():
+        expected = ref(ids[None]).logits[0]
+    assert (ours.logits(ids) - expected).abs().max() <= 1e-4
+    convert(path, tmp_path / "s", bits=8)
+    with edgemoe.load(tmp_path / "s", torch.float32, compute="fused-float") as model:
+        assert model.layers[0]["expert_gate_up_bias"].shape == (4, 128)
+        got = model.logits(ids)
+    reference = dequantized_reference(path, 8)
+    assert (got - reference.logits(ids)).abs().max() <= 1e-4
