@@ -194,3 +194,21 @@ def test_a_bfloat16_mxfp4_checkpoint_like_the_released_ones(tiny_model, tmp_path
         got = model.logits(ids)
     reference = dequantized_reference(path, 8)
     assert (got - reference.logits(ids)).abs().max() <= 1e-4
+
+
+def test_attention_sinks_take_their_share_of_each_softmax():
+    """A sink of -inf is no sink (SDPA's result); a finite one scales each head's output by
+    1 - its softmax share, computed here by hand for a query that sees every key."""
+    from edgemoe.layers import attend, attention_mask
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(5, 4, 8, generator=g), torch.randn(2, 5, 8, generator=g), torch.randn(2, 5, 8, generator=g)
+    mask = attention_mask(torch.arange(5), 5, window=3)
+    plain = attend(q, k, v, mask)
+    assert torch.allclose(attend(q, k, v, mask, sinks=torch.full((4,), float("-inf"))), plain, atol=1e-6)
+    sinks = torch.tensor([0.0, 1.0, -1.0, 2.0])
+    got = attend(q[-1:], k, v, None, sinks=sinks).view(4, 8)
+    scores = torch.einsum("hd,hld->hl", q[-1], k.repeat_interleave(2, dim=0)) / 8 ** 0.5     # [H, L]
+    kept = 1 - torch.sigmoid(sinks - scores.logsumexp(-1))          # exp(s) / (sum exp(scores) + exp(s))
+    expected = attend(q[-1:], k, v, None).view(4, 8) * kept[:, None]
+    assert torch.allclose(got, expected, atol=1e-6)
