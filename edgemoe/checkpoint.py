@@ -25,6 +25,7 @@ DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16
 
 
 TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+PACKED_DTYPES = {"U8": torch.uint8}   # codes of a quantized source format (MXFP4), read only as such
 
 
 @dataclass(frozen=True)
@@ -134,9 +135,10 @@ class Checkpoint:
         self.used.add(name)
         return tensor if dtype is None else tensor.to(dtype)
 
-    def _read(self, info: TensorInfo, offset: int, nbytes: int, shape) -> torch.Tensor:
-        if info.dtype not in TORCH_DTYPES:
-            raise CheckpointError(f"{info.file}: dtype {info.dtype} is not supported (F32, BF16, F16)")
+    def _read(self, info: TensorInfo, offset: int, nbytes: int, shape, packed: bool = False) -> torch.Tensor:
+        dtypes = {**TORCH_DTYPES, **PACKED_DTYPES} if packed else TORCH_DTYPES
+        if info.dtype not in dtypes:
+            raise CheckpointError(f"{info.file}: dtype {info.dtype} is not supported ({', '.join(dtypes)})")
         fd = self._handles.get(info.file)
         if fd is None:
             fd = self._handles[info.file] = os.open(info.file, os.O_RDONLY)
@@ -146,8 +148,8 @@ class Checkpoint:
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
         if nbytes == 0:
-            return torch.empty(shape, dtype=TORCH_DTYPES[info.dtype])
-        return torch.frombuffer(buf, dtype=TORCH_DTYPES[info.dtype]).reshape(shape)
+            return torch.empty(shape, dtype=dtypes[info.dtype])
+        return torch.frombuffer(buf, dtype=dtypes[info.dtype]).reshape(shape)
 
     def unused(self) -> list[str]:
         return sorted(set(self.tensors) - self.used)
@@ -158,11 +160,13 @@ class Checkpoint:
         self._handles.clear()
 
 
-def read_slice(ckpt: Checkpoint, name: str, index: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Read tensor[index] of a stacked tensor without reading the rest (fused expert layouts)."""
+def read_slice(ckpt: Checkpoint, name: str, index: int, dtype: torch.dtype | None = None,
+               packed: bool = False) -> torch.Tensor:
+    """Read tensor[index] of a stacked tensor without reading the rest (fused expert layouts);
+    packed: the tensor holds uint8 codes (MXFP4 blocks and scales), returned as they are."""
     info = ckpt.tensors[name]
     row = info.nbytes // info.shape[0]
-    tensor = ckpt._read(info, info.offset + index * row, row, info.shape[1:])
+    tensor = ckpt._read(info, info.offset + index * row, row, info.shape[1:], packed)
     ckpt.used.add(name)
     return tensor if dtype is None else tensor.to(dtype)
 

@@ -13,11 +13,18 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Protocol
+from functools import partial
+from typing import Callable, Protocol
 
 import torch
 
-from .layers import swiglu
+from .kernels.activations import Matmul, gpt_oss_expert
+from .layers import linear, swiglu
+from .spec import ModelSpec
+
+# A non-SwiGLU expert's computation with its biases and parameters bound: (x [S, D], matmul) -> [S, D]
+# (edgemoe/kernels/activations.py). None stands for SwiGLU, which the fused kernels compute.
+Activation = Callable[[torch.Tensor, Matmul], torch.Tensor] | None
 
 
 class Expert(Protocol):
@@ -26,15 +33,38 @@ class Expert(Protocol):
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
-class DenseExpert:
-    """A SwiGLU expert with full-precision weights: gate [I, D], up [I, D], down [D, I]."""
+def expert_activations(spec: ModelSpec, dense: dict[str, torch.Tensor]) -> Callable[[int, int], Activation]:
+    """(layer, expert) -> that expert's Activation, its biases taken from the model's dense weights
+    (canonical names, edgemoe/spec.py); None for every expert of a SwiGLU model."""
+    if spec.expert_activation == "gpt_oss":
+        def bound(layer: int, expert: int) -> Activation:
+            gate_up = dense[f"layers.{layer}.expert_gate_up_bias"][expert].float()    # [2I], interleaved
+            return partial(gpt_oss_expert, gate_bias=gate_up[0::2], up_bias=gate_up[1::2],
+                           down_bias=dense[f"layers.{layer}.expert_down_bias"][expert].float(),
+                           alpha=spec.swiglu_alpha, limit=spec.swiglu_limit)
+        return bound
+    return lambda layer, expert: None
 
-    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor):
+
+def dense_matmul(weights: dict[str, torch.Tensor]) -> Matmul:
+    """An Activation's matmul over full-precision weights (role -> [R, C], on the input's device)."""
+    return lambda h, role: linear(h, weights[role])
+
+
+class DenseExpert:
+    """An expert with full-precision weights: gate [I, D], up [I, D], down [D, I]; SwiGLU unless
+    given another Activation."""
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, activation: Activation = None):
         self.gate, self.up, self.down = gate, up, down
+        self.activation = activation
         self.nbytes = sum(t.numel() * t.element_size() for t in (gate, up, down))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return swiglu(x, self.gate, self.up, self.down)
+        if self.activation is None:
+            return swiglu(x, self.gate, self.up, self.down)
+        weights = {"gate": self.gate, "up": self.up, "down": self.down}
+        return self.activation(x.float(), dense_matmul(weights)).to(x.dtype)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""The dense math of a decoder layer: RMSNorm / LayerNorm, rotary embeddings, attention over a KV cache,
-SwiGLU, routing (one function per router kind, chosen by ModelSpec.router). Plain functions on tensors,
+"""The dense math of a decoder layer: RMSNorm / LayerNorm, rotary embeddings, attention over a KV cache
+(with optional attention sinks), SwiGLU, routing (one function per router kind, chosen by ModelSpec.router). Plain functions on tensors,
 inference only.
 
 Shapes: T tokens in the step (all sequences, flattened), D hidden, H query heads, K kv heads, Dh head dim
@@ -77,12 +77,29 @@ def attention_mask(q_pos: torch.Tensor, kv_len: int, window: int | None) -> torc
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-           scale: float | None = None) -> torch.Tensor:
+           scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [S, H, Dk], k [K, L, Dk], v [K, L, Dv] -> [S, H*Dv] (grouped-query attention; scale None =
-    1/sqrt(Dk))."""
+    1/sqrt(Dk)); sinks [H]: a per-head logit that joins each softmax and is dropped after it."""
+    if sinks is not None:
+        return attend_with_sinks(q, k, v, mask, scale, sinks)
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, enable_gqa=True,
                                          scale=scale)  # [H, S, Dv]
     return out.transpose(0, 1).reshape(q.shape[0], -1)
+
+
+def attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                      scale: float | None, sinks: torch.Tensor) -> torch.Tensor:
+    """attend() with GPT-OSS's attention sinks, written out (SDPA has no extra softmax column): the
+    sink takes its share of each query's probability mass, so the values' weights sum to below 1."""
+    heads, group = q.shape[1], q.shape[1] // k.shape[0]
+    keys, values = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)   # [H, L, D*]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.matmul(q.transpose(0, 1), keys.transpose(1, 2)) * scale          # [H, S, L]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype).view(heads, 1, 1).expand(heads, q.shape[0], 1)
+    probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs, values).transpose(0, 1).reshape(q.shape[0], -1)
 
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -154,12 +171,18 @@ def _sparsemixer_pick(candidates: torch.Tensor, scores: torch.Tensor, eps: float
     return weights.gather(-1, index), index
 
 
+def route_topk_softmax(logits, spec, bias):
+    """GPT-OSS: the top_k of the biased logits, softmaxed among themselves."""
+    top, experts = torch.topk(logits + bias, spec.top_k, dim=-1)
+    return torch.softmax(top, dim=-1), experts
+
+
 ROUTERS = {"softmax": route_softmax, "softmax_group": route_softmax_group, "sigmoid_group": route_sigmoid_group,
-           "sparsemixer": route_sparsemixer}
+           "sparsemixer": route_sparsemixer, "topk_softmax": route_topk_softmax}
 
 
 def route_by_spec(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | None, spec) -> tuple[torch.Tensor, torch.Tensor]:
-    """The spec's router: x [T, D], router [E, D] (bias [E] for sigmoid_group) -> (weights [T, A]
+    """The spec's router: x [T, D], router [E, D] (bias [E] for sigmoid_group, topk_softmax) -> (weights [T, A]
     float32, experts [T, A] int64), weights scaled by routed_scaling_factor."""
     weights, experts = ROUTERS[spec.router](linear(x, router).float(), spec, bias)
     if spec.routed_scaling_factor != 1.0:

@@ -21,7 +21,7 @@ from edgemoe.store.format import DENSE_FILE, MANIFEST, StoreError, crc32
 from .checkpoint import Checkpoint, read_json
 from .errors import CheckpointError, EdgeMoEError
 from .dense import DENSE_BITS
-from .experts import DenseExpert, InMemoryExperts
+from .experts import DenseExpert, InMemoryExperts, expert_activations
 from .model import MoEModel
 from .models import architecture
 from .spec import ModelSpec
@@ -126,7 +126,9 @@ def model_from_checkpoint(ckpt: Checkpoint, planned, dtype: torch.dtype | None =
     """Every weight of an open checkpoint read into RAM (planned: plan_checkpoint's result)."""
     spec, plan = planned
     dense = weights_in(read_dense(ckpt, plan), dtype)
-    experts = {key: DenseExpert(**weights_in(weights, dtype)) for key, weights in iter_experts(ckpt, plan, dtype)}
+    activation = expert_activations(spec, dense)
+    experts = {key: DenseExpert(**weights_in(weights, dtype), activation=activation(*key))
+               for key, weights in iter_experts(ckpt, plan, dtype)}
     tokenizer, generation_config = read_text_config(ckpt.path)
     return MoEModel(spec, dense, InMemoryExperts(experts), tokenizer, generation_config, name=ckpt.path.name,
                     threads=threads)
@@ -162,7 +164,8 @@ def load_store(path: str | os.PathLike, options: StoreOptions | None = None, dty
     directory = Path(path)
     tokenizer, generation_config = read_text_config(directory)
     # preload="none" is pure on-demand loading (the baseline): no background reads of any kind.
-    experts = StoreExperts(store, o.compute, overlap=o.preload != "none", skip_below=o.skip_below)
+    experts = StoreExperts(store, o.compute, overlap=o.preload != "none", skip_below=o.skip_below,
+                           activations=expert_activations(store.spec, dense))
     return MoEModel(store.spec, dense, experts, tokenizer, generation_config, name=directory.name, threads=threads,
                     store=store, preload=o.preload)
 

@@ -223,7 +223,8 @@ class MoEModel:
             end = start + seg.num_tokens
             keys, values = seg.cache.append(l, k[start:end].transpose(0, 1), v[start:end].transpose(0, 1))
             mask = attention_mask(positions[start:end], keys.shape[1], window)
-            outputs.append(attend(q[start:end], keys, values, mask, self.spec.attention_scale))   # [S, H*Dv]
+            outputs.append(attend(q[start:end], keys, values, mask, self.spec.attention_scale,
+                                  w.get("sinks")))   # [S, H*Dv]
             start = end
         return linear(torch.cat(outputs), w["o"], w.get("o_bias"))
 

@@ -4,7 +4,10 @@ Where an expert in RAM computes is decided by its width and token count S alone 
 never changes results): "fused-int", the numba SwiGLU kernel on the packed weights with activations
 quantized to int8 and integer dot products (edgemoe.kernels.swiglu_expert_int), "fused-float", the
 same with float32 activations (swiglu_expert), "dequant", dequantize once (numba) then torch
-matmuls, or, with a VRAM tier, "device": copy the packed bytes to the device and compute there. `compute="auto"` picks the cheapest by this machine's measured
+matmuls, or, with a VRAM tier, "device": copy the packed bytes to the device and compute there. An
+expert other than SwiGLU (ModelSpec.expert_activation, edgemoe/kernels/activations.py) has no fused
+kernel: on "fused-int" / "fused-float" it runs the per-matrix kernels (qmatmul_int / qmatmul) with
+its activation and biases between them. `compute="auto"` picks the cheapest by this machine's measured
 latency model (edgemoe.latency); the others force one. An expert resident on the device (the VRAM
 tier) is dequantized and multiplied there.
 
@@ -20,24 +23,28 @@ import torch
 
 from edgemoe import kernels
 from edgemoe.store import ResidentExpert, TieredStore
-from edgemoe.kernels.device import swiglu_on_device, to_device
+from edgemoe.kernels.device import dequantize_on_device, swiglu_on_device, to_device
 
-from .experts import ExpertBatches, ExpertProvider
+from .experts import Activation, ExpertBatches, ExpertProvider, dense_matmul
 from .layers import swiglu
 
 COMPUTE_CHOICES = ("auto", "fused-int", "fused-float", "dequant", "device")
 FUSED = {"fused-int": kernels.swiglu_expert_int, "fused-float": kernels.swiglu_expert}
+PER_MATRIX = {"fused-int": kernels.qmatmul_int, "fused-float": kernels.qmatmul}   # for a non-SwiGLU Activation
 
 
 class QuantizedExpert:
     def __init__(self, resident: ResidentExpert, choose: Callable[[int, int, int], str],
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, activation: Activation = None):
         self.resident = resident
         self.choose = choose          # (bits, tokens, nbytes) -> a COMPUTE_CHOICES entry but "auto"
         self.device = device          # the VRAM tier's device, for the "device" path
+        self.activation = activation  # None: SwiGLU
         self.nbytes = resident.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activation is not None:
+            return self._activation(x)
         r = self.resident
         if r.device is not None:   # resident on the device: compute there
             return swiglu_on_device(x, r.entry.tensors, r.device_tensors)
@@ -51,14 +58,37 @@ class QuantizedExpert:
         w = {role: kernels.dequantize(qt) for role, qt in r.tensors.items()}
         return swiglu(x.float(), w["gate"], w["up"], w["down"]).to(x.dtype)
 
+    def _activation(self, x: torch.Tensor) -> torch.Tensor:
+        """A non-SwiGLU expert: its Activation over the path's matmuls. "fused-int" / "fused-float"
+        run the per-matrix kernels (qmatmul_int / qmatmul), "dequant" and "device" torch on the
+        dequantized weights (on the device, with the activation, for "device")."""
+        r = self.resident
+        on_device = r.device_tensors if r.device is not None else None
+        path = "device" if on_device is not None else self.choose(r.bits, x.shape[0], r.nbytes)
+        if path == "device":
+            on_device = on_device if on_device is not None else to_device(r.tensors, self.device)
+            w = {role: dequantize_on_device(r.entry.tensors[role], t) for role, t in on_device.items()}
+            device = next(iter(w.values())).device
+            return self.activation(x.to(device, torch.float32), dense_matmul(w)).to(x.device, x.dtype)
+        if path in PER_MATRIX:
+            def matmul(h: torch.Tensor, role: str) -> torch.Tensor:
+                return torch.from_numpy(PER_MATRIX[path](h.contiguous().numpy(), r.tensors[role]))
+        else:
+            matmul = dense_matmul({role: kernels.dequantize(qt) for role, qt in r.tensors.items()})
+        return self.activation(x.float(), matmul).to(x.dtype)
+
 
 class StoreExperts(ExpertProvider):
     """The ExpertProvider of a model loaded from a store."""
 
-    def __init__(self, store: TieredStore, compute: str = "auto", overlap: bool = True, skip_below: float = 0.0):
+    def __init__(self, store: TieredStore, compute: str = "auto", overlap: bool = True, skip_below: float = 0.0,
+                 activations: Callable[[int, int], Activation] | None = None):
+        """activations: (layer, expert) -> the expert's Activation (edgemoe.experts.expert_activations),
+        None for SwiGLU experts."""
         if compute == "device" and store.device is None:
             raise ValueError("compute='device' needs a VRAM tier: give vram= and device=")
         self.store = store
+        self.activations = activations or (lambda layer, expert: None)
         self.compute = compute
         self.overlap = overlap       # read a layer's other experts in the background while one computes
         self._latency = None
@@ -85,7 +115,7 @@ class StoreExperts(ExpertProvider):
         start = time.perf_counter()
         resident = self.store.get(layer, expert)
         self.io_wait_seconds += time.perf_counter() - start
-        return QuantizedExpert(resident, self.choose, self.store.device)
+        return QuantizedExpert(resident, self.choose, self.store.device, self.activations(layer, expert))
 
     def prepare(self, layer: int, batches: ExpertBatches) -> None:
         self._kept = self._skip_weak_misses(layer, batches) if self.skip_below else batches

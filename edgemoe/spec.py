@@ -9,7 +9,9 @@ S shared-expert hidden, E experts):
     layers.{l}.attn_norm [D]  .mlp_norm [D]   (norm="layer": + norm_bias, .attn_norm_bias, .mlp_norm_bias [D])
     layers.{l}.q [H*Dh, D]  .k [K*Dh, D]  .v [K*Dh, D]  .o [D, H*Dh]  (+ .q_bias .k_bias .v_bias, + .o_bias [D])
     layers.{l}.q_norm / .k_norm  [Dh] ("head" norms) or [H*Dh] / [K*Dh] ("proj" norms)
-    layers.{l}.router [E, D]  (+ .router_bias [E]: the sigmoid router's selection-only bias)
+    layers.{l}.router [E, D]  (+ .router_bias [E]: the sigmoid router's selection-only bias, or the
+        "topk_softmax" router's logit bias)
+    layers.{l}.sinks [H]      (attention_sinks: one learned extra logit per head in the softmax denominator)
     layers.{l}.shared.gate / .up [S, D]  .shared.down [D, S]  .shared_gate [1, D] (absent when ungated)
     layers.{l}.mlp.gate / .up [F, D]  .mlp.down [D, F]       (dense-MLP layers)
 Multi-head latent attention (attention="mla"; N nope dims, R rope dims, Dv value dims per head,
@@ -18,6 +20,9 @@ Cq / Ckv query / key-value latent ranks) replaces q, k, v, o by:
     layers.{l}.kv_a [Ckv+R, D]  .kv_a_norm [Ckv]  .kv_b [H*(N+Dv), Ckv]  .o [D, H*Dv]
     (+ .q_a_bias [Cq], .kv_a_bias [Ckv+R] and .o_bias [D] with attention biases)
 Experts (I expert hidden): (layer, expert) -> gate [I, D], up [I, D], down [D, I].
+Expert biases (expert_activation="gpt_oss"), dense and stacked over a layer's experts:
+    layers.{l}.expert_gate_up_bias [E, 2I] (gate biases at even indices, up at odd, as GPT-OSS stores them)
+    layers.{l}.expert_down_bias [E, D]
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import Any
 from .errors import CheckpointError
 
 
+EXPERT_ACTIVATIONS = ("swiglu", "gpt_oss")
 POSITIVE_INTEGERS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                      "max_position_embeddings", "num_experts", "top_k", "expert_hidden")
 
@@ -83,6 +89,12 @@ class ModelSpec:
     routed_scaling_factor: float = 1.0    # multiplies the routed experts' weights
     router_jitter_eps: float = 0.0        # sparsemixer: relative score gap that still counts as a tie
     shared_expert_gated: bool = True      # shared expert behind a sigmoid gate (Qwen2-MoE) or always on
+    # The experts' computation: "swiglu", down(silu(gate x) * (up x)), or "gpt_oss", GPT-OSS's clamped
+    # SwiGLU with biases (edgemoe/kernels/activations.py), which uses the two fields after it.
+    expert_activation: str = "swiglu"
+    swiglu_alpha: float = 1.702           # gpt_oss: glu = gate * sigmoid(swiglu_alpha * gate)
+    swiglu_limit: float = 7.0             # gpt_oss: gate clamped above, up on both sides, at this limit
+    attention_sinks: bool = False         # a learned per-head logit joins each softmax (GPT-OSS)
     skipped_layers: int = 0               # checkpoint layers after the decoder's that generation does not
                                           # use (DeepSeek-V3's multi-token prediction): their tensors are skipped
 
@@ -99,7 +111,8 @@ class ModelSpec:
         if self.hidden_act != "silu":
             raise CheckpointError(f"config: hidden_act={self.hidden_act!r} (only 'silu' is supported)")
         choices = {"norm": ("rms", "layer"), "attention": ("gqa", "mla"),
-                   "router": ("softmax", "softmax_group", "sigmoid_group", "sparsemixer")}
+                   "router": ("softmax", "softmax_group", "sigmoid_group", "sparsemixer", "topk_softmax"),
+                   "expert_activation": EXPERT_ACTIVATIONS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise CheckpointError(f"config: {name}={getattr(self, name)!r} (expected one of {allowed})")
@@ -165,6 +178,8 @@ class ModelSpec:
             shapes.update({p + role: shape for role, shape in attention.items()})
             if self.o_bias:
                 shapes[p + "o_bias"] = (D,)
+            if self.attention_sinks:
+                shapes[p + "sinks"] = (self.num_heads,)
             shapes.update({p + role: shape for role, shape in self._mlp_shapes(l).items()})
         if self.norm == "layer":
             shapes.update({name + "_bias": (D,) for name in norms})
@@ -204,8 +219,11 @@ class ModelSpec:
             F = self.dense_hidden
             return {"mlp.gate": (F, D), "mlp.up": (F, D), "mlp.down": (D, F)}
         shapes: dict[str, tuple[int, ...]] = {"router": (self.num_experts, D)}
-        if self.router == "sigmoid_group":
+        if self.router in ("sigmoid_group", "topk_softmax"):
             shapes["router_bias"] = (self.num_experts,)
+        if self.expert_activation == "gpt_oss":
+            shapes["expert_gate_up_bias"] = (self.num_experts, 2 * self.expert_hidden)
+            shapes["expert_down_bias"] = (self.num_experts, D)
         if self.shared_expert_hidden:
             S = self.shared_expert_hidden
             shapes.update({"shared.gate": (S, D), "shared.up": (S, D), "shared.down": (D, S)})
@@ -229,12 +247,18 @@ class ExpertNames:
     Per-expert layout: f"{prefix}.{e}.{gate}" etc. (Mixtral: w1/w3/w2; Qwen, OLMoE: gate_proj/up_proj/
     down_proj, each + ".weight"). Fused layout (transformers 5 in memory, some checkpoints on disk):
     f"{prefix}.gate_up_proj" [E, 2I, D] (gate rows first) and f"{prefix}.down_proj" [E, D, I].
+    GPT-OSS's fused layout (fused="gpt_oss"): gate_up_proj [E, D, 2I] with gate and up interleaved
+    along the last axis (gate at even indices) and down_proj [E, I, D], both transposed against
+    nn.Linear; or, MXFP4-quantized, f"{prefix}.gate_up_proj_blocks" [E, 2I, D/32, 16] with
+    "_scales" [E, 2I, D/32] (rows interleaved, not transposed) and down_proj_blocks / _scales
+    [E, D, I/32, 16] / [E, D, I/32] (edgemoe/mxfp4.py).
     """
 
     prefix: str
     gate: str
     up: str
     down: str
+    fused: str = "stacked"      # the fused layout this checkpoint family uses: "stacked" or "gpt_oss"
 
     def per_expert(self, e: int) -> dict[str, str]:
         return {role: f"{self.prefix}.{e}.{name}" for role, name in

@@ -2,7 +2,8 @@
 
 The plan is checked from the safetensors headers alone before any weight is read: every canonical
 role found with the right shape, every checkpoint tensor used. All problems are reported in one error.
-Experts may be stored per expert or fused (stacked over experts); both resolve to the same roles.
+Experts may be stored per expert or fused (stacked over experts; GPT-OSS's interleaved, transposed
+and possibly MXFP4-quantized layout); all resolve to the same roles, float (MXFP4 decoded on read).
 
 Shapes: E experts, I expert hidden, D hidden.
 """
@@ -16,6 +17,7 @@ import torch
 
 from .checkpoint import Checkpoint, read_slice
 from .errors import CheckpointError
+from .mxfp4 import check_mxfp4_shapes, decode_mxfp4
 from .spec import ExpertNames, ModelSpec, TensorNames
 
 EXPERT_ROLES = ("gate", "up", "down")
@@ -23,12 +25,25 @@ EXPERT_ROLES = ("gate", "up", "down")
 
 @dataclass(frozen=True)
 class ExpertSource:
-    """Where one expert's three matrices are: per-expert tensors, or slices of the fused ones."""
+    """Where one expert's three matrices are: per-expert tensors, or slices of the fused ones
+    (layout: one of LAYOUTS)."""
 
     layer: int
     expert: int
     names: ExpertNames
-    fused: bool
+    layout: str
+
+    def tensors(self) -> tuple[str, ...]:
+        """The checkpoint tensors this expert is read from."""
+        n = self.names
+        if self.layout == "per_expert":
+            return tuple(n.per_expert(self.expert).values())
+        if self.layout == "gpt_oss_mxfp4":
+            return tuple(_mxfp4_names(n))
+        return n.fused_gate_up, n.fused_down
+
+
+LAYOUTS = ("per_expert", "stacked", "gpt_oss", "gpt_oss_mxfp4")
 
 
 @dataclass
@@ -42,8 +57,8 @@ def _short_list(items: list[str], limit: int = 8) -> str:
     return ", ".join(items[:limit]) + more
 
 
-def _layer_is_fused(ckpt: Checkpoint, spec: ModelSpec, names: ExpertNames, problems: list[str]) -> bool | None:
-    """Which expert layout a layer uses; None (with problems noted) when neither is complete."""
+def _layer_layout(ckpt: Checkpoint, spec: ModelSpec, names: ExpertNames, problems: list[str]) -> str | None:
+    """Which expert layout (LAYOUTS) a layer uses; None (with problems noted) when none is complete."""
     per_expert = [n for e in range(spec.num_experts) for n in names.per_expert(e).values()]
     if all(n in ckpt for n in per_expert):
         expected = spec.expert_shapes()
@@ -51,16 +66,41 @@ def _layer_is_fused(ckpt: Checkpoint, spec: ModelSpec, names: ExpertNames, probl
             for role, name in names.per_expert(e).items():
                 if ckpt.shape(name) != expected[role]:
                     problems.append(f"tensor {name} has shape {ckpt.shape(name)}, expected {expected[role]}")
-        return False
-    if names.fused_gate_up in ckpt and names.fused_down in ckpt:
-        E, I, D = spec.num_experts, spec.expert_hidden, spec.hidden_size
-        for name, shape in ((names.fused_gate_up, (E, 2 * I, D)), (names.fused_down, (E, D, I))):
+        return "per_expert"
+    E, I, D = spec.num_experts, spec.expert_hidden, spec.hidden_size
+    gate_up, down = names.fused_gate_up, names.fused_down
+    if names.fused == "gpt_oss" and any(n in ckpt for n in _mxfp4_names(names)):
+        return _mxfp4_layout(ckpt, spec, names, problems)
+    if gate_up in ckpt and down in ckpt:
+        shapes = {"stacked": ((E, 2 * I, D), (E, D, I)), "gpt_oss": ((E, D, 2 * I), (E, I, D))}[names.fused]
+        for name, shape in zip((gate_up, down), shapes):
             if ckpt.shape(name) != shape:
                 problems.append(f"tensor {name} has shape {ckpt.shape(name)}, expected {shape}")
-        return True
-    problems.append("missing " + _short_list([n for n in per_expert if n not in ckpt]) +
-                    f" (nor fused {names.fused_gate_up})")
+        return names.fused
+    if names.fused == "gpt_oss":
+        missing = [n for n in (gate_up, down) if n not in ckpt]
+        problems.append(f"missing {_short_list(missing)} (nor MXFP4 {gate_up}_blocks / _scales)")
+    else:
+        problems.append("missing " + _short_list([n for n in per_expert if n not in ckpt]) + f" (nor fused {gate_up})")
     return None
+
+
+def _mxfp4_names(names: ExpertNames) -> list[str]:
+    return [f"{n}_{part}" for n in (names.fused_gate_up, names.fused_down) for part in ("blocks", "scales")]
+
+
+def _mxfp4_layout(ckpt: Checkpoint, spec: ModelSpec, names: ExpertNames, problems: list[str]) -> str | None:
+    """GPT-OSS's MXFP4 experts: all four tensors there, blocks and scales of gate_up [E, 2I, D] and
+    down [E, D, I]; None (with problems noted) otherwise."""
+    missing = [n for n in _mxfp4_names(names) if n not in ckpt]
+    if missing:
+        problems.append(f"missing {_short_list(missing)} (MXFP4 experts)")
+        return None
+    E, I, D = spec.num_experts, spec.expert_hidden, spec.hidden_size
+    for name, rows_cols in ((names.fused_gate_up, (E, 2 * I, D)), (names.fused_down, (E, D, I))):
+        problems += check_mxfp4_shapes(f"{name}_blocks", ckpt.shape(f"{name}_blocks"),
+                                       ckpt.shape(f"{name}_scales"), rows_cols)
+    return "gpt_oss_mxfp4"
 
 
 def plan_weights(ckpt: Checkpoint, spec: ModelSpec, names: TensorNames) -> WeightPlan:
@@ -78,13 +118,12 @@ def plan_weights(ckpt: Checkpoint, spec: ModelSpec, names: TensorNames) -> Weigh
     experts = {}
     for layer in spec.moe_layer_ids:
         layer_names = names.experts[layer]
-        fused = _layer_is_fused(ckpt, spec, layer_names, problems)
+        layout = _layer_layout(ckpt, spec, layer_names, problems)
         for e in range(spec.num_experts):
-            experts[layer, e] = ExpertSource(layer, e, layer_names, bool(fused))
+            experts[layer, e] = ExpertSource(layer, e, layer_names, layout or "per_expert")
     used = {names.dense[r] for r in expected if r in names.dense}
     for src in experts.values():
-        used.update((src.names.fused_gate_up, src.names.fused_down) if src.fused
-                    else src.names.per_expert(src.expert).values())
+        used.update(src.tensors())
     unused = [n for n in sorted(set(ckpt.tensors) - used)
               if not n.endswith(names.ignored_suffixes) and not n.startswith(names.ignored_prefixes)]
     if unused:
@@ -97,12 +136,27 @@ def plan_weights(ckpt: Checkpoint, spec: ModelSpec, names: TensorNames) -> Weigh
 
 def read_expert(ckpt: Checkpoint, src: ExpertSource, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """One expert's gate [I, D], up [I, D], down [D, I]."""
-    if not src.fused:
+    if src.layout == "per_expert":
         return {role: ckpt.get(name, dtype) for role, name in src.names.per_expert(src.expert).items()}
-    gate_up = read_slice(ckpt, src.names.fused_gate_up, src.expert, dtype)  # [2I, D]
-    half = gate_up.shape[0] // 2
-    return {"gate": gate_up[:half].contiguous(), "up": gate_up[half:].contiguous(),
-            "down": read_slice(ckpt, src.names.fused_down, src.expert, dtype)}
+    if src.layout == "stacked":
+        gate_up = read_slice(ckpt, src.names.fused_gate_up, src.expert, dtype)  # [2I, D]
+        half = gate_up.shape[0] // 2
+        return {"gate": gate_up[:half].contiguous(), "up": gate_up[half:].contiguous(),
+                "down": read_slice(ckpt, src.names.fused_down, src.expert, dtype)}
+    if src.layout == "gpt_oss":
+        gate_up = read_slice(ckpt, src.names.fused_gate_up, src.expert, dtype).T    # [2I, D], interleaved rows
+        down = read_slice(ckpt, src.names.fused_down, src.expert, dtype).T          # [D, I]
+    else:   # gpt_oss_mxfp4: decoded to float32, then cast (so no more than one expert is ever decoded)
+        gate_up, down = (_read_mxfp4(ckpt, name, src.expert).to(dtype or torch.float32)
+                         for name in (src.names.fused_gate_up, src.names.fused_down))
+    return {"gate": gate_up[0::2].contiguous(), "up": gate_up[1::2].contiguous(), "down": down.contiguous()}
+
+
+def _read_mxfp4(ckpt: Checkpoint, name: str, expert: int) -> torch.Tensor:
+    """Expert `expert`'s slice of an MXFP4 pair name_blocks / name_scales, decoded: float32 [R, C]."""
+    blocks = read_slice(ckpt, f"{name}_blocks", expert, packed=True)    # [R, C/32, 16]
+    scales = read_slice(ckpt, f"{name}_scales", expert, packed=True)    # [R, C/32]
+    return decode_mxfp4(blocks, scales, f"{ckpt.path}: {name}_blocks")
 
 
 def read_dense(ckpt: Checkpoint, plan: WeightPlan, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:

@@ -27,12 +27,12 @@ def tiny_model(tmp_path_factory):
     made: dict[str, Path] = {}
 
     def build(arch: str = "mixtral", fused_experts: bool = False, shards: int = 1, dtype: str = "float32",
-              seed: int = 0, **overrides) -> Path:
-        key = json.dumps([arch, fused_experts, shards, dtype, seed, overrides], sort_keys=True)
+              seed: int = 0, mxfp4: bool = False, **overrides) -> Path:
+        key = json.dumps([arch, fused_experts, shards, dtype, seed, mxfp4, overrides], sort_keys=True)
         if key not in made:
             out = tmp_path_factory.mktemp(arch)
             made[key] = make_tiny.make_tiny_model(out, arch, seed=seed, dtype=dtype, fused_experts=fused_experts,
-                                                  shards=shards, **overrides)
+                                                  shards=shards, mxfp4=mxfp4, **overrides)
         return made[key]
 
     return build

@@ -26,6 +26,7 @@ ROUTER_CASES = [
     ("deepseek_v3", dict(n_routed_experts=16, num_experts_per_tok=4, n_group=8, topk_group=3, norm_topk_prob=False)),
     ("phimoe", dict(num_local_experts=8, num_experts_per_tok=2)),
     ("phimoe", dict(num_local_experts=8, num_experts_per_tok=2, router_jitter_noise=0.3)),
+    ("gpt_oss", dict(num_local_experts=16, num_experts_per_tok=4, num_hidden_layers=1)),
 ]
 
 
@@ -34,13 +35,15 @@ def transformers_router(arch, overrides):
     config = transformers.AutoConfig.for_model(arch, hidden_size=D, num_attention_heads=4, num_key_value_heads=4,
                                                **overrides)
     module = {"deepseek_v2": "DeepseekV2TopkRouter", "deepseek_v3": "DeepseekV3TopkRouter",
-              "phimoe": "PhimoeTopKRouter"}[arch]
+              "phimoe": "PhimoeTopKRouter", "gpt_oss": "GptOssTopKRouter"}[arch]
     router = getattr(getattr(transformers.models, arch), f"modeling_{arch}").__dict__[module](config).eval()
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         router.weight.copy_(torch.randn(router.weight.shape, generator=g))
         if arch == "deepseek_v3":
             router.e_score_correction_bias.copy_(0.3 * torch.randn(router.e_score_correction_bias.shape, generator=g))
+        if arch == "gpt_oss":   # a logit bias
+            router.bias.copy_(torch.randn(router.bias.shape, generator=g))
     return router, config
 
 
@@ -54,7 +57,8 @@ def test_routers_match_transformers_on_many_tokens(arch, overrides):
     x = torch.randn(500, D, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         _, ref_weights, ref_experts = router(x)
-    bias = router.e_score_correction_bias if arch == "deepseek_v3" else None
+    bias = {"deepseek_v3": getattr(router, "e_score_correction_bias", None),
+            "gpt_oss": getattr(router, "bias", None)}.get(arch)
     weights, experts = route_by_spec(x, router.weight.detach(), bias, spec_fields)
     # transformers returns the top-k unsorted: compare each token's experts and weights by expert id
     ref_order, order = ref_experts.argsort(dim=-1), experts.argsort(dim=-1)
@@ -110,6 +114,9 @@ def test_multi_token_prediction_layers_are_skipped_and_nothing_else(copy_of):
     ("deepseek_v3", {"n_group": 8, "topk_group": 1}, "n_group=8 leaves fewer than 2 experts per group"),
     ("deepseek_v3", {"topk_group": 1, "num_experts_per_tok": 3}, "num_experts_per_tok=3 exceeds the 2 experts"),
     ("phimoe", {"num_experts_per_tok": 3}, "sparsemixer routing picks 2 experts"),
+    ("gpt_oss", {"quantization_config": {"quant_method": "fp8"}}, "quant_method='fp8' is not supported"),
+    ("gpt_oss", {"layer_types": ["sliding_attention"]}, "layer_types lists 1 layers, num_hidden_layers is 2"),
+    ("gpt_oss", {"layer_types": ["chunked_attention", "full_attention"]}, "layer_types: 'chunked_attention'"),
 ])
 def test_unsupported_configurations_name_config_json_and_the_field(copy_of, arch, changes, message):
     path = copy_of(arch)
@@ -124,7 +131,7 @@ def test_spec_round_trips_through_a_store_manifest(tiny_model):
     assert ModelSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
 
 
-@pytest.mark.parametrize("arch", ["phimoe", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["phimoe", "deepseek_v3", "gpt_oss"])
 def test_a_twin_built_from_dense_weights_is_the_same_model(tiny_model, arch):
     """The budget search builds its quantized twin from dense_weights(): every bias and norm must come along."""
     from edgemoe.model import MoEModel

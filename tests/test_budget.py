@@ -139,3 +139,19 @@ def test_cached_layer_inputs_stay_exact_with_latent_attention_dense_layers_and_s
     search = BudgetSearch(model, Calibration(model, ids, context=48, metric="kl"))
     assert {layer for layer, _ in search.keys} == set(model.spec.moe_layer_ids) == {1, 2}
     assert_rerun_from_layer_is_exact(search, [(1, 5), (2, 0)])
+
+
+def test_the_search_twin_computes_gpt_oss_experts_with_their_biases(tiny_model):
+    """GPT-OSS's experts are not SwiGLU: the search's quantized twin must keep their activation."""
+    from edgemoe.experts import DenseExpert, InMemoryExperts
+    from edgemoe.quant import dequantize_reference, quantize
+
+    model = edgemoe.load(tiny_model("gpt_oss", swiglu_limit=0.5))
+    ids = torch.tensor(model.tokenizer.encode(TEXT, add_special_tokens=False))[:40]
+    search = BudgetSearch(model, Calibration(model, ids, context=48, metric="kl"))
+    expected = edgemoe.load(tiny_model("gpt_oss", swiglu_limit=0.5))
+    expected.experts = InMemoryExperts({key: DenseExpert(**{role: dequantize_reference(quantize(getattr(e, role), 8))
+                                                           for role in ("gate", "up", "down")}, activation=e.activation)
+                                        for key, e in model.experts.experts.items()})
+    assert set(search.experts.widths.values()) == {8}
+    assert (search._quantized.logits(ids) - expected.logits(ids)).abs().max() <= 1e-4

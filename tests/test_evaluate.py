@@ -30,7 +30,7 @@ def test_windows_score_every_position_once():
             assert end - begin <= context and begin < first
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2", "deepseek_v3", "phimoe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2", "deepseek_v3", "phimoe", "gpt_oss"])
 def test_perplexity_of_a_short_text_is_the_plain_cross_entropy(tiny_model, arch):
     path = tiny_model(arch)
     model = edgemoe.load(path)

@@ -47,8 +47,15 @@ CONFIGS = [
     ("phimoe", {}),                                                           # attention and LM-head biases
     ("phimoe", {"attention_bias": False, "lm_head_bias": False, "sliding_window": 5}),
     ("phimoe", {"tie_word_embeddings": True, "num_key_value_heads": 1, "router_jitter_noise": 0.2}),
+    ("gpt_oss", {}),                                   # window 4 on layer 0: the 13 tokens reach past it
+    ("gpt_oss", {"mxfp4": True}),                      # MXFP4 experts, which transformers dequantizes itself
+    ("gpt_oss", {"swiglu_limit": 0.3, "swiglu_alpha": 1.2, "num_key_value_heads": 1, "num_experts_per_tok": 3,
+                 "layer_types": ["full_attention", "sliding_attention"], "sliding_window": 3,
+                 "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "beta_fast": 8.0,
+                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}}),
+    ("gpt_oss", {"attention_bias": False, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}),
 ]
-ARCHITECTURES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "phimoe"]
+ARCHITECTURES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "phimoe", "gpt_oss"]
 
 
 SHORT, LONG = [1.0 + 0.25 * i for i in range(8)], [1.5 + 0.5 * i for i in range(8)]

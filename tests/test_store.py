@@ -36,7 +36,7 @@ def dequantized_reference(checkpoint, widths):
     """The checkpoint's model with each expert replaced by quantize -> dequantize_reference (plain torch)."""
     model = edgemoe.load(checkpoint)
     experts = {key: DenseExpert(**{role: dequantize_reference(quantize(getattr(e, role), widths(key)))
-                                   for role in ("gate", "up", "down")})
+                                   for role in ("gate", "up", "down")}, activation=e.activation)
                for key, e in model.experts.experts.items()}
     model.experts = InMemoryExperts(experts)
     return model
@@ -410,7 +410,8 @@ def test_budget_strings_and_errors(store):
             open_store(store, vram="1GB", device="cuda")
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "phimoe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "phimoe",
+                                  "gpt_oss"])
 def test_convert_run_and_inspect_every_architecture(tiny_model, tmp_path, arch):
     path = tiny_model(arch, fused_experts=arch == "olmoe")
     convert(path, tmp_path / "s", bits=4)

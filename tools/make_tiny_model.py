@@ -5,12 +5,14 @@
     python tools/make_tiny_model.py --arch qwen2_moe --out DIR --set num_experts=6 --set norm_topk_prob=true
     python tools/make_tiny_model.py --arch olmoe --out DIR --fused-experts --shards 3
     python tools/make_tiny_model.py --arch deepseek_v3 --out DIR --set q_lora_rank=null
+    python tools/make_tiny_model.py --arch gpt_oss --out DIR --mxfp4
 
 The model is built and saved by transformers itself (so it is a real checkpoint of that architecture),
 with a byte-level BPE tokenizer trained on a built-in paragraph, a tokenizer_config.json with a chat
 template and a generation_config.json. --fused-experts rewrites the experts stacked over experts
 ([E, 2I, D] gate_up_proj, [E, D, I] down_proj) as some checkpoints store them; --shards splits the
-weights over several files with a model.safetensors.index.json.
+weights over several files with a model.safetensors.index.json; --mxfp4 (gpt_oss) stores the experts
+MXFP4-quantized, as the released GPT-OSS checkpoints do.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ ARCH_DEFAULTS = {
                         q_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=20, n_group=4,
                         topk_group=2, routed_scaling_factor=2.5),
     "phimoe": dict(num_local_experts=4, intermediate_size=96, attention_bias=True, lm_head_bias=True),
+    # Alternate sliding-window (4 positions, shorter than the tests' texts) and full attention layers.
+    "gpt_oss": dict(num_local_experts=4, intermediate_size=64, head_dim=16, sliding_window=4),
 }
 
 
@@ -99,6 +103,37 @@ def fuse_experts(out: Path) -> None:
     save_file(tensors, path, metadata={"format": "pt"})
 
 
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def encode_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [..., C] (C a multiple of 32) -> MXFP4 blocks uint8 [..., C/32, 16] and scales uint8 [..., C/32]:
+    per block of 32 the smallest power-of-two scale that fits its largest value within +-6, then each value
+    rounded to the nearest e2m1 code, stored two per byte with the low nibble first."""
+    blocks = w.float().reshape(*w.shape[:-1], -1, 32)
+    amax = blocks.abs().amax(-1).clamp(min=2.0 ** -100)
+    exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    scaled = blocks / torch.exp2(exponent)[..., None]
+    table = torch.tensor(E2M1)
+    codes = (scaled[..., None] - table).abs().argmin(-1).to(torch.uint8)       # [..., G, 32]
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), (exponent + 127).to(torch.uint8)
+
+
+def mxfp4_experts(out: Path) -> None:
+    """Store GPT-OSS's expert matrices as the released checkpoints do: MXFP4 blocks and scales of the
+    untransposed weights (gate_up [E, 2I, D], down [E, D, I]), with quantization_config mxfp4."""
+    path = out / "model.safetensors"
+    tensors = load_file(path)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = encode_mxfp4(tensors.pop(name).transpose(1, 2))
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks.contiguous(), scales.contiguous()
+    save_file(tensors, path, metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
 def shard(out: Path, shards: int) -> None:
     path = out / "model.safetensors"
     tensors = load_file(path)
@@ -114,7 +149,8 @@ def shard(out: Path, shards: int) -> None:
 
 
 def make_tiny_model(out: str | Path, arch: str = "mixtral", seed: int = 0, dtype: str = "float32",
-                    fused_experts: bool = False, shards: int = 1, vocab_size: int = 320, **overrides) -> Path:
+                    fused_experts: bool = False, shards: int = 1, vocab_size: int = 320, mxfp4: bool = False,
+                    **overrides) -> Path:
     """Build, save and return the directory of a random `arch` checkpoint (config keys in `overrides`)."""
     import transformers
 
@@ -136,6 +172,8 @@ def make_tiny_model(out: str | Path, arch: str = "mixtral", seed: int = 0, dtype
         "tokenizer_class": "PreTrainedTokenizerFast"}, indent=1))
     if fused_experts:
         fuse_experts(out)
+    if mxfp4:
+        mxfp4_experts(out)
     if shards > 1:
         shard(out, shards)
     return out
@@ -165,11 +203,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--fused-experts", action="store_true")
     parser.add_argument("--shards", type=int, default=1)
+    parser.add_argument("--mxfp4", action="store_true", help="gpt_oss: experts stored MXFP4-quantized")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config.json key (value parsed as JSON)")
     args = parser.parse_args()
     out = make_tiny_model(args.out, args.arch, args.seed, args.dtype, args.fused_experts, args.shards,
-                          **parse_overrides(args.set))
+                          mxfp4=args.mxfp4, **parse_overrides(args.set))
     print(out)
 
 

@@ -57,6 +57,7 @@ class MixedWidthExperts(ExpertProvider):
         self.packed = {(key, bits): {role: quantize(getattr(e, role), bits, group_size, method)
                                      for role in ("gate", "up", "down")}
                        for key, e in dense.experts.items() for bits in WIDTHS}
+        self.activations = {key: e.activation for key, e in dense.experts.items()}
         self.widths: dict[Key, int] = {key: 8 for key in dense.experts}
         self._cache: OrderedDict = OrderedDict()
         self._cache_bytes, self._cached = cache_bytes, 0
@@ -66,7 +67,8 @@ class MixedWidthExperts(ExpertProvider):
         if item in self._cache:
             self._cache.move_to_end(item)
             return self._cache[item]
-        dense = DenseExpert(**{role: kernels.dequantize(qt) for role, qt in self.packed[item].items()})
+        dense = DenseExpert(**{role: kernels.dequantize(qt) for role, qt in self.packed[item].items()},
+                            activation=self.activations[layer, expert])
         self._cache[item] = dense
         self._cached += dense.nbytes
         while self._cached > self._cache_bytes and len(self._cache) > 1:

@@ -7,6 +7,8 @@
     int_paths(), default_int_path()      # integer code paths this CPU runs ("avx2", "portable")
     set_threads(n)                       # numba and torch thread counts together
 
+Experts other than SwiGLU (ModelSpec.expert_activation): edgemoe.kernels.activations, one function per
+kind over a matmul the caller supplies (these kernels, or torch).
 Plain torch twins of each kernel: edgemoe.kernels.reference. Integer path: edgemoe/kernels/cpu_int.py. numba options: edgemoe.kernels._jit.
 """
 

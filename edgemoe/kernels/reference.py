@@ -68,3 +68,17 @@ def swiglu_int_twin(x: np.ndarray, gate: QuantizedTensor, up: QuantizedTensor,
     xt = torch.from_numpy(x)
     h = silu_mul_twin(_int_linear(xt, gate), _int_linear(xt, up))  # [T, I]
     return _int_linear(h, down).numpy()
+
+
+def gpt_oss_reference(x: np.ndarray, gate: QuantizedTensor, up: QuantizedTensor, down: QuantizedTensor,
+                      gate_bias: torch.Tensor, up_bias: torch.Tensor, down_bias: torch.Tensor,
+                      alpha: float, limit: float) -> np.ndarray:
+    """GPT-OSS's expert written out on the dequantized weights, as transformers writes it (gate and up
+    as one interleaved projection): x float32 [T, D] -> float32 [T, D]."""
+    w_gate, w_up = dequantize_reference(gate), dequantize_reference(up)
+    gate_up_t = torch.stack((w_gate, w_up), dim=1).reshape(-1, w_gate.shape[1]).T          # [D, 2I] interleaved
+    gate_up_bias = torch.stack((gate_bias, up_bias), dim=1).reshape(-1)
+    h = torch.from_numpy(x) @ gate_up_t + gate_up_bias
+    g, u = h[..., ::2].clamp(min=None, max=limit), h[..., 1::2].clamp(min=-limit, max=limit)
+    glu = g * torch.sigmoid(g * alpha)
+    return ((u + 1) * glu @ dequantize_reference(down).T + down_bias).numpy()

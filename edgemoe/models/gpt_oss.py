@@ -1,0 +1,87 @@
+"""GPT-OSS (openai/gpt-oss-20b, -120b): biased q/k/v/o, learned attention sinks, sliding-window attention
+on alternate layers (layer_types), YaRN rotary embeddings (models/yarn.py), a biased router whose top-k
+logits are softmaxed among themselves, and experts computing a clamped SwiGLU with biases
+(expert_activation "gpt_oss", edgemoe/kernels/activations.py); every layer MoE.
+
+Checkpoint names (per layer l, prefix model.layers.{l}.): self_attn.{q,k,v,o}_proj.weight / .bias,
+self_attn.sinks [H], mlp.router.weight [E, D] / .bias [E], and the experts fused (ExpertNames, fused
+"gpt_oss"): mlp.experts.gate_up_proj [E, D, 2I] (gate and up interleaved, transposed) or, MXFP4
+(config quantization_config {"quant_method": "mxfp4"}), mlp.experts.gate_up_proj_blocks / _scales;
+likewise down_proj [E, I, D]; mlp.experts.gate_up_proj_bias [E, 2I] and down_proj_bias [E, D], which
+the store keeps as dense tensors (expert_gate_up_bias, expert_down_bias).
+"""
+
+from __future__ import annotations
+
+from .common import attention_fields, llama_style_names
+from .yarn import yarn_fields
+from ..errors import CheckpointError
+from ..spec import ExpertNames, ModelSpec, TensorNames, config_value, rope_parameters
+
+MODEL_TYPE = "gpt_oss"
+
+
+def sliding_windows(config: dict, num_layers: int) -> tuple[int | None, ...]:
+    """The window of each layer: config.sliding_window on "sliding_attention" layers (by default
+    the even ones, as transformers' GptOssConfig), None (full attention) on the others."""
+    window = config.get("sliding_window")
+    layer_types = config.get("layer_types") or [
+        "sliding_attention" if (l + 1) % 2 else "full_attention" for l in range(num_layers)]
+    if len(layer_types) != num_layers:
+        raise CheckpointError(f"layer_types lists {len(layer_types)} layers, num_hidden_layers is {num_layers}")
+    unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise CheckpointError(f"layer_types: {unknown[0]!r} is not supported (sliding_attention, full_attention)")
+    return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+
+
+def check_quantization(config: dict) -> None:
+    """Only MXFP4 (decoded on read) or no quantization_config at all."""
+    method = (config.get("quantization_config") or {}).get("quant_method", "mxfp4")
+    if method != "mxfp4":
+        raise CheckpointError(f"quantization_config quant_method={method!r} is not supported (mxfp4 or none)")
+
+
+def parse_config(config: dict) -> ModelSpec:
+    check_quantization(config)
+    fields = attention_fields(config, rope_types=("default", "yarn"))
+    fields["rms_norm_eps"] = float(config_value(config, "rms_norm_eps", default=1e-5))
+    params = rope_parameters(config)
+    if params["rope_type"] == "yarn":
+        head_dim = fields["head_dim"]
+        fields.update(yarn_fields(config, params, rope_dim=head_dim, key_dim=head_dim, base=fields["rope_theta"]))
+    num_layers = fields["num_layers"]
+    bias = bool(config.get("attention_bias", True))
+    return ModelSpec(
+        model_type=MODEL_TYPE,
+        num_experts=config_value(config, "num_local_experts", "num_experts"),
+        top_k=config_value(config, "num_experts_per_tok"),
+        norm_topk_prob=True,   # the top-k logits are softmaxed among themselves
+        expert_hidden=config_value(config, "intermediate_size"),
+        moe_layers=(True,) * num_layers,
+        sliding_windows=sliding_windows(config, num_layers),
+        qkv_bias=bias,
+        o_bias=bias,
+        attention_sinks=True,
+        router="topk_softmax",
+        expert_activation="gpt_oss",
+        swiglu_alpha=float(config_value(config, "swiglu_alpha", default=1.702)),
+        swiglu_limit=float(config_value(config, "swiglu_limit", default=7.0)),
+        **fields,
+    )
+
+
+def tensor_names(spec: ModelSpec) -> TensorNames:
+    names = llama_style_names(spec.num_layers, spec.tie_word_embeddings, qkv_bias=spec.qkv_bias)
+    experts = {}
+    for l in range(spec.num_layers):
+        src, dst = f"model.layers.{l}.", f"layers.{l}."
+        if spec.o_bias:
+            names[dst + "o_bias"] = src + "self_attn.o_proj.bias"
+        names[dst + "sinks"] = src + "self_attn.sinks"
+        names[dst + "router"] = src + "mlp.router.weight"
+        names[dst + "router_bias"] = src + "mlp.router.bias"
+        names[dst + "expert_gate_up_bias"] = src + "mlp.experts.gate_up_proj_bias"
+        names[dst + "expert_down_bias"] = src + "mlp.experts.down_proj_bias"
+        experts[l] = ExpertNames(src + "mlp.experts", "gate_proj", "up_proj", "down_proj", fused="gpt_oss")
+    return TensorNames(names, experts)
