@@ -1,6 +1,6 @@
 """The dense math of a decoder layer: RMSNorm / LayerNorm, rotary embeddings, attention over a KV cache
-(with optional attention sinks), SwiGLU, routing (one function per router kind, chosen by ModelSpec.router). Plain functions on tensors,
-inference only.
+(with optional attention sinks), SwiGLU, routing (one function per router kind, chosen by
+ModelSpec.router). Plain functions on tensors, inference only.
 
 Shapes: T tokens in the step (all sequences, flattened), D hidden, H query heads, K kv heads, Dh head dim
 (Dk key, Dv value dims when they differ), S tokens of one sequence in the step, L cached length of that

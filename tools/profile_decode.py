@@ -1,0 +1,93 @@
+"""Where a decode token's time goes: inside the kernels (dense matrix products, attention, the
+experts' kernels) or outside them (Python glue, small torch ops, the store's bookkeeping).
+
+Loads STORE with every expert in RAM, prefills a prompt, then times decode steps with a timer
+around each kernel entry point (a few hundred calls a token; the timers cost well under 1%).
+
+    python tools/profile_decode.py STORE [--prefill 512] [--tokens 32] [--dense-bits 8] [--threads N] [--cpu-time]
+
+--cpu-time counts this thread's CPU time instead of wall time: with --threads 1 every kernel runs on
+the calling thread, so the split holds even on a busy machine (where wall time also counts the
+waits for a core).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+
+import edgemoe
+from edgemoe import kernels, quantized
+from edgemoe.model import Segment
+
+CLOCK = time.perf_counter
+TOTALS: dict[str, float] = defaultdict(float)
+CALLS: dict[str, int] = defaultdict(int)
+
+
+def timed(kind: str, fn):
+    def wrapper(*args, **kwargs):
+        start = CLOCK()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            TOTALS[kind] += CLOCK() - start
+            CALLS[kind] += 1
+    return wrapper
+
+
+def instrument() -> None:
+    """Timers around every kernel the decode step calls (module attributes, so the callers see them)."""
+    F.linear = timed("dense matmul", F.linear)
+    F.scaled_dot_product_attention = timed("attention", F.scaled_dot_product_attention)
+    kernels.qmatmul_int = timed("dense matmul", kernels.qmatmul_int)      # QuantizedLinear (--dense-bits)
+    kernels.dequantize = timed("dense matmul", kernels.dequantize)
+    for path, fn in list(quantized.FUSED.items()):
+        quantized.FUSED[path] = timed("experts", fn)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("store")
+    parser.add_argument("--prefill", type=int, default=512)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--dense-bits", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--cpu-time", action="store_true")
+    args = parser.parse_args()
+    global CLOCK
+    CLOCK = time.thread_time if args.cpu_time else time.perf_counter
+    model = edgemoe.load(args.store, threads=args.threads, dense_bits=args.dense_bits)
+    for entry in model.store.experts():          # every expert resident before the timing
+        model.store.get(*entry.key)
+    cache = model.new_cache()
+    prompt = torch.randint(0, model.spec.vocab_size, (args.prefill,), generator=torch.Generator().manual_seed(0))
+    token = int(model.forward(prompt, [Segment(cache, args.prefill)], last_only=True)[-1].argmax())
+    for _ in range(4):                            # warm every path
+        token = int(model.forward(torch.tensor([token]), [Segment(cache, 1)], last_only=True)[-1].argmax())
+    instrument()
+    start = CLOCK()
+    for _ in range(args.tokens):
+        token = int(model.forward(torch.tensor([token]), [Segment(cache, 1)], last_only=True)[-1].argmax())
+    total = (CLOCK() - start) / args.tokens
+    model.close()
+    print(f"{args.store}: dense bits {args.dense_bits or 'as loaded'}, threads {args.threads or 'auto'}, "
+          f"prefill {args.prefill}, {args.tokens} tokens, {'CPU' if args.cpu_time else 'wall'} time; load average {os.getloadavg()[0]:.2f}")
+    print(f"{'part':>14} {'ms/token':>9} {'share':>6} {'calls/token':>11}")
+    inside = 0.0
+    for kind in ("dense matmul", "attention", "experts"):
+        ms = TOTALS[kind] / args.tokens
+        inside += ms
+        print(f"{kind:>14} {ms * 1e3:9.2f} {ms / total:6.1%} {CALLS[kind] / args.tokens:11.0f}")
+    outside = total - inside
+    print(f"{'outside':>14} {outside * 1e3:9.2f} {outside / total:6.1%}")
+    print(f"{'total':>14} {total * 1e3:9.2f}")
+
+
+if __name__ == "__main__":
+    main()
