@@ -17,7 +17,8 @@ from typing import Protocol
 
 import torch
 
-from .layers import swiglu
+from .kernels.activations import relu_expert
+from .layers import linear, swiglu
 
 
 class Expert(Protocol):
@@ -35,6 +36,21 @@ class DenseExpert:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return swiglu(x, self.gate, self.up, self.down)
+
+
+class DenseReluExpert:
+    """An ungated relu expert (Switch Transformers) with full-precision weights: up [I, D], down [D, I]."""
+
+    def __init__(self, up: torch.Tensor, down: torch.Tensor):
+        self.weights = {"up": up, "down": down}
+        self.nbytes = sum(t.numel() * t.element_size() for t in (up, down))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return relu_expert(x, self.weights, linear)
+
+
+# The in-memory expert of each ModelSpec.expert_activation kind.
+DENSE_EXPERTS = {"swiglu": DenseExpert, "relu": DenseReluExpert}
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """`edgemoe.load(path)`: a model from a Hugging Face checkpoint directory (everything in RAM) or from a
-store (dense weights in RAM, experts in the tiered store)."""
+store (dense weights in RAM, experts in the tiered store): a MoEModel, or a Seq2SeqModel for an
+encoder-decoder spec (spec.is_encoder_decoder)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ from edgemoe.store.format import DENSE_FILE, MANIFEST, StoreError, crc32
 
 from .checkpoint import Checkpoint, read_json
 from .errors import CheckpointError, EdgeMoEError
-from .experts import DenseExpert, InMemoryExperts
+from .experts import DENSE_EXPERTS, InMemoryExperts
 from .model import MoEModel
+from .seq2seq import Seq2SeqModel
 from .models import architecture
 from .spec import ModelSpec
 from .precision import compute_dtype
@@ -81,6 +83,11 @@ class StoreOptions:
                 if f.name != "name" and getattr(self, f.name) != f.default]
 
 
+def model_class(spec: ModelSpec) -> type:
+    """The model class that runs `spec`: Seq2SeqModel (encoder-decoder) or MoEModel (decoder-only)."""
+    return Seq2SeqModel if spec.is_encoder_decoder else MoEModel
+
+
 def read_spec(ckpt: Checkpoint) -> ModelSpec:
     arch = architecture(ckpt.config.get("model_type"), where=str(ckpt.path / "config.json"))
     try:
@@ -125,9 +132,10 @@ def model_from_checkpoint(ckpt: Checkpoint, planned, dtype: torch.dtype | None =
     """Every weight of an open checkpoint read into RAM (planned: plan_checkpoint's result)."""
     spec, plan = planned
     dense = weights_in(read_dense(ckpt, plan), dtype)
-    experts = {key: DenseExpert(**weights_in(weights, dtype)) for key, weights in iter_experts(ckpt, plan, dtype)}
+    expert = DENSE_EXPERTS[spec.expert_activation]
+    experts = {key: expert(**weights_in(weights, dtype)) for key, weights in iter_experts(ckpt, plan, dtype)}
     tokenizer, generation_config = read_text_config(ckpt.path)
-    return MoEModel(spec, dense, InMemoryExperts(experts), tokenizer, generation_config, name=ckpt.path.name,
+    return model_class(spec)(spec, dense, InMemoryExperts(experts), tokenizer, generation_config, name=ckpt.path.name,
                     threads=threads)
 
 
@@ -162,7 +170,7 @@ def load_store(path: str | os.PathLike, options: StoreOptions | None = None, dty
     tokenizer, generation_config = read_text_config(directory)
     # preload="none" is pure on-demand loading (the baseline): no background reads of any kind.
     experts = StoreExperts(store, o.compute, overlap=o.preload != "none", skip_below=o.skip_below)
-    return MoEModel(store.spec, dense, experts, tokenizer, generation_config, name=directory.name, threads=threads,
+    return model_class(store.spec)(store.spec, dense, experts, tokenizer, generation_config, name=directory.name, threads=threads,
                     store=store, preload=o.preload)
 
 

@@ -8,6 +8,11 @@ matmuls, or, with a VRAM tier, "device": copy the packed bytes to the device and
 latency model (edgemoe.latency); the others force one. An expert resident on the device (the VRAM
 tier) is dequantized and multiplied there.
 
+An expert of another kind (spec.expert_activation, e.g. Switch's ungated relu) has no fused kernel: its
+"fused-int" and "fused-float" paths run edgemoe.kernels.activations' function of that kind through the
+per-matrix kernels (qmatmul_int, qmatmul); "dequant" and "device" run the same function on dequantized
+weights.
+
 Shapes: T tokens, D hidden, S tokens of one expert.
 """
 
@@ -20,24 +25,31 @@ import torch
 
 from edgemoe import kernels
 from edgemoe.store import ResidentExpert, TieredStore
-from edgemoe.kernels.device import swiglu_on_device, to_device
+from edgemoe.kernels.activations import relu_expert
+from edgemoe.kernels.device import swiglu_on_device, to_device, weights_on_device
 
 from .experts import ExpertBatches, ExpertProvider
-from .layers import swiglu
+from .layers import linear, swiglu
 
 COMPUTE_CHOICES = ("auto", "fused-int", "fused-float", "dequant", "device")
 FUSED = {"fused-int": kernels.swiglu_expert_int, "fused-float": kernels.swiglu_expert}
+PER_MATRIX = {"fused-int": kernels.qmatmul_int, "fused-float": kernels.qmatmul}
+# Experts without a fused kernel, by ModelSpec.expert_activation: fn(x, weights by role, matmul).
+UNFUSED = {"relu": relu_expert}
 
 
 class QuantizedExpert:
     def __init__(self, resident: ResidentExpert, choose: Callable[[int, int, int], str],
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, activation: str = "swiglu"):
         self.resident = resident
+        self.unfused = UNFUSED.get(activation)   # None: SwiGLU
         self.choose = choose          # (bits, tokens, nbytes) -> a COMPUTE_CHOICES entry but "auto"
         self.device = device          # the VRAM tier's device, for the "device" path
         self.nbytes = resident.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.unfused is not None:
+            return self._unfused(x)
         r = self.resident
         if r.device is not None:   # resident on the device: compute there
             return swiglu_on_device(x, r.entry.tensors, r.device_tensors)
@@ -50,6 +62,20 @@ class QuantizedExpert:
             return torch.from_numpy(y).to(x.dtype)
         w = {role: kernels.dequantize(qt) for role, qt in r.tensors.items()}
         return swiglu(x.float(), w["gate"], w["up"], w["down"]).to(x.dtype)
+
+    def _unfused(self, x: torch.Tensor) -> torch.Tensor:
+        """The same paths as __call__ for an expert kind without a fused kernel."""
+        r = self.resident
+        path = "device" if r.device is not None else self.choose(r.bits, x.shape[0], r.nbytes)
+        if path == "device":
+            on_device = r.device_tensors if r.device is not None else to_device(r.tensors, self.device)
+            xd = x.to(next(iter(on_device["down"].values())).device, torch.float32)
+            return self.unfused(xd, weights_on_device(r.entry.tensors, on_device), linear).to(x.device, x.dtype)
+        if path in PER_MATRIX:
+            y = self.unfused(x.float().contiguous().numpy(), r.tensors, PER_MATRIX[path])
+            return torch.from_numpy(y).to(x.dtype)
+        w = {role: kernels.dequantize(qt) for role, qt in r.tensors.items()}
+        return self.unfused(x.float(), w, linear).to(x.dtype)
 
 
 class StoreExperts(ExpertProvider):
@@ -85,7 +111,7 @@ class StoreExperts(ExpertProvider):
         start = time.perf_counter()
         resident = self.store.get(layer, expert)
         self.io_wait_seconds += time.perf_counter() - start
-        return QuantizedExpert(resident, self.choose, self.store.device)
+        return QuantizedExpert(resident, self.choose, self.store.device, self.store.spec.expert_activation)
 
     def prepare(self, layer: int, batches: ExpertBatches) -> None:
         self._kept = self._skip_weak_misses(layer, batches) if self.skip_below else batches
