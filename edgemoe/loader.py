@@ -88,6 +88,13 @@ def model_class(spec: ModelSpec) -> type:
     return Seq2SeqModel if spec.is_encoder_decoder else MoEModel
 
 
+def require_decoder_only(spec: ModelSpec, where, what: str) -> None:
+    """Refuse an encoder-decoder model for `what` (a command or option that only runs MoEModel)."""
+    if spec.is_encoder_decoder:
+        raise EdgeMoEError(f"{where}: {what} needs a decoder-only model, and this is an encoder-decoder "
+                           f"{spec.model_type} model (edgemoe run generates from it)")
+
+
 def read_spec(ckpt: Checkpoint) -> ModelSpec:
     arch = architecture(ckpt.config.get("model_type"), where=str(ckpt.path / "config.json"))
     try:
