@@ -222,3 +222,23 @@ def test_unsupported_configs_are_refused(tiny_model, tmp_path, key, value, words
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=words):
         edgemoe.load(tmp_path)
+
+
+def test_inspect_counts_two_matrices_per_ungated_expert(tiny_model, tmp_path):
+    from edgemoe.store import inspect_store
+
+    report = convert(switch(tiny_model), tmp_path / "s", bits=8)
+    assert 8 < report.bits_per_weight < 9      # the codes plus a scale and zero per row
+    assert inspect_store(tmp_path / "s")["bits_per_weight"] == pytest.approx(report.bits_per_weight)
+
+
+def test_small_ram_tier_and_preloading_leave_output_unchanged(tiny_model, store):
+    """Experts of both stacks sharing a small RAM tier (one key space), evicted and read again: the same
+    tokens as with every expert resident."""
+    ids = edgemoe.load(switch(tiny_model)).tokenizer.encode(PROMPT)
+    opts = GenerationOptions(max_new_tokens=16)
+    with edgemoe.load(store, compute="fused-float") as roomy:
+        expected = list(roomy.generate_ids(ids, opts))
+    with edgemoe.load(store, compute="fused-float", ram="20%", preload="lookahead") as tight:
+        assert list(tight.generate_ids(ids, opts)) == expected
+        assert tight.store.stats.tiers["ram"].evictions > 0
