@@ -242,3 +242,38 @@ def test_small_ram_tier_and_preloading_leave_output_unchanged(tiny_model, store)
     with edgemoe.load(store, compute="fused-float", ram="20%", preload="lookahead") as tight:
         assert list(tight.generate_ids(ids, opts)) == expected
         assert tight.store.stats.tiers["ram"].evictions > 0
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_seeded_sampling_equals_transformers_sampling(tiny_model, seed):
+    """Temperature sampling draws from the same torch generator stream as transformers' (seeded alike)."""
+    path = switch(tiny_model)
+    hf, model = hf_model(path), edgemoe.load(path)
+    ids = model.tokenizer.encode(PROMPT)
+    torch.manual_seed(seed)
+    expected = hf.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=True, temperature=0.7, top_k=0,
+                           top_p=1.0)[0].tolist()
+    ours = list(model.generate_ids(ids, GenerationOptions(max_new_tokens=20, temperature=0.7, seed=seed)))
+    eos = model.generation_config["eos_token_id"]
+    assert ours == [t for t in expected[1:] if t != eos]
+
+
+def test_store_written_before_expert_kinds_reads_as_swiglu(tiny_model, tmp_path):
+    """A version-1 manifest whose spec lacks the fields added for Switch still loads, as SwiGLU."""
+    from edgemoe.spec import ModelSpec
+
+    out = tmp_path / "mixtral"
+    convert(tiny_model("mixtral"), out, bits=4)
+    with edgemoe.load(out, compute="fused-float") as model:
+        ids = model.tokenizer.encode(PROMPT)
+        expected = model.logits(ids)
+    manifest = json.loads((out / MANIFEST).read_text())
+    added = {"expert_activation", "encoder_layers", "relative_attention_buckets",
+             "relative_attention_max_distance", "decoder_start_token_id", "expert_capacity"}
+    assert added <= set(manifest["spec"]) and manifest["version"] == 1
+    manifest["spec"] = {k: v for k, v in manifest["spec"].items() if k not in added}
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    with edgemoe.load(out, compute="fused-float") as model:
+        assert model.spec.expert_activation == "swiglu" and ModelSpec.from_dict(manifest["spec"]).expert_roles == (
+            "gate", "up", "down")
+        assert torch.equal(model.logits(ids), expected)
