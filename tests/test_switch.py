@@ -129,9 +129,11 @@ def dequantized_reference(path, bits):
     return model
 
 
-@pytest.mark.parametrize("compute", ["fused-float", "dequant", "device"])
-def test_store_matches_dequantized_reference(tiny_model, store, compute):
-    options = {"vram": "100%", "device": "cpu"} if compute == "device" else {}
+@pytest.mark.parametrize("compute, vram", [("fused-float", None), ("dequant", None),
+                                           ("device", "100%"),    # every expert resident on the device
+                                           ("device", "10%")])    # most copied over from RAM per use
+def test_store_matches_dequantized_reference(tiny_model, store, compute, vram):
+    options = {"vram": vram, "device": "cpu"} if vram else {}
     model = edgemoe.load(store, compute=compute, **options)
     reference = dequantized_reference(switch(tiny_model), 4)
     ids = model.tokenizer.encode(PROMPT)
