@@ -207,8 +207,13 @@ def run(
     _check_beam_flags(beams, length_penalty, early_stopping,
                       {"--temperature": temperature is not None, "--top-k": top_k is not None,
                        "--top-p": top_p is not None, "--seed": seed is not None, "--stop": bool(stop)})
+    from .loader import require_decoder_only
+
     path = _model_path(model)
     m = edgemoe.load(path, _dtype(dtype), threads, store=store, dense_bits=dense_bits)
+    for flag, given in (("--beams", beams is not None), ("--replay", replay is not None)):
+        if given:
+            require_decoder_only(m.spec, path, flag)
     if replay is not None:
         _replay_for(m.spec, replay).attach(m)
     if m.tokenizer is None:
@@ -436,8 +441,11 @@ def trace(
     from .tracing import trace_text
     from .progress import progress_bar
 
+    from .loader import require_decoder_only
+
     content = _read_text(text)
     m = edgemoe.load(model, threads=threads, **({"preload": "none"} if is_store(model) else {}))
+    require_decoder_only(m.spec, model, "edgemoe trace")
     options.window_length(context, "--context", m.context_length)
     with progress_bar("tracing", quiet) as report:
         records = trace_text(m, content, context, report)
@@ -468,7 +476,11 @@ def profile(
     if not is_store(store):
         raise EdgeMoEError(f"{store}: not a store; a routing profile belongs to a store (make one with "
                            f"edgemoe convert, which profiles it when given --calib)")
-    options.window_length(context, "--context", read_manifest(store).spec.max_position_embeddings)
+    from .loader import require_decoder_only
+
+    spec = read_manifest(store).spec
+    require_decoder_only(spec, store, "edgemoe profile")
+    options.window_length(context, "--context", spec.max_position_embeddings)
     content = _read_text(text) if text else None
     with progress_bar("profiling routing", quiet) as report:
         result = profile_store(store, content, trace_file, context, min_count, threads, report)
@@ -517,7 +529,10 @@ def bench(
                         leave_memory_group, machine_summary, measure_bandwidths, parse_ram)
     from .progress import progress_bar
 
+    from .loader import require_decoder_only
+
     spec = read_manifest(store).spec
+    require_decoder_only(spec, store, "edgemoe bench")
     steps = warmup_tokens + decode_tokens
     lengths = tuple(prefill) or default_prefill(spec.max_position_embeddings, steps)
     profile = None
@@ -655,8 +670,11 @@ def eval_(
         from .bundled import bundled_text
         text = bundled_text("eval.txt")
     content = _read_text(text)
+    from .loader import require_decoder_only
+
     path = _model_path(model)
     m = edgemoe.load(path, _dtype(dtype), threads, store=store)
+    require_decoder_only(m.spec, path, "edgemoe eval (next-token perplexity)")
     options.window_length(context, "--context", m.context_length)
     if stride is not None and stride > (context or m.context_length):
         raise options.OptionError("--stride", stride, "expected at most the window length (--context)")
@@ -694,8 +712,11 @@ def _load_served(model: Optional[Path], dtype: str, dense_bits: Optional[int], t
     """The model for serve and chat, with run's store options (refused for a checkpoint directory)."""
     import edgemoe
 
+    from .loader import require_decoder_only
+
     path = _model_path(model)
     m = edgemoe.load(path, _dtype(dtype), threads, store=store, dense_bits=dense_bits)
+    require_decoder_only(m.spec, path, "serving and chat (edgemoe serve / chat)")
     if m.tokenizer is None:
         raise EdgeMoEError(f"{path}: no tokenizer.json, cannot generate text")
     return m

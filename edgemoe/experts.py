@@ -18,7 +18,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from .kernels.activations import Matmul, gpt_oss_expert
+from .kernels.activations import Matmul, gpt_oss_expert, relu_expert
 from .layers import linear, swiglu
 from .spec import ModelSpec
 
@@ -43,6 +43,8 @@ def expert_activations(spec: ModelSpec, dense: dict[str, torch.Tensor]) -> Calla
                            down_bias=dense[f"layers.{layer}.expert_down_bias"][expert].float(),
                            alpha=spec.swiglu_alpha, limit=spec.swiglu_limit)
         return bound
+    if spec.expert_activation == "relu":
+        return lambda layer, expert: relu_expert
     return lambda layer, expert: None
 
 
@@ -52,19 +54,22 @@ def dense_matmul(weights: dict[str, torch.Tensor]) -> Matmul:
 
 
 class DenseExpert:
-    """An expert with full-precision weights: gate [I, D], up [I, D], down [D, I]; SwiGLU unless
-    given another Activation."""
+    """An expert with full-precision weights: up [I, D], down [D, I] and, unless ungated, gate [I, D];
+    SwiGLU unless given another Activation (an ungated kind always has one)."""
 
-    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, activation: Activation = None):
+    def __init__(self, up: torch.Tensor, down: torch.Tensor, gate: torch.Tensor | None = None,
+                 activation: Activation = None):
+        if gate is None and activation is None:
+            raise ValueError("DenseExpert: a SwiGLU expert needs its gate matrix")
         self.gate, self.up, self.down = gate, up, down
+        self.weights = {role: t for role, t in (("gate", gate), ("up", up), ("down", down)) if t is not None}
         self.activation = activation
-        self.nbytes = sum(t.numel() * t.element_size() for t in (gate, up, down))
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.weights.values())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.activation is None:
             return swiglu(x, self.gate, self.up, self.down)
-        weights = {"gate": self.gate, "up": self.up, "down": self.down}
-        return self.activation(x.float(), dense_matmul(weights)).to(x.dtype)
+        return self.activation(x.float(), dense_matmul(self.weights)).to(x.dtype)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """`edgemoe.load(path)`: a model from a Hugging Face checkpoint directory (everything in RAM) or from a
-store (dense weights in RAM, experts in the tiered store)."""
+store (dense weights in RAM, experts in the tiered store): a MoEModel, or a Seq2SeqModel for an
+encoder-decoder spec (spec.is_encoder_decoder)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from .errors import CheckpointError, EdgeMoEError
 from .dense import DENSE_BITS
 from .experts import DenseExpert, InMemoryExperts, expert_activations
 from .model import MoEModel
+from .seq2seq import Seq2SeqModel
 from .models import architecture
 from .spec import ModelSpec
 from .precision import compute_dtype
@@ -82,6 +84,18 @@ class StoreOptions:
                 if f.name != "name" and getattr(self, f.name) != f.default]
 
 
+def model_class(spec: ModelSpec) -> type:
+    """The model class that runs `spec`: Seq2SeqModel (encoder-decoder) or MoEModel (decoder-only)."""
+    return Seq2SeqModel if spec.is_encoder_decoder else MoEModel
+
+
+def require_decoder_only(spec: ModelSpec, where, what: str) -> None:
+    """Refuse an encoder-decoder model for `what` (a command or option that only runs MoEModel)."""
+    if spec.is_encoder_decoder:
+        raise EdgeMoEError(f"{where}: {what} needs a decoder-only model, and this is an encoder-decoder "
+                           f"{spec.model_type} model (edgemoe run generates from it)")
+
+
 def read_spec(ckpt: Checkpoint) -> ModelSpec:
     arch = architecture(ckpt.config.get("model_type"), where=str(ckpt.path / "config.json"))
     try:
@@ -130,8 +144,8 @@ def model_from_checkpoint(ckpt: Checkpoint, planned, dtype: torch.dtype | None =
     experts = {key: DenseExpert(**weights_in(weights, dtype), activation=activation(*key))
                for key, weights in iter_experts(ckpt, plan, dtype)}
     tokenizer, generation_config = read_text_config(ckpt.path)
-    return MoEModel(spec, dense, InMemoryExperts(experts), tokenizer, generation_config, name=ckpt.path.name,
-                    threads=threads)
+    return model_class(spec)(spec, dense, InMemoryExperts(experts), tokenizer, generation_config,
+                             name=ckpt.path.name, threads=threads)
 
 
 
@@ -166,8 +180,8 @@ def load_store(path: str | os.PathLike, options: StoreOptions | None = None, dty
     # preload="none" is pure on-demand loading (the baseline): no background reads of any kind.
     experts = StoreExperts(store, o.compute, overlap=o.preload != "none", skip_below=o.skip_below,
                            activations=expert_activations(store.spec, dense))
-    return MoEModel(store.spec, dense, experts, tokenizer, generation_config, name=directory.name, threads=threads,
-                    store=store, preload=o.preload)
+    return model_class(store.spec)(store.spec, dense, experts, tokenizer, generation_config, name=directory.name,
+                                   threads=threads, store=store, preload=o.preload)
 
 
 def load(path: str | os.PathLike, dtype: torch.dtype | None = None, threads: int | None = None,
@@ -193,5 +207,8 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None, threads: int
                                f"(make a store with edgemoe convert)")
         model = load_checkpoint(path, dtype, threads)
     if dense_bits is not None:
+        if model.spec.is_encoder_decoder:
+            model.close()
+            require_decoder_only(model.spec, path, "dense_bits= (--dense-bits)")
         model.quantize_dense(dense_bits)
     return model

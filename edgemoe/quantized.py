@@ -5,9 +5,9 @@ never changes results): "fused-int", the numba SwiGLU kernel on the packed weigh
 quantized to int8 and integer dot products (edgemoe.kernels.swiglu_expert_int), "fused-float", the
 same with float32 activations (swiglu_expert), "dequant", dequantize once (numba) then torch
 matmuls, or, with a VRAM tier, "device": copy the packed bytes to the device and compute there. An
-expert other than SwiGLU (ModelSpec.expert_activation, edgemoe/kernels/activations.py) has no fused
-kernel: on "fused-int" / "fused-float" it runs the per-matrix kernels (qmatmul_int / qmatmul) with
-its activation and biases between them. `compute="auto"` picks the cheapest by this machine's measured
+expert other than SwiGLU (ModelSpec.expert_activation: GPT-OSS's, Switch's ungated relu;
+edgemoe/kernels/activations.py) has no fused kernel: on "fused-int" / "fused-float" it runs the
+per-matrix kernels (qmatmul_int / qmatmul) with its activation and biases between them. `compute="auto"` picks the cheapest by this machine's measured
 latency model (edgemoe.latency); the others force one. An expert resident on the device (the VRAM
 tier) is dequantized and multiplied there.
 
@@ -23,7 +23,7 @@ import torch
 
 from edgemoe import kernels
 from edgemoe.store import ResidentExpert, TieredStore
-from edgemoe.kernels.device import dequantize_on_device, swiglu_on_device, to_device
+from edgemoe.kernels.device import swiglu_on_device, to_device, weights_on_device
 
 from .experts import Activation, ExpertBatches, ExpertProvider, dense_matmul
 from .layers import swiglu
@@ -67,7 +67,7 @@ class QuantizedExpert:
         path = "device" if on_device is not None else self.choose(r.bits, x.shape[0], r.nbytes)
         if path == "device":
             on_device = on_device if on_device is not None else to_device(r.tensors, self.device)
-            w = {role: dequantize_on_device(r.entry.tensors[role], t) for role, t in on_device.items()}
+            w = weights_on_device(r.entry.tensors, on_device)
             device = next(iter(w.values())).device
             return self.activation(x.to(device, torch.float32), dense_matmul(w)).to(x.device, x.dtype)
         if path in PER_MATRIX:

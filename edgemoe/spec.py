@@ -19,10 +19,20 @@ Cq / Ckv query / key-value latent ranks) replaces q, k, v, o by:
     layers.{l}.q [H*(N+R), D] when Cq = 0, else .q_a [Cq, D]  .q_a_norm [Cq]  .q_b [H*(N+R), Cq]
     layers.{l}.kv_a [Ckv+R, D]  .kv_a_norm [Ckv]  .kv_b [H*(N+Dv), Ckv]  .o [D, H*Dv]
     (+ .q_a_bias [Cq], .kv_a_bias [Ckv+R] and .o_bias [D] with attention biases)
-Experts (I expert hidden): (layer, expert) -> gate [I, D], up [I, D], down [D, I].
+Experts (I expert hidden): (layer, expert) -> gate [I, D], up [I, D], down [D, I]; an ungated expert
+(expert_activation "relu") has no gate.
 Expert biases (expert_activation="gpt_oss"), dense and stacked over a layer's experts:
     layers.{l}.expert_gate_up_bias [E, 2I] (gate biases at even indices, up at odd, as GPT-OSS stores them)
     layers.{l}.expert_down_bias [E, D]
+
+Encoder-decoder models (encoder_layers > 0, Switch Transformers; B relative-position buckets): layers
+0..encoder_layers-1 are the encoder stack, the rest the decoder stack, so (layer, expert) keys of both stacks
+share one space. Roles: embed [V, D] (the decoder's, and the encoder's when tied)  enc_norm [D] (encoder's
+final norm)  norm [D] (decoder's)  lm_head [V, D] and enc_embed [V, D] (the encoder's): both absent when tied
+    layers.{l}.attn_norm .q .k .v .o  .mlp_norm   (no biases, Dh = d_kv)
+    layers.{l}.rel_bias [B, H]   (the first layer of each stack; shared by the stack's layers)
+    layers.{l}.cross_norm [D]  .cross.q .cross.k .cross.v [H*Dh, D]  .cross.o [D, H*Dh]   (decoder layers)
+    layers.{l}.mlp.up [F, D]  .mlp.down [D, F]   (dense layers: ungated, relu)   .router [E, D] (MoE layers)
 """
 
 from __future__ import annotations
@@ -33,7 +43,11 @@ from typing import Any
 from .errors import CheckpointError
 
 
-EXPERT_ACTIVATIONS = ("swiglu", "gpt_oss")
+# The matrices of an expert of each ModelSpec.expert_activation kind, in their stored order.
+EXPERT_ROLES = {"swiglu": ("gate", "up", "down"), "gpt_oss": ("gate", "up", "down"), "relu": ("up", "down")}
+# The dense MLP's activation that goes with each kind.
+HIDDEN_ACTS = {"swiglu": "silu", "gpt_oss": "silu", "relu": "relu"}
+
 POSITIVE_INTEGERS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                      "max_position_embeddings", "num_experts", "top_k", "expert_hidden")
 
@@ -91,12 +105,19 @@ class ModelSpec:
     shared_expert_gated: bool = True      # shared expert behind a sigmoid gate (Qwen2-MoE) or always on
     # The experts' computation: "swiglu", down(silu(gate x) * (up x)), or "gpt_oss", GPT-OSS's clamped
     # SwiGLU with biases (edgemoe/kernels/activations.py), which uses the two fields after it.
-    expert_activation: str = "swiglu"
+    expert_activation: str = "swiglu"     # an EXPERT_ROLES kind: "swiglu", "gpt_oss" (clamped, biased) or
+                                          # "relu" (ungated: down(relu(up x)))
     swiglu_alpha: float = 1.702           # gpt_oss: glu = gate * sigmoid(swiglu_alpha * gate)
     swiglu_limit: float = 7.0             # gpt_oss: gate clamped above, up on both sides, at this limit
     attention_sinks: bool = False         # a learned per-head logit joins each softmax (GPT-OSS)
     skipped_layers: int = 0               # checkpoint layers after the decoder's that generation does not
                                           # use (DeepSeek-V3's multi-token prediction): their tensors are skipped
+    # Encoder-decoder (Switch Transformers): the first encoder_layers of num_layers are the encoder's.
+    encoder_layers: int = 0               # 0: decoder-only
+    relative_attention_buckets: int = 0   # T5 relative-position buckets and the distance the last one starts at
+    relative_attention_max_distance: int = 0
+    decoder_start_token_id: int | None = None
+    expert_capacity: int | None = None    # tokens per expert and sequence in one pass; those beyond are dropped
 
     def __post_init__(self):
         for name in POSITIVE_INTEGERS:
@@ -108,11 +129,17 @@ class ModelSpec:
                                   f"num_key_value_heads={self.num_kv_heads}")
         if not 1 <= self.top_k <= self.num_experts:
             raise CheckpointError(f"config: num_experts_per_tok={self.top_k} with {self.num_experts} experts")
-        if self.hidden_act != "silu":
-            raise CheckpointError(f"config: hidden_act={self.hidden_act!r} (only 'silu' is supported)")
+        if self.expert_activation not in EXPERT_ROLES:
+            raise CheckpointError(f"config: expert_activation={self.expert_activation!r} "
+                                  f"(expected one of {tuple(EXPERT_ROLES)})")
+        if self.hidden_act != HIDDEN_ACTS[self.expert_activation]:
+            raise CheckpointError(f"config: hidden_act={self.hidden_act!r} (only "
+                                  f"{HIDDEN_ACTS[self.expert_activation]!r} is supported with "
+                                  f"{self.expert_activation} experts)")
+        if self.encoder_layers:
+            self._check_encoder_decoder()
         choices = {"norm": ("rms", "layer"), "attention": ("gqa", "mla"),
-                   "router": ("softmax", "softmax_group", "sigmoid_group", "sparsemixer", "topk_softmax"),
-                   "expert_activation": EXPERT_ACTIVATIONS}
+                   "router": ("softmax", "softmax_group", "sigmoid_group", "sparsemixer", "topk_softmax")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise CheckpointError(f"config: {name}={getattr(self, name)!r} (expected one of {allowed})")
@@ -120,6 +147,18 @@ class ModelSpec:
             self._check_groups()
         if self.router == "sparsemixer" and self.top_k != 2:
             raise CheckpointError(f"config: num_experts_per_tok={self.top_k}: sparsemixer routing picks 2 experts")
+
+    def _check_encoder_decoder(self) -> None:
+        if not 0 < self.encoder_layers < self.num_layers:
+            raise CheckpointError(f"config: {self.encoder_layers} encoder layers of {self.num_layers} leave no decoder")
+        if self.relative_attention_buckets < 2 or self.relative_attention_max_distance < 1:
+            raise CheckpointError(f"config: relative_attention_num_buckets={self.relative_attention_buckets}, "
+                                  f"relative_attention_max_distance={self.relative_attention_max_distance}")
+        if self.decoder_start_token_id is None or not 0 <= self.decoder_start_token_id < self.vocab_size:
+            raise CheckpointError(f"config: decoder_start_token_id={self.decoder_start_token_id!r} "
+                                  f"outside [0, {self.vocab_size})")
+        if self.expert_capacity is not None and self.expert_capacity < 1:
+            raise CheckpointError(f"config: expert_capacity={self.expert_capacity} (expected >= 1)")
 
     def _check_groups(self) -> None:
         if self.n_group < 1 or self.num_experts % self.n_group:
@@ -161,8 +200,18 @@ class ModelSpec:
         """Dims per head that the rotary embedding turns (MLA: only the rope part)."""
         return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
 
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return self.encoder_layers > 0
+
+    @property
+    def expert_roles(self) -> tuple[str, ...]:
+        return EXPERT_ROLES[self.expert_activation]
+
     def dense_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every canonical dense role this model has, with its shape."""
+        if self.is_encoder_decoder:
+            return self._encoder_decoder_shapes()
         D, V = self.hidden_size, self.vocab_size
         shapes: dict[str, tuple[int, ...]] = {"embed": (V, D), "norm": (D,)}
         if not self.tie_word_embeddings:
@@ -183,6 +232,27 @@ class ModelSpec:
             shapes.update({p + role: shape for role, shape in self._mlp_shapes(l).items()})
         if self.norm == "layer":
             shapes.update({name + "_bias": (D,) for name in norms})
+        return shapes
+
+    def _encoder_decoder_shapes(self) -> dict[str, tuple[int, ...]]:
+        D, V, inner = self.hidden_size, self.vocab_size, self.num_heads * self.head_dim
+        shapes: dict[str, tuple[int, ...]] = {"embed": (V, D), "enc_norm": (D,), "norm": (D,)}
+        if not self.tie_word_embeddings:
+            shapes.update(lm_head=(V, D), enc_embed=(V, D))
+        attention = {"q": (inner, D), "k": (inner, D), "v": (inner, D), "o": (D, inner)}
+        for l in range(self.num_layers):
+            p = f"layers.{l}."
+            shapes.update({p + "attn_norm": (D,), p + "mlp_norm": (D,)})
+            shapes.update({p + role: shape for role, shape in attention.items()})
+            if l in (0, self.encoder_layers):
+                shapes[p + "rel_bias"] = (self.relative_attention_buckets, self.num_heads)
+            if l >= self.encoder_layers:
+                shapes[p + "cross_norm"] = (D,)
+                shapes.update({p + "cross." + role: shape for role, shape in attention.items()})
+            if self.moe_layers[l]:
+                shapes[p + "router"] = (self.num_experts, D)
+            else:
+                shapes.update({p + "mlp.up": (self.dense_hidden, D), p + "mlp.down": (D, self.dense_hidden)})
         return shapes
 
     def _gqa_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -233,7 +303,8 @@ class ModelSpec:
 
     def expert_shapes(self) -> dict[str, tuple[int, int]]:
         I, D = self.expert_hidden, self.hidden_size
-        return {"gate": (I, D), "up": (I, D), "down": (D, I)}
+        shapes = {"gate": (I, D), "up": (I, D), "down": (D, I)}
+        return {role: shapes[role] for role in self.expert_roles}
 
     @property
     def moe_layer_ids(self) -> list[int]:
@@ -244,8 +315,8 @@ class ModelSpec:
 class ExpertNames:
     """Where one MoE layer's experts live in a checkpoint.
 
-    Per-expert layout: f"{prefix}.{e}.{gate}" etc. (Mixtral: w1/w3/w2; Qwen, OLMoE: gate_proj/up_proj/
-    down_proj, each + ".weight"). Fused layout (transformers 5 in memory, some checkpoints on disk):
+    Per-expert layout: f"{prefix}.{expert_prefix}{e}.{gate}" etc. (Mixtral: w1/w3/w2; Qwen, OLMoE: gate_proj/
+    up_proj/down_proj, each + ".weight"; Switch: expert_{e}.wi / .wo, no gate). Fused layout (transformers 5 in memory, some checkpoints on disk):
     f"{prefix}.gate_up_proj" [E, 2I, D] (gate rows first) and f"{prefix}.down_proj" [E, D, I].
     GPT-OSS's fused layout (fused="gpt_oss"): gate_up_proj [E, D, 2I] with gate and up interleaved
     along the last axis (gate at even indices) and down_proj [E, I, D], both transposed against
@@ -255,14 +326,15 @@ class ExpertNames:
     """
 
     prefix: str
-    gate: str
+    gate: str | None            # None: an ungated expert
     up: str
     down: str
     fused: str = "stacked"      # the fused layout this checkpoint family uses: "stacked" or "gpt_oss"
+    expert_prefix: str = ""
 
     def per_expert(self, e: int) -> dict[str, str]:
-        return {role: f"{self.prefix}.{e}.{name}" for role, name in
-                (("gate", self.gate), ("up", self.up), ("down", self.down))}
+        return {role: f"{self.prefix}.{self.expert_prefix}{e}.{name}" for role, name in
+                (("gate", self.gate), ("up", self.up), ("down", self.down)) if name is not None}
 
     @property
     def fused_gate_up(self) -> str:

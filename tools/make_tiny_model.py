@@ -6,13 +6,16 @@
     python tools/make_tiny_model.py --arch olmoe --out DIR --fused-experts --shards 3
     python tools/make_tiny_model.py --arch deepseek_v3 --out DIR --set q_lora_rank=null
     python tools/make_tiny_model.py --arch gpt_oss --out DIR --mxfp4
+    python tools/make_tiny_model.py --arch switch_transformers --out DIR --set expert_capacity=2
 
 The model is built and saved by transformers itself (so it is a real checkpoint of that architecture),
 with a byte-level BPE tokenizer trained on a built-in paragraph, a tokenizer_config.json with a chat
-template and a generation_config.json. --fused-experts rewrites the experts stacked over experts
-([E, 2I, D] gate_up_proj, [E, D, I] down_proj) as some checkpoints store them; --shards splits the
-weights over several files with a model.safetensors.index.json; --mxfp4 (gpt_oss) stores the experts
-MXFP4-quantized, as the released GPT-OSS checkpoints do.
+template and a generation_config.json. switch_transformers (encoder-decoder) gets its own base config
+and a T5-style tokenizer that appends </s> to each input instead of starting it with <s>.
+--fused-experts rewrites the experts stacked over experts ([E, 2I, D] gate_up_proj, [E, D, I]
+down_proj) as some checkpoints store them; --shards splits the weights over several files with a
+model.safetensors.index.json; --mxfp4 (gpt_oss) stores the experts MXFP4-quantized, as the released
+GPT-OSS checkpoints do.
 """
 
 from __future__ import annotations
@@ -58,10 +61,17 @@ ARCH_DEFAULTS = {
     "phimoe": dict(num_local_experts=4, intermediate_size=96, attention_bias=True, lm_head_bias=True),
     # Alternate sliding-window (4 positions, shorter than the tests' texts) and full attention layers.
     "gpt_oss": dict(num_local_experts=4, intermediate_size=64, head_dim=16, sliding_window=4),
+    # Encoder-decoder (none of BASE's names): 4 encoder and 3 decoder layers, every other one MoE (the
+    # odd layers, transformers' rule), small relative-position buckets so that the log-spaced ones are used.
+    "switch_transformers": dict(d_model=64, d_kv=16, d_ff=96, num_heads=4, num_layers=4, num_decoder_layers=3,
+                                num_sparse_encoder_layers=2, num_sparse_decoder_layers=1, num_experts=4,
+                                relative_attention_num_buckets=8, relative_attention_max_distance=20,
+                                layer_norm_epsilon=1e-6, decoder_start_token_id=2),
 }
+SEQ2SEQ = ("switch_transformers",)
 
 
-def train_tokenizer(vocab_size: int):
+def train_tokenizer(vocab_size: int, append_eos: bool = False):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -70,7 +80,10 @@ def train_tokenizer(vocab_size: int):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator([TEXT], trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    if append_eos:   # T5 style: the encoder's input ends with </s>
+        tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", tok.token_to_id("</s>"))])
+    else:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
     return tok
 
 
@@ -156,14 +169,16 @@ def make_tiny_model(out: str | Path, arch: str = "mixtral", seed: int = 0, dtype
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer(vocab_size)
+    seq2seq = arch in SEQ2SEQ
+    tok = train_tokenizer(vocab_size, append_eos=seq2seq)
     config_cls = transformers.AutoConfig.for_model(arch).__class__
-    params = {**BASE, **ARCH_DEFAULTS[arch], **overrides}
+    params = {**({} if seq2seq else BASE), **ARCH_DEFAULTS[arch], **overrides}
     params.update(vocab_size=tok.get_vocab_size(), bos_token_id=tok.token_to_id("<s>"),
                   eos_token_id=tok.token_to_id("</s>"), pad_token_id=tok.token_to_id("<pad>"))
     config = config_cls(**params)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    auto = transformers.AutoModelForSeq2SeqLM if seq2seq else transformers.AutoModelForCausalLM
+    model = auto.from_config(config)
     _randomize(model, seed)
     model.to(getattr(torch, dtype)).save_pretrained(out)
     tok.save(str(out / "tokenizer.json"))

@@ -28,7 +28,7 @@ import torch
 
 from edgemoe.checkpoint import Checkpoint
 from edgemoe.evaluate import evaluate
-from edgemoe.loader import StoreOptions, load_store, model_from_checkpoint, plan_checkpoint
+from edgemoe.loader import StoreOptions, load_store, model_from_checkpoint, plan_checkpoint, require_decoder_only
 from edgemoe.options import OptionError, one_of
 from edgemoe.tracing import build_profile, trace_text
 from edgemoe.quant import quantize
@@ -99,6 +99,9 @@ def convert(model_dir, out, bits: int = 4, widths: dict[Key, int] | str | Path |
     ckpt = Checkpoint(model_dir)
     try:
         spec, plan = planned = plan_checkpoint(ckpt)
+        if budget is not None or calib_text is not None:
+            # Width search and routing profiles run the decoder-only model over the text.
+            require_decoder_only(spec, ckpt.path, "a quality budget or calibration text (--budget, --calib)")
         keys = sorted(plan.experts)
         if isinstance(widths, (str, Path)):
             widths = read_widths(widths, spec)

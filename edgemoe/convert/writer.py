@@ -127,7 +127,7 @@ class StoreWriter:
         stored = compressor.compress(blob) if compressor else blob
         f.seek(offset)
         f.write(stored)
-        self.entries.append(ExpertEntry(key[0], key[1], quantized["gate"].bits, DATA_FILE, offset, len(blob),
+        self.entries.append(ExpertEntry(key[0], key[1], quantized["down"].bits, DATA_FILE, offset, len(blob),
                                         len(stored), compress, crc32(stored), tensors))
         return align(offset + len(stored), ALIGNMENT)
 

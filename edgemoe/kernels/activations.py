@@ -28,3 +28,8 @@ def gpt_oss_expert(x: torch.Tensor, matmul: Matmul, gate_bias: torch.Tensor, up_
     up = (matmul(x, "up") + up_bias.to(x.device)).clamp(-limit, limit)
     hidden = (up + 1) * (gate * torch.sigmoid(alpha * gate))     # [S, I]
     return matmul(hidden, "down") + down_bias.to(x.device)
+
+
+def relu_expert(x: torch.Tensor, matmul: Matmul) -> torch.Tensor:
+    """Switch Transformers' ungated expert, down(relu(up x)): x float32 [S, D] -> [S, D] (no gate role)."""
+    return matmul(matmul(x, "up").clamp(min=0), "down")

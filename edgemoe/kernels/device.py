@@ -43,6 +43,11 @@ def dequantize_on_device(meta: dict, arrays: dict[str, torch.Tensor], dtype: tor
     return dequantize_arrays(arrays, meta["bits"], group, (rows, cols)).to(dtype)
 
 
+def weights_on_device(meta: dict[str, dict], on_device: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Every matrix of an expert dequantized to float32 on the device holding it: role -> [R, C]."""
+    return {role: dequantize_on_device(meta[role], t) for role, t in on_device.items()}
+
+
 def swiglu_on_device(x: torch.Tensor, meta: dict[str, dict], on_device: dict[str, dict[str, torch.Tensor]]) -> torch.Tensor:
     """The expert on x [S, D], dequantized and multiplied on the device holding `on_device`;
     the result comes back to x's device and dtype."""

@@ -29,6 +29,17 @@ def swiglu_reference(x: np.ndarray, gate: QuantizedTensor, up: QuantizedTensor,
     return F.linear(h, dequantize_reference(down)).numpy()
 
 
+def relu_expert_reference(x: np.ndarray, up: QuantizedTensor, down: QuantizedTensor) -> np.ndarray:
+    """down(relu(up x)) on the dequantized weights: x float32 [T, D] -> float32 [T, D]."""
+    h = torch.relu(F.linear(torch.from_numpy(x), dequantize_reference(up)))  # [T, I]
+    return F.linear(h, dequantize_reference(down)).numpy()
+
+
+def relu_int_twin(x: np.ndarray, up: QuantizedTensor, down: QuantizedTensor) -> np.ndarray:
+    """down(relu(up x)) through the integer path's products, bit for bit: x float32 [T, D] -> [T, D]."""
+    return _int_linear(torch.relu(_int_linear(torch.from_numpy(x), up)), down).numpy()
+
+
 def quantize_activations_reference(x: torch.Tensor, group: int, ngroups: int):
     """x float32 [T, C] -> xq int8 [T, Cp], xs float32 [T, NG], qs int64 [T, NG] (edgemoe/kernels/cpu_int.py's rule):
     per token and group, xs = max|x| / 127, xq = round half to even of x / xs, 0 where xs = 0."""

@@ -5,11 +5,13 @@ from __future__ import annotations
 from types import ModuleType
 
 from ..errors import UnsupportedModelError
-from . import deepseek_v2, deepseek_v3, gpt_oss, mixtral, olmoe, phimoe, qwen2_moe, qwen3_moe
+from . import (deepseek_v2, deepseek_v3, gpt_oss, mixtral, olmoe, phimoe, qwen2_moe, qwen3_moe,
+               switch_transformers)
 from ..spec import ExpertNames, ModelSpec, TensorNames
 
 ARCHITECTURES: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (mixtral, qwen2_moe, qwen3_moe, olmoe,
-                                                                   deepseek_v2, deepseek_v3, phimoe, gpt_oss)}
+                                                                   deepseek_v2, deepseek_v3, phimoe, gpt_oss,
+                                                                   switch_transformers)}
 
 
 def architecture(model_type: str | None, where: str = "config.json") -> ModuleType:

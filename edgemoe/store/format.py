@@ -24,7 +24,7 @@ ARRAY_ALIGNMENT = 64      # every array inside a blob starts on a cache line
 MANIFEST = "manifest.json"
 DENSE_FILE = "dense.safetensors"
 PROFILE = "profile.json"
-EXPERT_ROLES = ("gate", "up", "down")
+EXPERT_ROLES = ("gate", "up", "down")   # the order of an expert's matrices in its blob (those it has)
 ARRAY_NAMES = ("packed", "scale", "zero")
 COPIED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
@@ -67,10 +67,15 @@ class ExpertEntry:
         return f"layer {self.layer} expert {self.expert} ({self.file} at byte {self.offset})"
 
 
+def _roles_of(tensors: dict) -> list[str]:
+    """An expert's roles in blob order: gate, up, down for SwiGLU, up, down for an ungated expert."""
+    return [role for role in EXPERT_ROLES if role in tensors]
+
+
 def blob_layout(quantized: dict[str, QuantizedTensor]) -> tuple[dict, int]:
     """Where each array of an expert goes inside its blob: (tensors record, blob length)."""
     tensors, offset = {}, 0
-    for role in EXPERT_ROLES:
+    for role in _roles_of(quantized):
         qt = quantized[role]
         arrays = {}
         for name, array in qt.arrays().items():
@@ -84,7 +89,7 @@ def blob_layout(quantized: dict[str, QuantizedTensor]) -> tuple[dict, int]:
 def encode_blob(quantized: dict[str, QuantizedTensor]) -> tuple[dict, bytes]:
     tensors, length = blob_layout(quantized)
     blob = bytearray(length)
-    for role in EXPERT_ROLES:
+    for role in _roles_of(quantized):
         for name, array in quantized[role].arrays().items():
             start = tensors[role]["arrays"][name]["offset"]
             blob[start:start + array.nbytes] = array.tobytes()
@@ -94,7 +99,7 @@ def encode_blob(quantized: dict[str, QuantizedTensor]) -> tuple[dict, bytes]:
 def decode_blob(entry: ExpertEntry, blob: np.ndarray) -> dict[str, QuantizedTensor]:
     """Zero-copy QuantizedTensors over a blob buffer (uint8 array of entry.length bytes)."""
     out = {}
-    for role in EXPERT_ROLES:
+    for role in _roles_of(entry.tensors):
         t = entry.tensors[role]
         arrays = {}
         for name, a in t["arrays"].items():
@@ -166,6 +171,10 @@ def parse_manifest(store: Path, data: dict) -> Manifest:
     except (KeyError, TypeError) as e:
         raise StoreError(f"{path}: malformed manifest ({e})") from None
     _check_files(store, data, sizes, experts)
+    for entry in experts.values():
+        if tuple(_roles_of(entry.tensors)) != spec.expert_roles or len(entry.tensors) != len(spec.expert_roles):
+            raise StoreError(f"{path}: {entry.where()} holds {sorted(entry.tensors)}, a "
+                             f"{spec.expert_activation} expert has {list(spec.expert_roles)}")
     expected = {(l, e) for l in spec.moe_layer_ids for e in range(spec.num_experts)}
     if set(experts) != expected:
         missing = sorted(expected - set(experts))[:5]

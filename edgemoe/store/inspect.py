@@ -24,7 +24,7 @@ def inspect_store(path, ram=None) -> dict:
         layers.append({"layer": layer, "widths": widths, "bytes": sum(e.stored_length for e in entries),
                        "resident": sum(1 for e in entries if e.key in placed)})
     expert_bytes = sum(e.stored_length for e in manifest.experts.values())
-    params = len(manifest.experts) * 3 * spec.expert_hidden * spec.hidden_size
+    params = len(manifest.experts) * len(spec.expert_roles) * spec.expert_hidden * spec.hidden_size
     return {
         "store": str(manifest.path), "version": manifest.data["version"],
         "model": {"model_type": spec.model_type, "layers": spec.num_layers, "experts": spec.num_experts,

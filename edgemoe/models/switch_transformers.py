@@ -1,0 +1,115 @@
+"""Switch Transformers: a T5 encoder-decoder whose feed-forward blocks are, every few layers, top-1 MoE
+blocks of ungated relu experts (wo(relu(wi x))); run by edgemoe.seq2seq.Seq2SeqModel.
+
+A stack's layer i is MoE when i % step == 1 or step == 1 (step = its layer count // its number of sparse
+layers, or its layer count when that is 0): transformers' rule, which also decides what its checkpoints
+hold. Encoder layer i is ModelSpec layer i, decoder layer j is layer num_layers + j (one expert key space).
+
+Checkpoint names (stack s = encoder / decoder, block i):
+    shared.weight (embeddings of both stacks when tied), untied: {s}.embed_tokens.weight (each stack its own,
+    as transformers 5 unties them) and lm_head.weight; {s}.final_layer_norm.weight,
+    {s}.block.{i}.layer.0.layer_norm.weight, .layer.0.SelfAttention.{q,k,v,o}.weight,
+    {s}.block.0.layer.0.SelfAttention.relative_attention_bias.weight [B, H],
+    decoder: .layer.1.layer_norm.weight, .layer.1.EncDecAttention.{q,k,v,o}.weight;
+    the last sub-layer f (1 encoder, 2 decoder): .layer.{f}.layer_norm.weight, dense .layer.{f}.mlp.wi / wo
+    .weight, or MoE .layer.{f}.mlp.router.classifier.weight and .layer.{f}.mlp.experts.expert_{e}.wi / wo .weight.
+"""
+
+from __future__ import annotations
+
+from ..errors import CheckpointError
+from ..spec import ExpertNames, ModelSpec, TensorNames, config_value
+
+MODEL_TYPE = "switch_transformers"
+# T5 has no position embeddings; the context is bounded only by memory. This is the length the released
+# models were trained on (the T5 / Switch papers' 512 input tokens), used as edgemoe's context limit.
+CONTEXT_LENGTH = 512
+
+
+def sparse_flags(num_layers: int, num_sparse: int) -> tuple[bool, ...]:
+    step = num_layers // num_sparse if num_sparse > 0 else num_layers
+    return tuple(step > 0 and (i % step == 1 or step == 1) for i in range(num_layers))
+
+
+def parse_config(config: dict) -> ModelSpec:
+    if config.get("router_bias", False):
+        raise CheckpointError("router_bias=true is not supported")
+    if config.get("dense_act_fn", "relu") != "relu":
+        raise CheckpointError(f"dense_act_fn={config['dense_act_fn']!r} (only 'relu' is supported)")
+    if config.get("router_dtype", "float32") != "float32":
+        raise CheckpointError(f"router_dtype={config['router_dtype']!r} (only 'float32' is supported)")
+    encoder = config_value(config, "num_layers")
+    decoder = config_value(config, "num_decoder_layers", default=encoder)
+    flags = (sparse_flags(encoder, config_value(config, "num_sparse_encoder_layers", default=0))
+             + sparse_flags(decoder, config_value(config, "num_sparse_decoder_layers", default=0)))
+    heads = config_value(config, "num_heads")
+    d_ff = config_value(config, "d_ff")
+    capacity = config.get("expert_capacity")
+    return ModelSpec(
+        model_type=MODEL_TYPE,
+        vocab_size=config_value(config, "vocab_size"),
+        hidden_size=config_value(config, "d_model"),
+        num_layers=encoder + decoder,
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=config_value(config, "d_kv"),
+        rms_norm_eps=float(config_value(config, "layer_norm_epsilon", default=1e-6)),
+        rope_theta=10000.0,            # unused: positions enter through the relative-position bias
+        max_position_embeddings=CONTEXT_LENGTH,
+        num_experts=config_value(config, "num_experts"),
+        top_k=1,
+        norm_topk_prob=False,
+        expert_hidden=d_ff,
+        moe_layers=flags,
+        sliding_windows=(None,) * (encoder + decoder),
+        dense_hidden=d_ff,
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
+        hidden_act="relu",
+        attention_scale=1.0,           # T5 does not scale q.k
+        expert_activation="relu",
+        encoder_layers=encoder,
+        relative_attention_buckets=config_value(config, "relative_attention_num_buckets", default=32),
+        relative_attention_max_distance=config_value(config, "relative_attention_max_distance", default=128),
+        decoder_start_token_id=config_value(config, "decoder_start_token_id", "pad_token_id"),
+        expert_capacity=None if capacity is None else int(capacity),
+    )
+
+
+def _stack_names(spec: ModelSpec, stack: str, first: int, count: int, names: dict[str, str]) -> dict:
+    experts = {}
+    ff = 2 if stack == "decoder" else 1
+    for i in range(count):
+        src, dst = f"{stack}.block.{i}.", f"layers.{first + i}."
+        names[dst + "attn_norm"] = src + "layer.0.layer_norm.weight"
+        for role in "qkvo":
+            names[dst + role] = src + f"layer.0.SelfAttention.{role}.weight"
+        if i == 0:
+            names[dst + "rel_bias"] = src + "layer.0.SelfAttention.relative_attention_bias.weight"
+        if stack == "decoder":
+            names[dst + "cross_norm"] = src + "layer.1.layer_norm.weight"
+            for role in "qkvo":
+                names[dst + f"cross.{role}"] = src + f"layer.1.EncDecAttention.{role}.weight"
+        names[dst + "mlp_norm"] = src + f"layer.{ff}.layer_norm.weight"
+        mlp = src + f"layer.{ff}.mlp."
+        if spec.moe_layers[first + i]:
+            names[dst + "router"] = mlp + "router.classifier.weight"
+            experts[first + i] = ExpertNames(mlp + "experts", None, "wi.weight", "wo.weight", expert_prefix="expert_")
+        else:
+            names[dst + "mlp.up"] = mlp + "wi.weight"
+            names[dst + "mlp.down"] = mlp + "wo.weight"
+    return experts
+
+
+def tensor_names(spec: ModelSpec) -> TensorNames:
+    names = {"enc_norm": "encoder.final_layer_norm.weight", "norm": "decoder.final_layer_norm.weight"}
+    if spec.tie_word_embeddings:
+        names["embed"] = "shared.weight"
+        # Some checkpoints also save the tied embeddings under each stack's name.
+        ignored = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
+    else:
+        names.update(embed="decoder.embed_tokens.weight", enc_embed="encoder.embed_tokens.weight",
+                     lm_head="lm_head.weight")
+        ignored = ("shared.weight",)   # the model's input-embedding handle; each stack uses its own
+    experts = _stack_names(spec, "encoder", 0, spec.encoder_layers, names)
+    experts.update(_stack_names(spec, "decoder", spec.encoder_layers, spec.num_layers - spec.encoder_layers, names))
+    return TensorNames(names, experts, ignored_suffixes=ignored)

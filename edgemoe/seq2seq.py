@@ -1,0 +1,288 @@
+"""The encoder-decoder MoE model (Switch Transformers): dense weights resident, experts behind an
+ExpertProvider, as MoEModel, whose decoder-only path this module leaves alone.
+
+T5's structure: RMS norms without mean or bias before each sub-layer, attention without 1/sqrt(Dh)
+scaling whose positions enter only as a learned bias per relative-position bucket and head (the bias
+lives in the first layer of each stack and every layer of the stack adds it; buckets are bidirectional
+in the encoder, causal in the decoder), cross-attention in each decoder layer over the encoder's
+output, and, with tied embeddings, the decoder output scaled by D**-0.5 before the LM head.
+
+Generation: the encoder runs once over the prompt; its output's cross-attention keys and values are
+computed once per decoder layer (DecoderState); then the decoder runs one token per step from
+decoder_start_token_id with a KV cache for its self-attention.
+
+Feed-forward: a dense ungated relu MLP, or (spec.moe_layers) top-1 routing: the router's float32
+softmax picks the argmax expert and scales its output by that probability. As transformers does in
+eval mode too, an expert takes at most spec.expert_capacity tokens of a pass (the encoder's over the
+prompt, a decoder step's): later tokens routed to a full expert get no MoE output (their residual
+passes). A one-token decoder step never reaches the capacity.
+
+Layer indices: encoder layers 0..Le-1, decoder layers Le..num_layers-1 (one (layer, expert) key space).
+
+Shapes: S prompt tokens, T tokens of a pass, L cached decoder length, D hidden, V vocab, H heads,
+Dh head dim, B relative-position buckets.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from .cache import KVCache
+from .errors import EdgeMoEError
+from .experts import ExpertBatches, ExpertProvider
+from .generate import (GenerationOptions, StopStringStream, defaults_from, eos_token_ids, fit_context,
+                       make_generator, next_token)
+from .kernels.activations import relu_expert
+from .layers import attend, linear, rms_norm
+from .model import Timings
+from .scheduling.preload import Preloader
+from .spec import ModelSpec
+from .threads import ThreadGovernor
+
+
+def relative_position_bucket(relative: torch.Tensor, bidirectional: bool, buckets: int,
+                             max_distance: int) -> torch.Tensor:
+    """T5's bucket of each key position minus query position (int64): half the buckets (per direction
+    when bidirectional) exact for small distances, the rest log-spaced up to max_distance, beyond
+    which the last bucket holds."""
+    offset = torch.zeros_like(relative)
+    if bidirectional:
+        buckets //= 2
+        offset = (relative > 0).long() * buckets
+        distance = relative.abs()
+    else:
+        distance = (-relative).clamp(min=0)     # keys after the query are masked anyway
+    exact = buckets // 2
+    # log(0) is -inf for distance 0; torch.where takes the exact bucket there.
+    log_spaced = exact + (torch.log(distance.float() / exact) / math.log(max_distance / exact)
+                          * (buckets - exact)).long()
+    return offset + torch.where(distance < exact, distance, log_spaced.clamp(max=buckets - 1))
+
+
+def position_bias(table: torch.Tensor, query_positions: torch.Tensor, key_length: int,
+                  bidirectional: bool, max_distance: int) -> torch.Tensor:
+    """Additive attention bias [H, T, L] from a stack's table [B, H]; causal stacks get -inf past each query."""
+    relative = torch.arange(key_length)[None, :] - query_positions[:, None]          # [T, L]
+    bias = table[relative_position_bucket(relative, bidirectional, table.shape[0], max_distance)]
+    bias = bias.permute(2, 0, 1).float()
+    return bias if bidirectional else bias.masked_fill(relative[None] > 0, float("-inf"))
+
+
+@dataclass
+class DecoderState:
+    """One generation's decoder memory: the self-attention cache of the decoder layers and, per
+    decoder layer, the cross-attention keys and values of the encoder output [H, S, Dh]."""
+
+    cache: KVCache
+    cross: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class Seq2SeqModel:
+    def __init__(self, spec: ModelSpec, dense: dict[str, torch.Tensor], experts: ExpertProvider,
+                 tokenizer=None, generation_config: dict | None = None, name: str = "",
+                 threads: int | None = None, store=None, preload: str = "none"):
+        """As MoEModel's: store is owned by the model from now on (close()); preload: its predictor."""
+        if not spec.is_encoder_decoder:
+            raise EdgeMoEError(f"{name or spec.model_type}: Seq2SeqModel needs an encoder-decoder spec")
+        self.spec = spec
+        self.experts = experts
+        self.store = store
+        self.tokenizer = tokenizer
+        self.generation_config = generation_config or {}
+        self.name = name
+        self.dtype = torch.float32
+        self.embed = dense["embed"]
+        self.enc_embed = dense.get("enc_embed", self.embed)
+        self.lm_head = dense["embed"] if spec.tie_word_embeddings else dense["lm_head"]
+        self.enc_norm, self.final_norm = dense["enc_norm"], dense["norm"]
+        self.layers = [{key.split(".", 2)[2]: t for key, t in dense.items() if key.startswith(f"layers.{l}.")}
+                       for l in range(spec.num_layers)]
+        self.encoder_range = range(spec.encoder_layers)
+        self.decoder_range = range(spec.encoder_layers, spec.num_layers)
+        # The hooks of MoEModel (see there): routing observers and the MoE-input look-ahead.
+        self.routing_hooks: list = []
+        self.moe_input_hooks: list = []
+        self.timings = Timings()
+        self.threads = ThreadGovernor(threads)
+        self.context_length = spec.max_position_embeddings
+        self.preloader = (Preloader(self, store, preload, store.routing_profile).attach()
+                          if store is not None else None)
+
+    def __enter__(self) -> "Seq2SeqModel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.preloader is not None:
+            self.preloader.detach()
+            self.preloader = None
+        if self.store is not None:
+            self.store.close()
+
+    # ---- public API -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def encode(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """The encoder's output [S, D] (after its final norm) for a 1-D run of prompt tokens."""
+        tokens = self._checked_tokens(token_ids, "encode")
+        start = time.perf_counter()
+        x = self.enc_embed[tokens].to(self.dtype)
+        positions = torch.arange(tokens.numel())
+        bias = position_bias(self.layers[0]["rel_bias"], positions, tokens.numel(), True,
+                             self.spec.relative_attention_max_distance)
+        for l in self.encoder_range:
+            w = self.layers[l]
+            t0 = time.perf_counter()
+            h = rms_norm(x, w["attn_norm"], self.spec.rms_norm_eps)
+            x = x + self._attend(w, "", h, self._heads(linear(h, w["k"])), self._heads(linear(h, w["v"])), bias)
+            t1 = time.perf_counter()
+            x = x + self._feed_forward(l, w, rms_norm(x, w["mlp_norm"], self.spec.rms_norm_eps), positions)
+            self.timings.attention += t1 - t0
+            self.timings.experts += time.perf_counter() - t1
+        self._count_step(tokens.numel(), start)
+        return rms_norm(x, self.enc_norm, self.spec.rms_norm_eps)
+
+    @torch.inference_mode()
+    def start(self, encoder_output: torch.Tensor) -> DecoderState:
+        """A fresh decoder state over `encoder_output` [S, D]: cross-attention keys and values, once."""
+        cross = [(self._heads(linear(encoder_output, self.layers[l]["cross.k"])),
+                  self._heads(linear(encoder_output, self.layers[l]["cross.v"]))) for l in self.decoder_range]
+        s = self.spec
+        cache = KVCache(len(self.decoder_range), s.num_heads, s.head_dim, dtype=self.dtype)
+        return DecoderState(cache, cross)
+
+    @torch.inference_mode()
+    def decode(self, token_ids: Sequence[int] | torch.Tensor, state: DecoderState) -> torch.Tensor:
+        """float32 logits [T, V] for decoder tokens continuing `state` (which advances by T)."""
+        tokens = self._checked_tokens(token_ids, "decode")
+        start = time.perf_counter()
+        cache, s = state.cache, self.spec
+        positions = torch.arange(cache.length, cache.length + tokens.numel())
+        bias = position_bias(self.layers[s.encoder_layers]["rel_bias"], positions, cache.length + tokens.numel(),
+                             False, s.relative_attention_max_distance)
+        x = self.embed[tokens].to(self.dtype)
+        for j, l in enumerate(self.decoder_range):
+            w = self.layers[l]
+            t0 = time.perf_counter()
+            h = rms_norm(x, w["attn_norm"], s.rms_norm_eps)
+            keys, values = cache.append(j, self._heads(linear(h, w["k"])), self._heads(linear(h, w["v"])))
+            x = x + self._attend(w, "", h, keys, values, bias)
+            x = x + self._attend(w, "cross.", rms_norm(x, w["cross_norm"], s.rms_norm_eps), *state.cross[j], None)
+            t1 = time.perf_counter()
+            x = x + self._feed_forward(l, w, rms_norm(x, w["mlp_norm"], s.rms_norm_eps), positions)
+            self.timings.attention += t1 - t0
+            self.timings.experts += time.perf_counter() - t1
+        cache.advance(tokens.numel())
+        x = rms_norm(x, self.final_norm, s.rms_norm_eps)
+        if s.tie_word_embeddings:
+            x = x * s.hidden_size ** -0.5    # T5 rescales before the LM head that is the embedding
+        logits = linear(x, self.lm_head).float()
+        self._count_step(tokens.numel(), start)
+        return logits
+
+    def logits(self, input_ids: Sequence[int], decoder_ids: Sequence[int]) -> torch.Tensor:
+        """Decoder logits [T, V] for decoder_ids given the prompt input_ids (one decoder pass)."""
+        return self.decode(decoder_ids, self.start(self.encode(input_ids)))
+
+    def route(self, l: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer l's top-1 router on its MoE input x [T, D] -> (weights [T, 1] float32, experts [T, 1]):
+        the argmax of the float32 softmax and its probability."""
+        probs = torch.softmax(torch.nn.functional.linear(x.float(), self.layers[l]["router"].float()), dim=-1)
+        weights, experts = probs.max(dim=-1, keepdim=True)
+        return weights, experts
+
+    def generate(self, prompt: str | Sequence[int], on_text: Callable[[str], None] | None = None,
+                 on_warning: Callable[[str], None] | None = None, **options) -> str:
+        """The decoder's text for `prompt` (a string, or token ids), streamed to on_text. Options: those
+        of edgemoe.generate.GenerationOptions (prefill_chunk does not apply: the encoder takes the prompt at once)."""
+        if self.tokenizer is None:
+            raise ValueError("generate: this model has no tokenizer")
+        opts = GenerationOptions(**{**defaults_from(self.generation_config), **options})
+        stream = StopStringStream(self.tokenizer, opts.stop_strings)
+        emit = on_text or (lambda piece: None)
+        for token in self.generate_ids(prompt, opts, on_warning):
+            piece = stream.push(token)
+            if piece:
+                emit(piece)
+            if stream.stopped:
+                break
+        piece = stream.finish()
+        if piece:
+            emit(piece)
+        return stream.text
+
+    def generate_ids(self, prompt: str | Sequence[int], opts: GenerationOptions,
+                     on_warning: Callable[[str], None] | None = None):
+        """Yield the generated token ids (greedy or sampled as opts say; a stop token ends without being yielded)."""
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not prompt_ids:
+            raise ValueError("prompt: empty (the encoder needs at least one token)")
+        prompt_ids = fit_context(self, prompt_ids, opts, on_warning or (lambda message: None))
+        stops = set(opts.stop_token_ids if opts.stop_token_ids is not None else eos_token_ids(self))
+        generator = make_generator(opts.seed)
+        state = self.start(self.encode(prompt_ids))
+        token = self.spec.decoder_start_token_id
+        # The decoder's positions are bounded by the same context as the prompt's.
+        for _ in range(min(opts.max_new_tokens, self.context_length - 1)):
+            token = next_token(self.decode([token], state)[-1], opts, generator)
+            if token in stops:
+                return
+            yield token
+
+    # ---- layers -----------------------------------------------------------------------------------
+    def _checked_tokens(self, token_ids, what: str) -> torch.Tensor:
+        tokens = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
+        if tokens.numel() == 0:
+            raise ValueError(f"{what}: token_ids is empty")
+        if int(tokens.min()) < 0 or int(tokens.max()) >= self.spec.vocab_size:
+            raise ValueError(f"{what}: token id outside [0, {self.spec.vocab_size})")
+        self.threads.step()
+        return tokens
+
+    def _count_step(self, tokens: int, start: float) -> None:
+        elapsed = time.perf_counter() - start
+        t = self.timings
+        t.steps += 1
+        t.tokens += tokens
+        t.total += elapsed
+        t.per_step.append((tokens, elapsed))
+
+    def _heads(self, y: torch.Tensor) -> torch.Tensor:
+        """[T, H*Dh] -> [H, T, Dh]."""
+        return y.view(y.shape[0], self.spec.num_heads, self.spec.head_dim).transpose(0, 1)
+
+    def _attend(self, w: dict, prefix: str, h: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+        """Attention of h [T, D]'s queries (w[prefix + "q"]) over keys, values [H, L, Dh], unscaled, plus bias."""
+        q = self._heads(linear(h, w[prefix + "q"])).transpose(0, 1)          # [T, H, Dh]
+        return linear(attend(q, keys, values, bias, scale=1.0), w[prefix + "o"])
+
+    def _feed_forward(self, l: int, w: dict, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if not self.spec.moe_layers[l]:
+            return relu_expert(h, lambda x, role: linear(x, w["mlp." + role]))
+        for hook in self.moe_input_hooks:
+            hook(l, h)
+        weights, experts = self.route(l, h)
+        batches = self._within_capacity(weights, experts)
+        self.experts.prepare(l, batches)
+        for hook in self.routing_hooks:
+            hook(l, experts, weights, positions, ())
+        return self.experts.run(l, h, batches)
+
+    def _within_capacity(self, weights: torch.Tensor, experts: torch.Tensor) -> ExpertBatches:
+        """The pass's routing [T, 1] grouped by expert, without the tokens past an expert's capacity
+        (each expert keeps its first expert_capacity tokens in order)."""
+        capacity = self.spec.expert_capacity
+        if capacity is None or experts.shape[0] <= capacity:
+            return ExpertBatches.from_routing(weights, experts)
+        one_hot = torch.nn.functional.one_hot(experts[:, 0], self.spec.num_experts)     # [T, E]
+        rank = (one_hot.cumsum(0) * one_hot).sum(-1)                                     # 1-based, per expert
+        kept = torch.nonzero(rank <= capacity).reshape(-1)
+        batches = ExpertBatches.from_routing(weights[kept], experts[kept])
+        return ExpertBatches(batches.experts, [kept[t] for t in batches.tokens], batches.weights)

@@ -1,0 +1,287 @@
+"""Switch Transformers (encoder-decoder): Seq2SeqModel against transformers' own model (encoder output,
+decoder logits of a pass and of cached steps, greedy generation), ungated relu experts on every
+compute path of a store against plain torch, and the clear refusals of what is decoder-only."""
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import edgemoe
+from edgemoe.convert import convert
+from edgemoe.errors import CheckpointError, EdgeMoEError
+from edgemoe.experts import DenseExpert, InMemoryExperts
+from edgemoe.generate import GenerationOptions
+from edgemoe.kernels import qmatmul, qmatmul_int
+from edgemoe.kernels.activations import relu_expert
+from edgemoe.kernels.reference import relu_expert_reference, relu_int_twin
+from edgemoe.quant import dequantize_reference, quantize
+from edgemoe.seq2seq import Seq2SeqModel
+from edgemoe.store import StoreError
+from edgemoe.store.format import MANIFEST
+
+from helpers import acts, run_cli, weights
+
+PROMPT = "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer the slings"
+DECODER_IDS = [2, 5, 17, 40, 99, 3, 7, 211, 64]
+
+
+def switch(tiny_model, **overrides):
+    return tiny_model("switch_transformers", **overrides)
+
+
+def hf_model(path):
+    return transformers.AutoModelForSeq2SeqLM.from_pretrained(path).eval()
+
+
+def hf_cached_steps(hf, input_ids, decoder_ids):
+    """transformers' decoder logits [T, V], one cached step per token (as its generate runs)."""
+    encoder_outputs = hf.get_encoder()(input_ids=torch.tensor([input_ids]))
+    past, rows = None, []
+    for token in decoder_ids:
+        out = hf(encoder_outputs=encoder_outputs, decoder_input_ids=torch.tensor([[token]]),
+                 past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        rows.append(out.logits[0, -1])
+    return torch.stack(rows)
+
+
+CONFIGS = {
+    "tied": {},
+    "untied": {"tie_word_embeddings": False},
+    # An expert takes at most 2 tokens of a pass: most of the prompt's tokens in MoE layers are dropped.
+    "capacity": {"expert_capacity": 2},
+}
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+@torch.no_grad()
+def test_matches_transformers_encoder_pass_and_cached_steps(tiny_model, config):
+    path = switch(tiny_model, **CONFIGS[config])
+    hf, model = hf_model(path), edgemoe.load(path)
+    assert isinstance(model, Seq2SeqModel)
+    assert model.spec.moe_layers == tuple(block.layer[-1].is_sparse for stack in (hf.encoder, hf.decoder)
+                                          for block in stack.block)
+    ids = model.tokenizer.encode(PROMPT)
+    expected = hf.get_encoder()(input_ids=torch.tensor([ids])).last_hidden_state[0]
+    assert (model.encode(ids) - expected).abs().max() <= 1e-4
+    full_pass = hf(input_ids=torch.tensor([ids]), decoder_input_ids=torch.tensor([DECODER_IDS])).logits[0]
+    assert (model.logits(ids, DECODER_IDS) - full_pass).abs().max() <= 1e-4
+    state = model.start(model.encode(ids))
+    steps = torch.cat([model.decode([t], state) for t in DECODER_IDS])
+    assert (steps - hf_cached_steps(hf, ids, DECODER_IDS)).abs().max() <= 1e-4
+
+
+def test_capacity_drops_tokens_like_transformers(tiny_model):
+    """The capacity configuration really drops tokens: without the limit the encoder's output changes."""
+    path = switch(tiny_model, expert_capacity=2)
+    model = edgemoe.load(path)
+    ids = model.tokenizer.encode(PROMPT)
+    unlimited = Seq2SeqModel(replace(model.spec, expert_capacity=None), model_dense(model), model.experts)
+    assert (model.encode(ids) - unlimited.encode(ids)).abs().max() > 1e-2
+
+
+def model_dense(model):
+    dense = {"embed": model.embed, "enc_norm": model.enc_norm, "norm": model.final_norm}
+    for l, layer in enumerate(model.layers):
+        dense.update({f"layers.{l}.{name}": t for name, t in layer.items()})
+    return dense
+
+
+@pytest.mark.parametrize("config", ["tied", "untied"])
+def test_greedy_generation_equals_transformers_generate(tiny_model, config):
+    path = switch(tiny_model, **CONFIGS[config])
+    hf, model = hf_model(path), edgemoe.load(path)
+    ids = model.tokenizer.encode(PROMPT)
+    expected = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0].tolist()
+    assert expected[0] == model.spec.decoder_start_token_id
+    ours = list(model.generate_ids(ids, GenerationOptions(max_new_tokens=24)))
+    eos = model.generation_config["eos_token_id"]
+    assert ours == [t for t in expected[1:] if t != eos]
+    assert len(ours) > 5
+
+
+def test_relu_expert_on_packed_weights_matches_plain_torch():
+    up, down = quantize(weights(96, 64, seed=3), 4), quantize(weights(64, 96, seed=4), 4)
+    x = acts(5, 64)
+    weights_of = {"up": up, "down": down}
+
+    def through(kernel):
+        return lambda h, role: torch.from_numpy(kernel(h.contiguous().numpy(), weights_of[role]))
+
+    got = relu_expert(torch.from_numpy(x), through(qmatmul)).numpy()
+    np.testing.assert_allclose(got, relu_expert_reference(x, up, down), rtol=1e-5, atol=1e-5)
+    got_int = relu_expert(torch.from_numpy(x), through(qmatmul_int)).numpy()
+    np.testing.assert_allclose(got_int, relu_int_twin(x, up, down), rtol=1e-6, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def store(tiny_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("switch-stores") / "q4"
+    convert(switch(tiny_model), out, bits=4)
+    return out
+
+
+def dequantized_reference(path, bits):
+    """The checkpoint's model, every expert quantized then dequantized by plain torch."""
+    model = edgemoe.load(path)
+    model.experts = InMemoryExperts({
+        key: DenseExpert(**{role: dequantize_reference(quantize(w, bits)) for role, w in e.weights.items()},
+                         activation=relu_expert)
+        for key, e in model.experts.experts.items()})
+    return model
+
+
+@pytest.mark.parametrize("compute, vram", [("fused-float", None), ("dequant", None),
+                                           ("device", "100%"),    # every expert resident on the device
+                                           ("device", "10%")])    # most copied over from RAM per use
+def test_store_matches_dequantized_reference(tiny_model, store, compute, vram):
+    options = {"vram": vram, "device": "cpu"} if vram else {}
+    model = edgemoe.load(store, compute=compute, **options)
+    reference = dequantized_reference(switch(tiny_model), 4)
+    ids = model.tokenizer.encode(PROMPT)
+    assert (model.logits(ids, DECODER_IDS) - reference.logits(ids, DECODER_IDS)).abs().max() <= 1e-4
+    opts = GenerationOptions(max_new_tokens=16)
+    assert list(model.generate_ids(ids, opts)) == list(reference.generate_ids(ids, opts))
+    assert {role for entry in model.store.manifest.experts.values() for role in entry.tensors} == {"up", "down"}
+    model.close()
+
+
+def test_store_integer_path_generates_close_to_reference(tiny_model, store):
+    """int8 activations move the logits a little (tests/test_int_kernels.py bounds the kernels)."""
+    model = edgemoe.load(store, compute="fused-int")
+    reference = dequantized_reference(switch(tiny_model), 4)
+    ids = model.tokenizer.encode(PROMPT)
+    got, expected = model.logits(ids, DECODER_IDS), reference.logits(ids, DECODER_IDS)
+    assert (got - expected).abs().max() <= 0.05 * expected.abs().max()
+    model.close()
+
+
+def test_run_command_generates_from_store(tiny_model, store, monkeypatch, capsys):
+    reference = dequantized_reference(switch(tiny_model), 4)
+    expected = reference.generate(PROMPT, max_new_tokens=12)
+    monkeypatch.setattr("sys.argv", ["edgemoe", "run", str(store), "-p", PROMPT, "-n", "12",
+                                     "--temperature", "0"])
+    capsys.readouterr()
+    from edgemoe.cli import main
+    try:
+        main()
+    except SystemExit as e:
+        assert e.code in (0, None)
+    assert capsys.readouterr().out == PROMPT + expected + "\n"
+
+
+@pytest.mark.parametrize("args, words", [
+    (["eval", "{store}", "--text", "{text}"], "edgemoe eval"),
+    (["run", "{store}", "-p", "hi", "--beams", "2"], "--beams"),
+    (["serve", "{store}"], "serving"),
+    (["profile", "{store}", "--text", "{text}"], "edgemoe profile"),
+])
+def test_decoder_only_commands_refuse_clearly(store, tmp_path, monkeypatch, capsys, args, words):
+    text = tmp_path / "t.txt"
+    text.write_text(PROMPT)
+    status, err = run_cli(monkeypatch, capsys, *[a.format(store=store, text=text) for a in args])
+    assert status != 0
+    assert words in err and "encoder-decoder switch_transformers" in err
+
+
+def test_convert_with_calibration_text_refuses(tiny_model, tmp_path):
+    with pytest.raises(EdgeMoEError, match="decoder-only"):
+        convert(switch(tiny_model), tmp_path / "s", bits=4, calib_text=PROMPT)
+
+
+def test_bad_input_is_named(tiny_model, store, tmp_path):
+    model = edgemoe.load(switch(tiny_model))
+    with pytest.raises(ValueError, match="encode: token_ids is empty"):
+        model.encode([])
+    with pytest.raises(ValueError, match="token id outside"):
+        model.logits([1, 2], [model.spec.vocab_size])
+    with pytest.raises(ValueError, match="prompt: empty"):
+        list(model.generate_ids([], GenerationOptions()))
+    manifest = json.loads((store / MANIFEST).read_text())
+    manifest["experts"][0]["tensors"]["gate"] = manifest["experts"][0]["tensors"]["up"]
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in store.iterdir():
+        (broken / f.name).symlink_to(f)
+    (broken / MANIFEST).unlink()
+    (broken / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(StoreError, match="a relu expert has"):
+        edgemoe.load(broken)
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("router_bias", True, "router_bias"),
+    ("dense_act_fn", "gelu", "dense_act_fn"),
+    ("decoder_start_token_id", None, "decoder_start_token_id"),
+])
+def test_unsupported_configs_are_refused(tiny_model, tmp_path, key, value, words):
+    source = switch(tiny_model)
+    for f in source.iterdir():
+        (tmp_path / f.name).symlink_to(f)
+    config = json.loads((source / "config.json").read_text())
+    config[key] = value
+    if key == "decoder_start_token_id":
+        config["pad_token_id"] = None
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=words):
+        edgemoe.load(tmp_path)
+
+
+def test_inspect_counts_two_matrices_per_ungated_expert(tiny_model, tmp_path):
+    from edgemoe.store import inspect_store
+
+    report = convert(switch(tiny_model), tmp_path / "s", bits=8)
+    assert 8 < report.bits_per_weight < 9      # the codes plus a scale and zero per row
+    assert inspect_store(tmp_path / "s")["bits_per_weight"] == pytest.approx(report.bits_per_weight)
+
+
+def test_small_ram_tier_and_preloading_leave_output_unchanged(tiny_model, store):
+    """Experts of both stacks sharing a small RAM tier (one key space), evicted and read again: the same
+    tokens as with every expert resident."""
+    ids = edgemoe.load(switch(tiny_model)).tokenizer.encode(PROMPT)
+    opts = GenerationOptions(max_new_tokens=16)
+    with edgemoe.load(store, compute="fused-float") as roomy:
+        expected = list(roomy.generate_ids(ids, opts))
+    with edgemoe.load(store, compute="fused-float", ram="20%", preload="lookahead") as tight:
+        assert list(tight.generate_ids(ids, opts)) == expected
+        assert tight.store.stats.tiers["ram"].evictions > 0
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_seeded_sampling_equals_transformers_sampling(tiny_model, seed):
+    """Temperature sampling draws from the same torch generator stream as transformers' (seeded alike)."""
+    path = switch(tiny_model)
+    hf, model = hf_model(path), edgemoe.load(path)
+    ids = model.tokenizer.encode(PROMPT)
+    torch.manual_seed(seed)
+    expected = hf.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=True, temperature=0.7, top_k=0,
+                           top_p=1.0)[0].tolist()
+    ours = list(model.generate_ids(ids, GenerationOptions(max_new_tokens=20, temperature=0.7, seed=seed)))
+    eos = model.generation_config["eos_token_id"]
+    assert ours == [t for t in expected[1:] if t != eos]
+
+
+def test_store_written_before_expert_kinds_reads_as_swiglu(tiny_model, tmp_path):
+    """A version-1 manifest whose spec lacks the fields added for Switch still loads, as SwiGLU."""
+    from edgemoe.spec import ModelSpec
+
+    out = tmp_path / "mixtral"
+    convert(tiny_model("mixtral"), out, bits=4)
+    with edgemoe.load(out, compute="fused-float") as model:
+        ids = model.tokenizer.encode(PROMPT)
+        expected = model.logits(ids)
+    manifest = json.loads((out / MANIFEST).read_text())
+    added = {"expert_activation", "encoder_layers", "relative_attention_buckets",
+             "relative_attention_max_distance", "decoder_start_token_id", "expert_capacity"}
+    assert added <= set(manifest["spec"]) and manifest["version"] == 1
+    manifest["spec"] = {k: v for k, v in manifest["spec"].items() if k not in added}
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    with edgemoe.load(out, compute="fused-float") as model:
+        assert model.spec.expert_activation == "swiglu" and ModelSpec.from_dict(manifest["spec"]).expert_roles == (
+            "gate", "up", "down")
+        assert torch.equal(model.logits(ids), expected)
