@@ -215,3 +215,17 @@ def test_lookahead_predicts_with_the_next_layers_own_router(tiny_model, tmp_path
         with torch.inference_mode():
             _, _, expected = router(x)
         assert layer == nxt and set(scores.nonzero().flatten().tolist()) == set(expected.flatten().tolist())
+
+
+@pytest.mark.parametrize("predictor", ["lookahead", "correlation"])
+def test_a_store_held_whole_in_ram_predicts_nothing(store, predictor):
+    with edgemoe.load(store, preload=predictor, compute="fused-float", place_popular=False) as model:
+        ids = torch.tensor([3, 4, 5, 6])
+        model.logits(ids)
+        assert model.preloader.actual > 0                  # experts still missing: the preloader works
+        for entry in model.store.experts():
+            model.store.get(*entry.key)
+        assert model.store.holds_everything()
+        actual, issued = model.preloader.actual, model.store.stats.preloads_issued
+        model.logits(ids)
+        assert (model.preloader.actual, model.store.stats.preloads_issued) == (actual, issued)

@@ -67,11 +67,12 @@ class QuantizedTensor:
         want = {"packed": (rows, ng * group * self.bits // 8), "scale": (rows, ng), "zero": (rows, ng)}
         for name, shape in want.items():
             object.__setattr__(self, name, _readonly_view(name, getattr(self, name), shape))
+        object.__setattr__(self, "_group", group)   # read on every kernel call: computed once
 
     @property
     def group(self) -> int:
         """G, the padded group size (whole padded row when group_size is None)."""
-        return group_layout(self.bits, self.group_size, self.shape[1])[0]
+        return self._group
 
     @property
     def ngroups(self) -> int:

@@ -141,6 +141,10 @@ class ExpertCache:
                 return tier.items[key]
         return None
 
+    def count(self) -> int:
+        """How many experts are resident, in all tiers."""
+        return sum(len(tier.items) for tier in self.tiers)
+
     def resident(self) -> dict[Key, str]:
         """Every resident key and the name of its tier."""
         return {key: tier.name for tier in reversed(self.tiers) for key in tier.items}

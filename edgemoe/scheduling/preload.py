@@ -75,7 +75,7 @@ class Preloader:
 
     def on_moe_input(self, layer: int, hidden: torch.Tensor) -> None:
         nxt = self.next_moe.get(layer)
-        if nxt is None:
+        if nxt is None or self.store.holds_everything():
             return
         spec = self.model.spec
         weights, experts = self.model.route(nxt, hidden)
@@ -83,6 +83,8 @@ class Preloader:
         self._issue(nxt, scores, hidden.shape[0], least=1e-9, certain=True)
 
     def on_routing(self, layer, experts, weights, positions, segments) -> None:
+        if self.store.holds_everything():   # a model that fits: predicting would only cost time
+            return
         self._time_layer()
         self.store.cancel_preloads(layer)
         chosen = [tuple(row) for row in experts.tolist()]

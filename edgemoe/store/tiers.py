@@ -158,6 +158,10 @@ class TieredStore:
         with self._lock:
             return self.cache.resident()
 
+    def holds_everything(self) -> bool:
+        """Every expert of the store is resident: no read can be needed, nor any preload."""
+        return self.cache.count() == len(self.manifest.experts)
+
     def missing(self, keys) -> list[Key]:
         """The keys neither resident in a tier nor being read, in the order given."""
         with self._lock:
