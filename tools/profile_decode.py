@@ -62,7 +62,8 @@ def main() -> None:
     args = parser.parse_args()
     global CLOCK
     CLOCK = time.thread_time if args.cpu_time else time.perf_counter
-    model = edgemoe.load(args.store, threads=args.threads, dense_bits=args.dense_bits)
+    quantize = {"dense_bits": args.dense_bits} if args.dense_bits else {}   # (runs on older versions without)
+    model = edgemoe.load(args.store, threads=args.threads, **quantize)
     for entry in model.store.experts():          # every expert resident before the timing
         model.store.get(*entry.key)
     cache = model.new_cache()
