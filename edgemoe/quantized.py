@@ -31,17 +31,26 @@ FUSED = {"fused-int": kernels.swiglu_expert_int, "fused-float": kernels.swiglu_e
 
 class QuantizedExpert:
     def __init__(self, resident: ResidentExpert, choose: Callable[[int, int, int], str],
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, token_by_token: bool = False):
         self.resident = resident
         self.choose = choose          # (bits, tokens, nbytes) -> a COMPUTE_CHOICES entry but "auto"
         self.device = device          # the VRAM tier's device, for the "device" path
         self.nbytes = resident.nbytes
+        self.token_by_token = token_by_token   # each token as a one-token step computes it
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         r = self.resident
         if r.device is not None:   # resident on the device: compute there
             return swiglu_on_device(x, r.entry.tensors, r.device_tensors)
-        path = self.choose(r.bits, x.shape[0], r.nbytes)
+        if self.token_by_token and x.shape[0] > 1:
+            path = self.choose(r.bits, 1, r.nbytes)
+            if path != "fused-int":   # the integer kernel's rows do not depend on the batch (tested)
+                return torch.cat([self._compute(x[i:i + 1], path) for i in range(x.shape[0])])
+            return self._compute(x, path)
+        return self._compute(x, self.choose(r.bits, x.shape[0], r.nbytes))
+
+    def _compute(self, x: torch.Tensor, path: str) -> torch.Tensor:
+        r = self.resident
         if path == "device":   # copy this RAM expert's packed bytes over and compute there (Fiddler)
             return swiglu_on_device(x, r.entry.tensors, to_device(r.tensors, self.device))
         if path in FUSED:
@@ -66,6 +75,10 @@ class StoreExperts(ExpertProvider):
         self.skip_below = skip_below  # adaptive top-k: drop non-resident experts only weakly chosen
         self.skipped = 0              # (token, expert) pairs dropped so far
         self._kept: ExpertBatches | None = None
+        # Each token computed as a one-token step would (path and kernel call), so that a step of
+        # several positions of one sequence gives plain decoding's bits (speculative verification);
+        # the float kernels' per-token sums depend on the step's token count, the integer one's not.
+        self.token_by_token = False
 
     @property
     def latency(self):
@@ -85,7 +98,7 @@ class StoreExperts(ExpertProvider):
         start = time.perf_counter()
         resident = self.store.get(layer, expert)
         self.io_wait_seconds += time.perf_counter() - start
-        return QuantizedExpert(resident, self.choose, self.store.device)
+        return QuantizedExpert(resident, self.choose, self.store.device, self.token_by_token)
 
     def prepare(self, layer: int, batches: ExpertBatches) -> None:
         self._kept = self._skip_weak_misses(layer, batches) if self.skip_below else batches

@@ -264,11 +264,16 @@ class Speculator:
         def record(layer, experts, weights, positions, segments):
             used.update((layer, e) for e in experts.reshape(-1).tolist())
 
+        exact = hasattr(self.target.experts, "token_by_token")   # a store's experts: see StoreExperts
         self.target.routing_hooks.append(record)
+        if exact:
+            self.target.experts.token_by_token = True
         try:
             return self.target.logits(run, cache), used
         finally:
             self.target.routing_hooks.remove(record)
+            if exact:
+                self.target.experts.token_by_token = False
 
     def _propose(self, tokens: list[int], n: int, draft_cache: KVCache, opts: GenerationOptions,
                  generator) -> tuple[list[int], torch.Tensor | None]:
