@@ -29,6 +29,7 @@ Shapes: n proposals per round, T = n + 1 verified tokens, V vocab, D hidden, E e
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from collections import OrderedDict
@@ -46,6 +47,7 @@ from .experts import ExpertProvider
 from .generate import (ContextWarning, GenerationOptions, eos_token_ids, fit_context, make_generator,
                        new_token_limit, next_token, sampling_probs)
 from .model import MoEModel
+from .options import OptionError
 
 DRAFT_BITS = 2
 # INT2 with one scale per 64 weights: per-row INT2 loses too much of a trained expert to propose
@@ -170,6 +172,12 @@ class SpeculationStats:
     verify_seconds: float = 0.0
     prefetched: int = 0         # experts handed to the store's loader on the draft's prediction
     prefetched_used: int = 0    # of them, routed to by the next verification
+    draft_copy_bytes: int | None = None   # a self-draft's INT2 experts held in RAM now
+
+    @property
+    def seconds_per_token(self) -> float | None:
+        """Decode time (draft and verification) per token after the first (which prefill makes)."""
+        return (self.draft_seconds + self.verify_seconds) / (self.emitted - 1) if self.emitted > 1 else None
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -181,7 +189,7 @@ class SpeculationStats:
 
     def to_dict(self) -> dict:
         return {**self.__dict__, "acceptance_rate": self.acceptance_rate,
-                "prefetch_precision": self.prefetch_precision}
+                "prefetch_precision": self.prefetch_precision, "seconds_per_token": self.seconds_per_token}
 
 
 class Speculator:
@@ -199,6 +207,16 @@ class Speculator:
         self._draft_seconds: float | None = None    # moving average of a round's draft time
         self._round_prefetched: set[tuple[int, int]] = set()
         self._budget = 0
+
+    def __enter__(self) -> "Speculator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the draft (a separate draft's store; a self-draft holds none). The target stays open."""
+        self.draft.close()
 
     # ---- one prompt -------------------------------------------------------------------------------
     def stream(self, prompt_ids: Sequence[int], opts: GenerationOptions,
@@ -334,4 +352,26 @@ class Speculator:
         s.verify_seconds += verify_seconds
         s.prefetched += len(self._round_prefetched)
         s.prefetched_used += len(self._round_prefetched & used)
+        if isinstance(self.draft.experts, LowWidthExperts):
+            s.draft_copy_bytes = self.draft.experts.nbytes
         self._draft_seconds = draft_seconds if self._draft_seconds is None else 0.8 * self._draft_seconds + 0.2 * draft_seconds
+
+
+def speculator_for(target: MoEModel, draft: str | os.PathLike, num_draft: int = 4, draft_ram: int | None = None,
+                   dtype: torch.dtype | None = None, threads: int | None = None) -> Speculator:
+    """A Speculator for `target`: draft "self" (INT2 experts within draft_ram bytes, None: all), or
+    a checkpoint directory or store that edgemoe.load opens (dtype, threads as there), checked to
+    share the target's tokenizer (DraftError otherwise)."""
+    from .loader import load
+
+    if str(draft) == "self":
+        return Speculator(target, self_draft(target, draft_ram), num_draft, shares_cache=True)
+    if draft_ram is not None:
+        raise OptionError("draft_ram=", draft_ram, "only with draft='self' (a separate draft is held as it loads)")
+    model = load(draft, dtype, threads)
+    try:
+        check_draft(target, model, str(draft))
+    except DraftError:
+        model.close()
+        raise
+    return Speculator(target, model, num_draft)

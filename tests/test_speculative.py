@@ -99,8 +99,8 @@ def test_caches_are_rolled_back_to_the_committed_tokens(bundled):
 
 
 # ---- the rejection sampler ------------------------------------------------------------------------
-TRIALS = 40_000
-TOLERANCE = 0.012   # > 4 standard deviations of a frequency over TRIALS draws (sd <= 0.0025)
+TRIALS = 8_000
+TOLERANCE = 0.022   # about 4 standard deviations of a frequency over TRIALS draws (sd <= 0.0056)
 
 
 def _one_round(target_logits, draft_logits, opts, generator):
@@ -118,7 +118,7 @@ def test_rejection_sampling_keeps_the_targets_distribution(opts):
     g = torch.Generator().manual_seed(0)
     vocab = 6
     target_logits = torch.randn(3, vocab, generator=g) * 1.5    # positions 1, 2 and the bonus one
-    draft_logits = target_logits[:2] + torch.randn(2, vocab, generator=g)   # a draft near the target
+    draft_logits = target_logits[:2] + 2 * torch.randn(2, vocab, generator=g)   # a draft that is often wrong
     p = torch.stack([sampling_probs(row, opts) for row in target_logits])
     first = torch.zeros(vocab)
     second = torch.zeros(vocab)      # given the first proposal accepted
@@ -128,7 +128,7 @@ def test_rejection_sampling_keeps_the_targets_distribution(opts):
         if len(out) > 1:
             second[out[1]] += 1
     assert (first / TRIALS - p[0]).abs().max() < TOLERANCE
-    assert second.sum() > TRIALS / 4
+    assert second.sum() > TRIALS / 4   # about half the first proposals are accepted
     assert (second / second.sum() - p[1]).abs().max() < 2 * TOLERANCE
     # The test can fail: a sampler that resampled from p (not norm(max(0, p - q))) after a rejection
     # would give q min(1, p/q) + (1 - acceptance) p for the first token, this far from p:
