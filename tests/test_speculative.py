@@ -3,16 +3,19 @@ model, from its checkpoint and from a store, self-draft and a separate draft); t
 sampler's output distribution equal to the target's; rollback of both caches; draft checks."""
 
 import shutil
+import sys
 
 import pytest
 import torch
 
 import edgemoe
 from edgemoe.bundled import bundled_model_path
+from edgemoe.cli import main
 from edgemoe.convert import convert
 from edgemoe.errors import DraftError
 from edgemoe.generate import GenerationOptions, sampling_probs, stream_tokens
 from edgemoe.speculative import LowWidthExperts, Speculator, accept, check_draft, self_draft
+from helpers import run_cli
 
 PROMPTS = ("ROMEO:", "To be, or not to be", "KING HENRY.\nNow")
 
@@ -181,3 +184,35 @@ def test_the_self_drafts_copy_stays_within_its_cap(bundled):
     s = bundled.spec
     weights = 3 * s.expert_hidden * s.hidden_size
     assert weights * 2 / 8 < one < weights * 3.5 / 8
+
+
+# ---- the command line -----------------------------------------------------------------------------
+def test_run_with_a_self_draft_prints_plain_greedy_text_and_its_figures(monkeypatch, capsys):
+    def run(*args):
+        monkeypatch.setattr(sys, "argv", ["edgemoe", "run", "-p", "ROMEO:", "-n", "20", "--temperature", "0", *args])
+        with pytest.raises(SystemExit) as exit_info:
+            main()
+        assert exit_info.value.code == 0
+        return capsys.readouterr()
+
+    plain = run().out
+    out, err = run("--draft", "self", "--speculate", "3", "--stats")
+    assert out == plain and len(plain) > 20
+    assert "speculation:" in err and "acceptance" in err and "INT2 draft copy" in err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--draft", "self", "--beams", "2"], "--draft 'self': cannot be combined with --beams"),
+    (["--speculate", "3"], "--speculate 3: only with --draft"),
+    (["--draft", "x", "--draft-ram", "1MiB"], "--draft-ram 1048576: only with --draft self"),
+    (["--draft", "self", "--draft-ram", "lots"], "--draft-ram 'lots': expected a size"),
+])
+def test_run_refuses_bad_draft_flags(monkeypatch, capsys, args, message):
+    status, err = run_cli(monkeypatch, capsys, "run", "-p", "ROMEO:", "-n", "2", *args)
+    assert status == 2 and message in err
+
+
+def test_run_refuses_a_draft_with_another_tokenizer(monkeypatch, capsys, tiny_model):
+    other = tiny_model("mixtral")
+    status, err = run_cli(monkeypatch, capsys, "run", "-p", "ROMEO:", "-n", "2", "--draft", str(other))
+    assert status == 2 and f"error: {other}: the draft's vocabulary" in err
