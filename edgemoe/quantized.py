@@ -6,7 +6,9 @@ quantized to int8 and integer dot products (edgemoe.kernels.swiglu_expert_int), 
 same with float32 activations (swiglu_expert), "dequant", dequantize once (numba) then torch
 matmuls, or, with a VRAM tier, "device": copy the packed bytes to the device and compute there. `compute="auto"` picks the cheapest by this machine's measured
 latency model (edgemoe.latency); the others force one. An expert resident on the device (the VRAM
-tier) is dequantized and multiplied there.
+tier) is dequantized and multiplied there. With `StoreExperts.token_by_token` (speculative
+verification), each token in RAM is computed as a one-token step would be: the one-token path,
+one call per token unless that path is the integer kernel, whose rows never depend on the batch.
 
 Shapes: T tokens, D hidden, S tokens of one expert.
 """

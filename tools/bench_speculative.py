@@ -10,8 +10,8 @@ converted to INT4 in a temporary directory) with --ram, each of: plain decoding
 and each --draft (self: the INT2 self-draft; a path: a separate draft). Every run opens a fresh
 model and decodes the same --prompts prompts, the first lines of the bundled model's held-out
 text, --tokens tokens each (no stop tokens). A warm-up run first compiles the kernels. Reported
-per configuration: seconds per output token after the first (decode only, prefill left out),
-acceptance rate, prefetched experts and their precision (used by the verification that followed
+per configuration: milliseconds per output token after the first (decode only, prefill left
+out), the draft's and the verification's milliseconds per round, acceptance rate, prefetched experts and their precision (used by the verification that followed
 / prefetched), expert bytes read from disk per output token, the self-draft's INT2 copy size,
 and whether greedy output equals plain decoding's. Also: the cost of building the INT2 copy of
 every expert at load (the alternative to building each the first time it is used).
@@ -56,6 +56,8 @@ def run(path: Path, ram, texts: list[str], opts: GenerationOptions, draft: str |
             s = speculator.stats
             decode_seconds, decode_tokens = s.draft_seconds + s.verify_seconds, s.emitted - len(texts)
             row.update(acceptance=s.acceptance_rate, rounds=s.rounds, prefetched=s.prefetched,
+                       draft_ms_per_round=1000 * s.draft_seconds / s.rounds,
+                       verify_ms_per_round=1000 * s.verify_seconds / s.rounds,
                        prefetch_precision=s.prefetch_precision, draft_copy_mib=None if s.draft_copy_bytes is None
                        else s.draft_copy_bytes / 2**20)
             speculator.close()
@@ -84,10 +86,13 @@ def table(rows: list[dict]) -> None:
     def fmt(v, spec=".3f"):
         return "-" if v is None else format(v, spec)
 
-    print("| model | draft | n | ms/token | acceptance | prefetched | prefetch precision | disk MiB/token | INT2 copy MiB | same as plain |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| model | draft | n | ms/token | draft ms/round | verify ms/round | acceptance | prefetched "
+          "| prefetch precision | disk MiB/token | INT2 copy MiB | same as plain |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['draft']} | {fmt(r['n'], 'd')} | {r['ms_per_token']:.1f} | {fmt(r.get('acceptance'))} "
+        print(f"| {r['model']} | {r['draft']} | {fmt(r['n'], 'd')} | {r['ms_per_token']:.1f} "
+              f"| {fmt(r.get('draft_ms_per_round'), '.1f')} | {fmt(r.get('verify_ms_per_round'), '.1f')} "
+              f"| {fmt(r.get('acceptance'))} "
               f"| {fmt(r.get('prefetched'), 'd')} | {fmt(r.get('prefetch_precision'))} "
               f"| {fmt(r.get('disk_mib_per_token'), '.2f')} | {fmt(r.get('draft_copy_mib'), '.1f')} | {r['same']} |")
 
