@@ -243,7 +243,8 @@ class Speculator:
                 self.stats.emitted += 1
                 if emitted == limit:
                     if limit < opts.max_new_tokens:
-                        warn(f"stopped at the model's context of {min(self.target.context_length, self.draft.context_length)} tokens")
+                        context = min(self.target.context_length, self.draft.context_length)
+                        warn(f"stopped at the model's context of {context} tokens")
                     return
             new = self._round(tokens, min(self.num_draft, limit - emitted - 1), cache, draft_cache, opts, generator)
 
@@ -354,7 +355,8 @@ class Speculator:
         s.prefetched_used += len(self._round_prefetched & used)
         if isinstance(self.draft.experts, LowWidthExperts):
             s.draft_copy_bytes = self.draft.experts.nbytes
-        self._draft_seconds = draft_seconds if self._draft_seconds is None else 0.8 * self._draft_seconds + 0.2 * draft_seconds
+        previous = self._draft_seconds
+        self._draft_seconds = draft_seconds if previous is None else 0.8 * previous + 0.2 * draft_seconds
 
 
 def speculator_for(target: MoEModel, draft: str | os.PathLike, num_draft: int = 4, draft_ram: int | None = None,

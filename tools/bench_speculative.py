@@ -11,10 +11,11 @@ and each --draft (self: the INT2 self-draft; a path: a separate draft). Every ru
 model and decodes the same --prompts prompts, the first lines of the bundled model's held-out
 text, --tokens tokens each (no stop tokens). A warm-up run first compiles the kernels. Reported
 per configuration: milliseconds per output token after the first (decode only, prefill left
-out), the draft's and the verification's milliseconds per round, acceptance rate, prefetched experts and their precision (used by the verification that followed
-/ prefetched), expert bytes read from disk per output token, the self-draft's INT2 copy size,
-and whether greedy output equals plain decoding's. Also: the cost of building the INT2 copy of
-every expert at load (the alternative to building each the first time it is used).
+out), the draft's and the verification's milliseconds per round, acceptance rate, prefetched
+experts and their precision (used by the verification that followed / prefetched), expert
+bytes read from disk per output token (prefill included), the self-draft's INT2 copy size, and
+whether greedy output equals plain decoding's. Also: the cost of building the INT2 copy of every
+expert at load (the alternative to building each the first time it is used).
 """
 
 from __future__ import annotations
