@@ -7,8 +7,8 @@ same with float32 activations (swiglu_expert), "dequant", dequantize once (numba
 matmuls, or, with a VRAM tier, "device": copy the packed bytes to the device and compute there. `compute="auto"` picks the cheapest by this machine's measured
 latency model (edgemoe.latency); the others force one. An expert resident on the device (the VRAM
 tier) is dequantized and multiplied there. With `StoreExperts.token_by_token` (speculative
-verification), each token in RAM is computed as a one-token step would be: the one-token path,
-one call per token unless that path is the integer kernel, whose rows never depend on the batch.
+verification), each token is computed as a one-token step would be: one call per token, on the
+one-token path (the float kernels' sums depend on how many tokens a call has).
 
 Shapes: T tokens, D hidden, S tokens of one expert.
 """
@@ -41,18 +41,12 @@ class QuantizedExpert:
         self.token_by_token = token_by_token   # each token as a one-token step computes it
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.token_by_token and x.shape[0] > 1:   # each token as a one-token step computes it
+            return torch.cat([self(x[i:i + 1]) for i in range(x.shape[0])])
         r = self.resident
         if r.device is not None:   # resident on the device: compute there
             return swiglu_on_device(x, r.entry.tensors, r.device_tensors)
-        if self.token_by_token and x.shape[0] > 1:
-            path = self.choose(r.bits, 1, r.nbytes)
-            if path != "fused-int":   # the integer kernel's rows do not depend on the batch (tested)
-                return torch.cat([self._compute(x[i:i + 1], path) for i in range(x.shape[0])])
-            return self._compute(x, path)
-        return self._compute(x, self.choose(r.bits, x.shape[0], r.nbytes))
-
-    def _compute(self, x: torch.Tensor, path: str) -> torch.Tensor:
-        r = self.resident
+        path = self.choose(r.bits, x.shape[0], r.nbytes)
         if path == "device":   # copy this RAM expert's packed bytes over and compute there (Fiddler)
             return swiglu_on_device(x, r.entry.tensors, to_device(r.tensors, self.device))
         if path in FUSED:
@@ -78,8 +72,8 @@ class StoreExperts(ExpertProvider):
         self.skipped = 0              # (token, expert) pairs dropped so far
         self._kept: ExpertBatches | None = None
         # Each token computed as a one-token step would (path and kernel call), so that a step of
-        # several positions of one sequence gives plain decoding's bits (speculative verification);
-        # the float kernels' per-token sums depend on the step's token count, the integer one's not.
+        # several positions of one sequence gives plain decoding's bits (speculative verification):
+        # the float kernels' per-token sums depend on the step's token count.
         self.token_by_token = False
 
     @property
