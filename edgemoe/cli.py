@@ -196,6 +196,15 @@ def run(
                                                    "log-probabilities / length ** this (default 1)."),
     early_stopping: bool = typer.Option(False, "--early-stopping", help="With --beams: stop as soon as --beams "
                                         "beams have finished."),
+    draft: Optional[str] = typer.Option(None, "--draft", help="Speculative decoding: a draft model that proposes "
+                                        "tokens the model checks in one step, a checkpoint directory or store with "
+                                        "the same tokenizer, or 'self': this model with its experts re-quantized "
+                                        "to INT2 in RAM (about 3 bits per weight, outside --ram; cap: --draft-ram)."),
+    speculate: Optional[int] = typer.Option(None, "--speculate", callback=_checked(options.integer_at_least, 1),
+                                            help="With --draft: tokens the draft proposes per round (default 4)."),
+    draft_ram: Optional[str] = typer.Option(None, "--draft-ram", callback=_checked(options.parse_bytes),
+                                            help="With --draft self: RAM for the INT2 copy of the experts, bytes "
+                                            "like 64MiB (default: unlimited; least recently used dropped first)."),
     dtype: str = _dtype_option(),
     dense_bits: Optional[int] = _dense_bits_option(),
     threads: Optional[int] = _threads_option(),
@@ -209,15 +218,21 @@ def run(
                        "--top-p": top_p is not None, "--seed": seed is not None, "--stop": bool(stop)})
     from .loader import require_decoder_only
 
+    _check_draft_flags(draft, speculate, draft_ram, beams, replay)
     path = _model_path(model)
     m = edgemoe.load(path, _dtype(dtype), threads, store=store, dense_bits=dense_bits)
-    for flag, given in (("--beams", beams is not None), ("--replay", replay is not None)):
+    for flag, given in (("--beams", beams is not None), ("--replay", replay is not None),
+                        ("--draft", draft is not None)):
         if given:
             require_decoder_only(m.spec, path, flag)
     if replay is not None:
         _replay_for(m.spec, replay).attach(m)
     if m.tokenizer is None:
         raise EdgeMoEError(f"{path}: no tokenizer.json, cannot generate text")
+    speculator = None
+    if draft is not None:
+        from .speculative import speculator_for
+        speculator = speculator_for(m, draft, speculate or 4, draft_ram, _dtype(dtype), threads)
     # The chat template writes its own special tokens: encoded without adding them again.
     text = m.tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat else prompt
     sampling = {k: v for k, v in dict(temperature=temperature, top_k=top_k, top_p=top_p).items() if v is not None}
@@ -228,10 +243,21 @@ def run(
     else:
         m.generate(text, on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()),
                    on_warning=_warn, max_new_tokens=max_new_tokens, seed=seed, stop_strings=tuple(stop),
-                   truncate=truncate, **sampling)
+                   truncate=truncate, token_stream=speculator.stream if speculator else None, **sampling)
     sys.stdout.write("\n")
     if stats:
-        _print_run_stats(m)
+        _print_run_stats(m, speculator.stats if speculator else None)
+    if speculator is not None:
+        speculator.close()
+
+
+def _check_draft_flags(draft, speculate, draft_ram, beams, replay) -> None:
+    """--draft: not with beam search or a replayed routing (the draft would route by its own
+    routers); --speculate and --draft-ram only with it (--draft-ram only with 'self')."""
+    options.not_with(draft, "--draft", {"--beams": beams is not None, "--replay": replay is not None},
+                     "speculative decoding is for greedy or sampled decoding with the model's own routers")
+    options.only_with(speculate, "--speculate", "--draft", draft is not None)
+    options.only_with(draft_ram, "--draft-ram", "--draft self", draft == "self")
 
 
 def _check_beam_flags(beams, length_penalty, early_stopping, sampling_given: dict[str, bool]) -> None:
@@ -262,10 +288,10 @@ def _warn(message: str) -> None:
     print(f"\nwarning: {message}", file=sys.stderr, flush=True)
 
 
-def _print_run_stats(model) -> None:
+def _print_run_stats(model, speculation=None) -> None:
     from .stats import format_stats, run_stats
 
-    for line in format_stats(run_stats(model)):
+    for line in format_stats(run_stats(model, speculation)):
         print(f"[stats] {line}", file=sys.stderr)
 
 

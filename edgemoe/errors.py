@@ -21,3 +21,7 @@ class UnsupportedModelError(CheckpointError):
 
 class ContextLengthError(EdgeMoEError):
     """A prompt or window longer than the model's context (max_position_embeddings)."""
+
+
+class DraftError(EdgeMoEError):
+    """A speculative-decoding draft that cannot propose tokens for the target (another tokenizer)."""

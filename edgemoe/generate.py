@@ -62,6 +62,13 @@ def next_token(logits: torch.Tensor, opts: GenerationOptions, generator: torch.G
     """Choose the next token from float32 logits [V]."""
     if opts.temperature == 0:
         return int(torch.argmax(logits))
+    return int(torch.multinomial(sampling_probs(logits, opts), 1, generator=generator))
+
+
+def sampling_probs(logits: torch.Tensor, opts: GenerationOptions) -> torch.Tensor:
+    """The distribution sampling draws from: float32 logits [V] -> probabilities [V] after
+    temperature, top-k and top-p (opts.temperature > 0). Speculative decoding applies the same to
+    the draft's and the target's logits."""
     logits = logits / opts.temperature
     if opts.top_k:
         kth = torch.topk(logits, min(opts.top_k, logits.numel())).values[-1]
@@ -71,8 +78,7 @@ def next_token(logits: torch.Tensor, opts: GenerationOptions, generator: torch.G
         cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
         drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= opts.top_p  # keep the smallest set >= top_p
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return torch.softmax(logits, dim=-1)
 
 
 def fit_context(model: MoEModel, prompt_ids: Sequence[int], opts: GenerationOptions,
@@ -183,17 +189,21 @@ class ContextWarning(UserWarning):
 
 
 def generate(model: MoEModel, prompt: str | Sequence[int], on_text: Callable[[str], None] | None = None,
-             on_warning: Callable[[str], None] | None = None, **options) -> str:
+             on_warning: Callable[[str], None] | None = None, token_stream=None, **options) -> str:
     """Generated text for `prompt`; `on_text` receives each piece as soon as it is decoded. Text that
     could be the start of a stop string is held back until it is known not to be one. on_warning
-    receives a truncated prompt's or a context-ended generation's notice (default: warnings.warn)."""
+    receives a truncated prompt's or a context-ended generation's notice (default: warnings.warn).
+    token_stream(prompt_ids, opts, warn) yields the new token ids (default: stream_tokens on
+    `model`; edgemoe.speculative.Speculator.stream decodes speculatively)."""
     if model.tokenizer is None:
         raise ValueError("generate: this model has no tokenizer")
     opts = GenerationOptions(**{**defaults_from(model.generation_config), **options})
     prompt_ids = model.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     emit = on_text or (lambda piece: None)
     stream = StopStringStream(model.tokenizer, opts.stop_strings)
-    for token in stream_tokens(model, prompt_ids, opts, on_warning):
+    tokens = (token_stream(prompt_ids, opts, on_warning) if token_stream is not None
+              else stream_tokens(model, prompt_ids, opts, on_warning))
+    for token in tokens:
         piece = stream.push(token)
         if piece:
             emit(piece)

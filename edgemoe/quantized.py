@@ -9,7 +9,9 @@ expert other than SwiGLU (ModelSpec.expert_activation: GPT-OSS's, Switch's ungat
 edgemoe/kernels/activations.py) has no fused kernel: on "fused-int" / "fused-float" it runs the
 per-matrix kernels (qmatmul_int / qmatmul) with its activation and biases between them. `compute="auto"` picks the cheapest by this machine's measured
 latency model (edgemoe.latency); the others force one. An expert resident on the device (the VRAM
-tier) is dequantized and multiplied there.
+tier) is dequantized and multiplied there. With `StoreExperts.token_by_token` (speculative
+verification), each token is computed as a one-token step would be: one call per token, on the
+one-token path (the float kernels' sums depend on how many tokens a call has).
 
 Shapes: T tokens, D hidden, S tokens of one expert.
 """
@@ -35,14 +37,18 @@ PER_MATRIX = {"fused-int": kernels.qmatmul_int, "fused-float": kernels.qmatmul} 
 
 class QuantizedExpert:
     def __init__(self, resident: ResidentExpert, choose: Callable[[int, int, int], str],
-                 device: torch.device | None = None, activation: Activation = None):
+                 device: torch.device | None = None, activation: Activation = None,
+                 token_by_token: bool = False):
         self.resident = resident
         self.choose = choose          # (bits, tokens, nbytes) -> a COMPUTE_CHOICES entry but "auto"
         self.device = device          # the VRAM tier's device, for the "device" path
         self.activation = activation  # None: SwiGLU
         self.nbytes = resident.nbytes
+        self.token_by_token = token_by_token   # each token as a one-token step computes it
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.token_by_token and x.shape[0] > 1:   # each token as a one-token step computes it
+            return torch.cat([self(x[i:i + 1]) for i in range(x.shape[0])])
         if self.activation is not None:
             return self._activation(x)
         r = self.resident
@@ -96,6 +102,10 @@ class StoreExperts(ExpertProvider):
         self.skip_below = skip_below  # adaptive top-k: drop non-resident experts only weakly chosen
         self.skipped = 0              # (token, expert) pairs dropped so far
         self._kept: ExpertBatches | None = None
+        # Each token computed as a one-token step would (path and kernel call), so that a step of
+        # several positions of one sequence gives plain decoding's bits (speculative verification):
+        # the float kernels' per-token sums depend on the step's token count.
+        self.token_by_token = False
 
     @property
     def latency(self):
@@ -115,7 +125,8 @@ class StoreExperts(ExpertProvider):
         start = time.perf_counter()
         resident = self.store.get(layer, expert)
         self.io_wait_seconds += time.perf_counter() - start
-        return QuantizedExpert(resident, self.choose, self.store.device, self.activations(layer, expert))
+        return QuantizedExpert(resident, self.choose, self.store.device, self.activations(layer, expert),
+                               self.token_by_token)
 
     def prepare(self, layer: int, batches: ExpertBatches) -> None:
         self._kept = self._skip_weak_misses(layer, batches) if self.skip_below else batches

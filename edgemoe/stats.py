@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 
-def run_stats(model) -> dict:
-    """From the model's step timings (first step = prefill) and, for a store, its tier counters."""
+def run_stats(model, speculation=None) -> dict:
+    """From the model's step timings (first step = prefill) and, for a store, its tier counters.
+    speculation: a speculative run's SpeculationStats (edgemoe.speculative); then decode counts
+    output tokens and the draft's time too, and the speculation's figures are added."""
     t = model.timings
     steps = t.per_step
     stats: dict = {}
     if steps:
         prefill_tokens, ttft = steps[0]
         decode = steps[1:]
-        decode_seconds = sum(s for _, s in decode)
+        decode_tokens, decode_seconds = len(decode), sum(s for _, s in decode)
+        if speculation is not None:
+            decode_tokens = max(0, speculation.emitted - 1)
+            decode_seconds = speculation.draft_seconds + speculation.verify_seconds
         stats.update(prefill_tokens=prefill_tokens, ttft_s=ttft, prefill_tok_s=prefill_tokens / ttft,
-                     decode_tokens=len(decode), decode_tok_s=len(decode) / decode_seconds if decode_seconds else None)
+                     decode_tokens=decode_tokens, decode_tok_s=decode_tokens / decode_seconds if decode_seconds else None)
+    if speculation is not None:
+        stats["speculation"] = speculation.to_dict()
     stats["time_split_s"] = {"attention": t.attention, "experts": t.experts, "other": t.other}
     store = getattr(model.experts, "store", None)
     if store is not None:
@@ -50,4 +57,18 @@ def format_stats(stats: dict) -> list[str]:
                      f"used, {stats['preloads_wasted']} wasted; precision "
                      f"{'n/a' if precision is None else f'{precision:.3f}'}, predictor precision "
                      f"{'n/a' if predictor is None else f'{predictor:.3f}'}")
+    if "speculation" in stats:
+        lines.append(_speculation_line(stats["speculation"]))
     return lines
+
+
+def _speculation_line(s: dict) -> str:
+    def share(value):
+        return "n/a" if value is None else f"{value:.3f}"
+
+    per_token = "n/a" if s["seconds_per_token"] is None else f"{s['seconds_per_token'] * 1000:.1f} ms"
+    return (f"speculation: {s['rounds']} rounds, acceptance {share(s['acceptance_rate'])} ({s['accepted']} of "
+            f"{s['drafted']} drafted), {per_token} per output token (draft {s['draft_seconds']:.3f} s, verify "
+            f"{s['verify_seconds']:.3f} s); prefetched {s['prefetched']} experts, precision "
+            f"{share(s['prefetch_precision'])}"
+            + ("" if s["draft_copy_bytes"] is None else f"; INT2 draft copy {s['draft_copy_bytes'] / 2**20:.1f} MiB"))

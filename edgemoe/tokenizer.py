@@ -42,6 +42,18 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def difference(self, other: "Tokenizer") -> str | None:
+        """What makes `other` encode or decode differently from this tokenizer, or None if nothing:
+        the vocabulary first, then the rest of tokenizer.json (normalizer, pre-tokenizer, merges)."""
+        mine, theirs = self._tok.get_vocab(with_added_tokens=True), other._tok.get_vocab(with_added_tokens=True)
+        if mine != theirs:
+            differing = sorted(set(mine.items()) ^ set(theirs.items()), key=lambda item: item[1])
+            return (f"vocabularies differ ({len(mine)} and {len(theirs)} tokens; first difference: "
+                    f"{differing[0][0]!r} -> {differing[0][1]})")
+        if self._tok.to_str() != other._tok.to_str():
+            return "same vocabulary, but tokenizer.json differs (normalizer, pre-tokenizer, merges or decoder)"
+        return None
+
     def token_id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
 

@@ -1,0 +1,392 @@
+"""Speculative decoding: a draft proposes n tokens, the target checks them all in one forward step.
+
+The draft is another model with the target's tokenizer (its own KV cache), or the target itself
+with low-width experts ("self"): the target's dense weights and KV cache, each expert re-quantized
+to INT2 from its stored codes the first time the draft uses it and held in RAM (LowWidthExperts).
+
+A round, with the KV cache holding every committed token but the last one, c:
+  draft:  n forward steps from c -> proposals d1..dn, with their distributions q1..qn
+  verify: the target on [c, d1..dn] (T = n + 1 tokens, one segment) -> p1..p(n+1)
+  accept: greedy: d_i while it is the target's argmax, then the target's own token;
+          sampling (Leviathan et al., Chen et al.): d_i with probability min(1, p_i(d_i) / q_i(d_i)),
+          else a token from norm(max(0, p_i - q_i)) and stop; all accepted: one from p(n+1)
+  rollback: both caches truncated past the first rejected proposal.
+p and q are the distributions sampling draws from (temperature, top-k, top-p applied to both:
+generate.sampling_probs), so the output has the target's distribution; greedy output is plain
+greedy decoding's, token for token (tested).
+
+Expert prefetch (SP-MoE): while the draft runs, the target's router at each MoE layer, applied to
+the draft's input of that layer, names the experts verification will need; those the store neither
+holds nor is reading are handed to its loader, at most as many per round as the disk can read in
+the draft's time (the last rounds' draft seconds / the disk's seconds per read). With a self-draft
+those inputs are the target's own layer inputs (to the draft's accuracy), so the prediction is the
+draft's own routing. A separate draft with the target's hidden size and layer count is treated the
+same way; any other shape gets no draft prefetch (no draft layer corresponds to a target layer),
+and the target's own preloader (routing profile or look-ahead) still runs during verification.
+
+Shapes: n proposals per round, T = n + 1 verified tokens, V vocab, D hidden, E experts.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from edgemoe import kernels
+from edgemoe.quant import QuantizedTensor, quantize
+
+from .cache import KVCache
+from .errors import DraftError
+from .experts import Activation, ExpertProvider
+from .generate import (ContextWarning, GenerationOptions, eos_token_ids, fit_context, make_generator,
+                       new_token_limit, next_token, sampling_probs)
+from .loader import require_decoder_only
+from .model import MoEModel
+from .options import OptionError
+
+DRAFT_BITS = 2
+# INT2 with one scale per 64 weights: per-row INT2 loses too much of a trained expert to propose
+# well, and a group of 64 adds one bit per weight (float32 scale and zero), half the INT2 codes.
+DRAFT_GROUP = 64
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, ContextWarning, stacklevel=3)
+
+
+# ---- the self-draft's experts ---------------------------------------------------------------------
+class LowWidthExpert:
+    """An expert re-quantized for the draft: its matrices (gate, up [I, D], down [D, I]; no gate
+    when ungated) as INT2 QuantizedTensors, computed as the target's expert of that kind is."""
+
+    def __init__(self, tensors: dict[str, QuantizedTensor], activation: Activation = None):
+        self.tensors = tensors
+        self.activation = activation   # None: SwiGLU, on the fused kernel
+        self.nbytes = sum(qt.nbytes for qt in tensors.values())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.tensors
+        if self.activation is not None:
+            return self.activation(x.float(), lambda h, role: torch.from_numpy(
+                kernels.qmatmul(h.contiguous().numpy(), t[role]))).to(x.dtype)
+        y = kernels.swiglu_expert(x.float().contiguous().numpy(), t["gate"], t["up"], t["down"])
+        return torch.from_numpy(y).to(x.dtype)
+
+
+class LowWidthExperts(ExpertProvider):
+    """The target's experts re-quantized to INT2 (DRAFT_GROUP weights per scale) the first time the
+    draft asks for each, from the target's weights (a store's stored codes, dequantized; a
+    checkpoint's matrices). Kept in RAM within `capacity` bytes (None: all of them), least recently
+    used dropped first; the copy is the draft's own memory, outside the store's --ram."""
+
+    def __init__(self, target: MoEModel, capacity: int | None = None):
+        self.target = target
+        self.capacity = capacity
+        self.copies: OrderedDict[tuple[int, int], LowWidthExpert] = OrderedDict()
+        self.nbytes = 0           # bytes of the copies held now
+        self.built = 0            # copies made (one dropped and made again counts twice)
+        self.build_seconds = 0.0  # time spent reading and re-quantizing them
+
+    def expert(self, layer: int, expert: int) -> LowWidthExpert:
+        key = (layer, expert)
+        copy = self.copies.get(key)
+        if copy is not None:
+            self.copies.move_to_end(key)
+            return copy
+        start = time.perf_counter()
+        copy = LowWidthExpert({role: quantize(w, DRAFT_BITS, DRAFT_GROUP) for role, w in self._weights(key).items()},
+                              self._activation(key))
+        self.build_seconds += time.perf_counter() - start
+        self.built += 1
+        self._keep(key, copy)
+        return copy
+
+    def _weights(self, key: tuple[int, int]) -> dict[str, torch.Tensor]:
+        """The target's float weights of one expert: from the store (its tiers, else the disk)."""
+        if self.target.store is not None:
+            return self.target.store.get(*key).dequantize()
+        return {role: w.float() for role, w in self.target.experts.expert(*key).weights.items()}
+
+    def _activation(self, key: tuple[int, int]) -> Activation:
+        """The target expert's kind (None: SwiGLU) with its biases bound."""
+        if self.target.store is not None:
+            return self.target.experts.activations(*key)
+        return self.target.experts.expert(*key).activation
+
+    def _keep(self, key: tuple[int, int], copy: LowWidthExpert) -> None:
+        if self.capacity is not None and copy.nbytes > self.capacity:
+            return   # larger than the whole cap: used once, not kept
+        while self.capacity is not None and self.nbytes + copy.nbytes > self.capacity:
+            _, dropped = self.copies.popitem(last=False)
+            self.nbytes -= dropped.nbytes
+        self.copies[key] = copy
+        self.nbytes += copy.nbytes
+
+
+def self_draft(target: MoEModel, capacity: int | None = None) -> MoEModel:
+    """The target with INT2 experts (LowWidthExperts within `capacity` bytes): the same dense
+    tensors (shared, not copied), tokenizer and thread governor."""
+    require_decoder_only(target.spec, target.name, "speculative decoding (--draft)")
+    draft = MoEModel(target.spec, target.dense_weights(), LowWidthExperts(target, capacity), target.tokenizer,
+                     target.generation_config, name=f"{target.name} (INT{DRAFT_BITS} self-draft)", threads=1)
+    draft.threads = target.threads
+    return draft
+
+
+def check_draft(target: MoEModel, draft: MoEModel, where: str) -> None:
+    """A draft must propose the target's tokens: same vocabulary size and tokenizer (DraftError
+    naming `where`, the draft's path, otherwise)."""
+    if draft.spec.vocab_size != target.spec.vocab_size:
+        raise DraftError(f"{where}: the draft's vocabulary has {draft.spec.vocab_size} tokens and the target's "
+                         f"{target.spec.vocab_size}: a draft needs the target's tokenizer")
+    if draft.tokenizer is None or target.tokenizer is None:
+        missing = where if draft.tokenizer is None else target.name
+        raise DraftError(f"{missing}: no tokenizer.json, so the draft's tokens cannot be checked against the target's")
+    difference = target.tokenizer.difference(draft.tokenizer)
+    if difference:
+        raise DraftError(f"{where}: the draft's tokenizer is not the target's: {difference}")
+
+
+# ---- accepting proposals --------------------------------------------------------------------------
+def accept(target_logits: torch.Tensor, proposals: Sequence[int], draft_probs: torch.Tensor | None,
+           opts: GenerationOptions, generator: torch.Generator) -> tuple[int, int]:
+    """(k, token): the first k proposals are accepted, and `token` follows them. target_logits
+    [n + 1, V] are the target's at [c, d1..dn]; draft_probs [n, V] the q the proposals were drawn
+    from (None when greedy)."""
+    n = len(proposals)
+    if opts.temperature == 0:
+        chosen = torch.argmax(target_logits, dim=-1).tolist()
+        k = next((i for i in range(n) if chosen[i] != proposals[i]), n)
+        return k, chosen[k]
+    for i, d in enumerate(proposals):
+        p, q = sampling_probs(target_logits[i], opts), draft_probs[i]
+        # Accept with probability min(1, p(d) / q(d)); q(d) > 0 since d was drawn from q.
+        if float(torch.rand((), generator=generator)) * float(q[d]) < float(p[d]):
+            continue
+        residual = torch.clamp(p - q, min=0)
+        return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+    return n, int(torch.multinomial(sampling_probs(target_logits[n], opts), 1, generator=generator))
+
+
+# ---- the decoder ----------------------------------------------------------------------------------
+@dataclass
+class SpeculationStats:
+    rounds: int = 0
+    drafted: int = 0            # proposals made
+    accepted: int = 0           # proposals the target accepted
+    emitted: int = 0            # tokens output (accepted + one per round + the prefill's)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    prefetched: int = 0         # experts handed to the store's loader on the draft's prediction
+    prefetched_used: int = 0    # of them, routed to by the next verification
+    draft_copy_bytes: int | None = None   # a self-draft's INT2 experts held in RAM now
+
+    @property
+    def seconds_per_token(self) -> float | None:
+        """Decode time (draft and verification) per token after the first (which prefill makes)."""
+        return (self.draft_seconds + self.verify_seconds) / (self.emitted - 1) if self.emitted > 1 else None
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def prefetch_precision(self) -> float | None:
+        return self.prefetched_used / self.prefetched if self.prefetched else None
+
+    def to_dict(self) -> dict:
+        return {**self.__dict__, "acceptance_rate": self.acceptance_rate,
+                "prefetch_precision": self.prefetch_precision, "seconds_per_token": self.seconds_per_token}
+
+
+class Speculator:
+    """Speculative decoding of `target` with `draft`, `num_draft` proposals per round. The draft
+    shares the target's KV cache when `shares_cache` (a self-draft: the same dense weights, so the
+    target's keys and values of committed tokens are the draft's best ones too); else it has its own."""
+
+    def __init__(self, target: MoEModel, draft: MoEModel, num_draft: int = 4, shares_cache: bool = False):
+        if num_draft < 1:
+            raise ValueError(f"num_draft must be >= 1, got {num_draft}")
+        self.target, self.draft, self.num_draft, self.shares_cache = target, draft, num_draft, shares_cache
+        self.stats = SpeculationStats()
+        self.prefetches = (target.store is not None and draft.spec.hidden_size == target.spec.hidden_size
+                           and draft.spec.num_layers == target.spec.num_layers)
+        self._draft_seconds: float | None = None    # moving average of a round's draft time
+        self._round_prefetched: set[tuple[int, int]] = set()
+        self._budget = 0
+
+    def __enter__(self) -> "Speculator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the draft (a separate draft's store; a self-draft holds none). The target stays open."""
+        self.draft.close()
+
+    # ---- one prompt -------------------------------------------------------------------------------
+    def stream(self, prompt_ids: Sequence[int], opts: GenerationOptions,
+               warn: Callable[[str], None] | None = None) -> Iterator[int]:
+        """New token ids for one prompt, as generate.stream_tokens yields them (same arguments)."""
+        if len(prompt_ids) == 0:
+            raise ValueError("generate: the prompt is empty")
+        warn = warn or _warn
+        prompt = fit_context(self.target, prompt_ids, opts, warn)
+        limit = min(new_token_limit(self.target, len(prompt), opts), new_token_limit(self.draft, len(prompt), opts))
+        stops = set(opts.stop_token_ids if opts.stop_token_ids is not None else eos_token_ids(self.target))
+        generator = make_generator(opts.seed)
+        cache = self.target.new_cache()
+        draft_cache = cache if self.shares_cache else self.draft.new_cache()
+        tokens = list(prompt)
+        new = [self._prefill(tokens, cache, opts, generator)] if limit else []
+        emitted = 0
+        while new:
+            for token in new:
+                if token in stops:
+                    return
+                yield token
+                emitted += 1
+                self.stats.emitted += 1
+                if emitted == limit:
+                    if limit < opts.max_new_tokens:
+                        context = min(self.target.context_length, self.draft.context_length)
+                        warn(f"stopped at the model's context of {context} tokens")
+                    return
+            new = self._round(tokens, min(self.num_draft, limit - emitted - 1), cache, draft_cache, opts, generator)
+
+    def _prefill(self, tokens: list[int], cache: KVCache, opts: GenerationOptions, generator) -> int:
+        """The prompt through the target in chunks (as plain decoding feeds it); its first new token,
+        appended to tokens."""
+        chunks = [tokens[i:i + opts.prefill_chunk] for i in range(0, len(tokens), opts.prefill_chunk)]
+        for chunk in chunks:
+            logits = self.target.logits(chunk, cache)
+        token = next_token(logits[-1], opts, generator)
+        tokens.append(token)
+        return token
+
+    def _round(self, tokens: list[int], n: int, cache: KVCache, draft_cache: KVCache,
+               opts: GenerationOptions, generator) -> list[int]:
+        """One draft-verify round: the new tokens (accepted proposals, then the target's), appended
+        to tokens. The caches hold tokens[:-1] afterwards (the draft's at most that)."""
+        committed = len(tokens) - 1
+        start = time.perf_counter()
+        proposals, draft_probs = self._propose(tokens, n, draft_cache, opts, generator)
+        drafted = time.perf_counter()
+        cache.truncate(committed)   # a shared cache holds the draft's keys past c: the target's replace them
+        logits, used = self._verify([tokens[-1]] + proposals, cache)
+        k, token = accept(logits, proposals, draft_probs, opts, generator)
+        cache.truncate(committed + k + 1)
+        draft_cache.truncate(min(draft_cache.length, committed + k + 1))
+        self._count(n, k, drafted - start, time.perf_counter() - drafted, used)
+        new = proposals[:k] + [token]
+        tokens.extend(new)
+        return new
+
+    def _verify(self, run: list[int], cache: KVCache) -> tuple[torch.Tensor, set[tuple[int, int]]]:
+        """The target's logits [n + 1, V] on [c, d1..dn] in one step, and the experts it routed to."""
+        used: set[tuple[int, int]] = set()
+
+        def record(layer, experts, weights, positions, segments):
+            used.update((layer, e) for e in experts.reshape(-1).tolist())
+
+        exact = hasattr(self.target.experts, "token_by_token")   # a store's experts: see StoreExperts
+        self.target.routing_hooks.append(record)
+        if exact:
+            self.target.experts.token_by_token = True
+        try:
+            return self.target.logits(run, cache), used
+        finally:
+            self.target.routing_hooks.remove(record)
+            if exact:
+                self.target.experts.token_by_token = False
+
+    def _propose(self, tokens: list[int], n: int, draft_cache: KVCache, opts: GenerationOptions,
+                 generator) -> tuple[list[int], torch.Tensor | None]:
+        """n proposals from the draft, fed what its cache lacks first, and (sampling) their
+        distributions [n, V]."""
+        self._start_prefetch()
+        feed, proposals, probs = tokens[draft_cache.length:], [], []
+        try:
+            for _ in range(n):
+                for start in range(0, len(feed), opts.prefill_chunk):
+                    logits = self.draft.logits(feed[start:start + opts.prefill_chunk], draft_cache)[-1]
+                if opts.temperature == 0:
+                    proposals.append(int(torch.argmax(logits)))
+                else:
+                    probs.append(sampling_probs(logits, opts))
+                    proposals.append(int(torch.multinomial(probs[-1], 1, generator=generator)))
+                feed = proposals[-1:]
+        finally:
+            self._stop_prefetch()
+        return proposals, torch.stack(probs) if probs else None
+
+    # ---- prefetch ---------------------------------------------------------------------------------
+    def _start_prefetch(self) -> None:
+        self._round_prefetched = set()
+        if not self.prefetches:
+            return
+        store = self.target.store
+        unlimited = self.target.spec.num_layers * self.target.spec.num_experts
+        if self._draft_seconds is None or store.disk.reads == 0:
+            self._budget = unlimited   # nothing measured yet: every predicted expert
+        else:
+            per_read = store.disk.read_seconds / store.disk.reads
+            self._budget = min(unlimited, int(self._draft_seconds / per_read))
+        self.draft.moe_input_hooks.append(self._predict)
+
+    def _stop_prefetch(self) -> None:
+        if self._predict in self.draft.moe_input_hooks:
+            self.draft.moe_input_hooks.remove(self._predict)
+
+    def _predict(self, layer: int, hidden: torch.Tensor) -> None:
+        """At the draft's MoE input of `layer` (hidden [S, D]): the target's router on it names the
+        experts verification will use; prefetch those not held, within the round's budget."""
+        if not self.target.spec.moe_layers[layer] or len(self._round_prefetched) >= self._budget:
+            return
+        _, experts = self.target.route(layer, hidden)
+        store = self.target.store
+        wanted = store.missing(sorted({(layer, e) for e in experts.reshape(-1).tolist()} - self._round_prefetched))
+        wanted = wanted[:self._budget - len(self._round_prefetched)]
+        store.prefetch(wanted)
+        self._round_prefetched.update(wanted)
+
+    def _count(self, n: int, k: int, draft_seconds: float, verify_seconds: float, used: set) -> None:
+        s = self.stats
+        s.rounds += 1
+        s.drafted += n
+        s.accepted += k
+        s.draft_seconds += draft_seconds
+        s.verify_seconds += verify_seconds
+        s.prefetched += len(self._round_prefetched)
+        s.prefetched_used += len(self._round_prefetched & used)
+        if isinstance(self.draft.experts, LowWidthExperts):
+            s.draft_copy_bytes = self.draft.experts.nbytes
+        previous = self._draft_seconds
+        self._draft_seconds = draft_seconds if previous is None else 0.8 * previous + 0.2 * draft_seconds
+
+
+def speculator_for(target: MoEModel, draft: str | os.PathLike, num_draft: int = 4, draft_ram: int | None = None,
+                   dtype: torch.dtype | None = None, threads: int | None = None) -> Speculator:
+    """A Speculator for `target`: draft "self" (INT2 experts within draft_ram bytes, None: all), or
+    a checkpoint directory or store that edgemoe.load opens (dtype, threads as there), checked to
+    share the target's tokenizer (DraftError otherwise)."""
+    from .loader import load
+
+    if str(draft) == "self":
+        return Speculator(target, self_draft(target, draft_ram), num_draft, shares_cache=True)
+    if draft_ram is not None:
+        raise OptionError("draft_ram=", draft_ram, "only with draft='self' (a separate draft is held as it loads)")
+    model = load(draft, dtype, threads)
+    try:
+        check_draft(target, model, str(draft))
+    except DraftError:
+        model.close()
+        raise
+    return Speculator(target, model, num_draft)

@@ -1,0 +1,142 @@
+#!/usr/bin/env python
+"""Speculative decoding against plain decoding: acceptance, prefetch precision, time per output token.
+
+    python tools/bench_speculative.py [--store STORE] [--ram 25%] [--tokens 64] [--speculate 2 4]
+                                      [--draft self] [--temperature 0] [--prompts 4]
+
+Runs, on the bundled model's checkpoint (all in RAM) and on STORE (default: the bundled model
+converted to INT4 in a temporary directory) with --ram, each of: plain decoding
+(generate.stream_tokens) and speculative decoding (edgemoe.speculative) with each --speculate n
+and each --draft (self: the INT2 self-draft; a path: a separate draft). Every run opens a fresh
+model and decodes the same --prompts prompts, the first lines of the bundled model's held-out
+text, --tokens tokens each (no stop tokens). A warm-up run first compiles the kernels. Reported
+per configuration: milliseconds per output token after the first (decode only, prefill left
+out), the draft's and the verification's milliseconds per round, acceptance rate, prefetched
+experts and their precision (used by the verification that followed / prefetched), expert
+bytes read from disk per output token (prefill included), the self-draft's INT2 copy size, and
+whether greedy output equals plain decoding's. Also: the cost of building the INT2 copy of every
+expert at load (the alternative to building each the first time it is used).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import edgemoe
+from edgemoe.bundled import bundled_model_path
+from edgemoe.convert import convert
+from edgemoe.generate import GenerationOptions, stream_tokens
+from edgemoe.speculative import LowWidthExperts, speculator_for
+
+
+def prompts(count: int) -> list[str]:
+    lines = [l for l in (bundled_model_path() / "eval.txt").read_text().splitlines() if len(l.strip()) > 20]
+    return lines[:count]
+
+
+def run(path: Path, ram, texts: list[str], opts: GenerationOptions, draft: str | None, n: int) -> dict:
+    store_options = {} if ram is None else {"ram": ram}
+    with edgemoe.load(path, **store_options) as model:
+        speculator = speculator_for(model, draft, n) if draft else None
+        outputs, decode_seconds, decode_tokens = [], 0.0, 0
+        for text in texts:
+            ids = model.tokenizer.encode(text)
+            model.timings.reset()
+            if speculator is None:
+                outputs.append(list(stream_tokens(model, ids, opts)))
+                decode_seconds += sum(s for _, s in model.timings.per_step[1:])
+                decode_tokens += len(outputs[-1]) - 1
+            else:
+                outputs.append(list(speculator.stream(ids, opts)))
+        row = {"draft": draft or "plain", "n": n if draft else None}
+        if speculator is not None:
+            s = speculator.stats
+            decode_seconds, decode_tokens = s.draft_seconds + s.verify_seconds, s.emitted - len(texts)
+            row.update(acceptance=s.acceptance_rate, rounds=s.rounds, prefetched=s.prefetched,
+                       draft_ms_per_round=1000 * s.draft_seconds / s.rounds,
+                       verify_ms_per_round=1000 * s.verify_seconds / s.rounds,
+                       prefetch_precision=s.prefetch_precision, draft_copy_mib=None if s.draft_copy_bytes is None
+                       else s.draft_copy_bytes / 2**20)
+            speculator.close()
+        row["ms_per_token"] = 1000 * decode_seconds / decode_tokens
+        if model.store is not None:
+            row["disk_mib_per_token"] = model.store.stats.disk_bytes_read / 2**20 / sum(len(o) for o in outputs)
+    return {**row, "outputs": outputs}
+
+
+def copy_at_load_cost(path: Path) -> dict:
+    """Seconds to re-quantize every expert of a freshly opened model to INT2 (what building the copy
+    at load would add to start-up), and the copy's bytes."""
+    with edgemoe.load(path) as model:
+        experts = LowWidthExperts(model)
+        start = time.perf_counter()
+        for l in model.spec.moe_layer_ids:
+            for e in range(model.spec.num_experts):
+                experts.expert(l, e)
+        seconds = time.perf_counter() - start
+        expert_bytes = model.store.manifest.expert_bytes if model.store is not None else None
+    return {"seconds": seconds, "copy_mib": experts.nbytes / 2**20, "experts": experts.built,
+            "stored_expert_mib": None if expert_bytes is None else expert_bytes / 2**20}
+
+
+def table(rows: list[dict]) -> None:
+    def fmt(v, spec=".3f"):
+        return "-" if v is None else format(v, spec)
+
+    print("| model | draft | n | ms/token | draft ms/round | verify ms/round | acceptance | prefetched "
+          "| prefetch precision | disk MiB/token | INT2 copy MiB | same as plain |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['draft']} | {fmt(r['n'], 'd')} | {r['ms_per_token']:.1f} "
+              f"| {fmt(r.get('draft_ms_per_round'), '.1f')} | {fmt(r.get('verify_ms_per_round'), '.1f')} "
+              f"| {fmt(r.get('acceptance'))} "
+              f"| {fmt(r.get('prefetched'), 'd')} | {fmt(r.get('prefetch_precision'))} "
+              f"| {fmt(r.get('disk_mib_per_token'), '.2f')} | {fmt(r.get('draft_copy_mib'), '.1f')} | {r['same']} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--store", type=Path, help="a store (default: the bundled model converted to INT4)")
+    parser.add_argument("--ram", default="25%")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--speculate", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--draft", nargs="+", default=["self"])
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON too")
+    args = parser.parse_args()
+    texts = prompts(args.prompts)
+    opts = GenerationOptions(max_new_tokens=args.tokens, temperature=args.temperature, seed=0, stop_token_ids=[])
+    with tempfile.TemporaryDirectory() as tmp:
+        store = args.store
+        if store is None:
+            store = Path(tmp) / "bundled-int4"
+            convert(bundled_model_path(), store, bits=4)
+        run(store, None, texts[:1], GenerationOptions(max_new_tokens=8), "self", 2)   # compile the kernels
+        rows = []
+        for name, path, ram in (("bundled checkpoint", bundled_model_path(), None),
+                                (f"store, --ram {args.ram}", store, args.ram)):
+            plain = run(path, ram, texts, opts, None, 0)
+            rows.append({**plain, "model": name, "same": "-"})
+            for draft in args.draft:
+                for n in args.speculate:
+                    row = run(path, ram, texts, opts, draft, n)
+                    same = row["outputs"] == plain["outputs"]
+                    rows.append({**row, "model": name, "same": same if args.temperature == 0 else "(sampled)"})
+        table(rows)
+        print()
+        for name, path in (("bundled checkpoint", bundled_model_path()), ("store", store)):
+            cost = copy_at_load_cost(path)
+            print(f"INT2 copy of every expert at load, {name}: {cost['seconds']:.2f} s for {cost['experts']} experts, "
+                  f"{cost['copy_mib']:.1f} MiB" + ("" if cost["stored_expert_mib"] is None
+                                                  else f" (stored experts: {cost['stored_expert_mib']:.1f} MiB)"))
+        if args.json:
+            print(json.dumps([{k: v for k, v in r.items() if k != "outputs"} for r in rows], indent=1))
+
+
+if __name__ == "__main__":
+    main()
