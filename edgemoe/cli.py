@@ -699,7 +699,7 @@ def eval_(
     from .loader import require_decoder_only
 
     path = _model_path(model)
-    m = edgemoe.load(path, _dtype(dtype), threads, store=store)
+    m = edgemoe.load(path, _dtype(dtype), threads, store=store, dense_bits=dense_bits)
     require_decoder_only(m.spec, path, "edgemoe eval (next-token perplexity)")
     options.window_length(context, "--context", m.context_length)
     if stride is not None and stride > (context or m.context_length):

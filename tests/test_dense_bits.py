@@ -1,12 +1,15 @@
 """Dense projections quantized at load (edgemoe.dense, --dense-bits), against plain torch computations."""
 
 import dataclasses
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import edgemoe
+from edgemoe.bench import Bandwidths
+from edgemoe.cli import main
 from edgemoe.dense import KERNEL_MAX_TOKENS, QUANTIZED_ROLES, QuantizedLinear, quantize_matrix
 from edgemoe.model import MoEModel, Segment
 from edgemoe.options import OptionError
@@ -109,3 +112,33 @@ def test_bad_dense_bits_are_refused_by_name(tiny_model, monkeypatch, capsys):
         edgemoe.load(tiny_model("mixtral"), dense_bits=2)
     status, err = run_cli(monkeypatch, capsys, "run", str(tiny_model("mixtral")), "-p", "a", "--dense-bits", "3")
     assert status == 2 and "--dense-bits" in err
+
+
+def test_eval_applies_dense_bits(tiny_model, tmp_path, monkeypatch, capsys):
+    """Against the same checkpoint in float, an eval with --dense-bits 4 disagrees a little: it was applied."""
+    import json
+    path = tiny_model("mixtral")
+    text = tmp_path / "t.txt"
+    text.write_text("to be or not to be, that is the question " * 4)
+    monkeypatch.setattr(sys, "argv", ["edgemoe", "eval", str(path), "--text", str(text), "--reference", str(path),
+                                      "--dense-bits", "4", "--json"])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    assert exit_info.value.code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["kl"] > 0 and result["perplexity"] != result["reference_perplexity"]
+
+
+@pytest.mark.parametrize("command", [["run", "-p", "a", "-n", "2"], ["bench", "--prefill", "4", "--decode-tokens", "1",
+                                                                     "--repeats", "1", "--mode", "all-in-ram"]])
+def test_commands_quantize_the_dense_matrices_when_asked(tiny_model, tmp_path, monkeypatch, capsys, command):
+    from edgemoe.convert import convert
+    store = tmp_path / "store"
+    convert(tiny_model("mixtral"), store, bits=4)
+    widths = []
+    original = MoEModel.quantize_dense
+    monkeypatch.setattr(MoEModel, "quantize_dense", lambda self, bits: (widths.append(bits), original(self, bits)))
+    monkeypatch.setattr("edgemoe.bench.measure_bandwidths", lambda path: Bandwidths(memory=10e9, disk=1e9))
+    status, err = run_cli(monkeypatch, capsys, command[0], str(store), *command[1:], "--dense-bits", "8")
+    assert status == 0, err
+    assert widths and set(widths) == {8}
