@@ -82,9 +82,21 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     1/sqrt(Dk)); sinks [H]: a per-head logit that joins each softmax and is dropped after it."""
     if sinks is not None:
         return attend_with_sinks(q, k, v, mask, scale, sinks)
+    if q.shape[0] == 1 and mask is None:
+        return attend_one(q, k, v, q.shape[-1] ** -0.5 if scale is None else scale)
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, enable_gqa=True,
                                          scale=scale)  # [H, S, Dv]
     return out.transpose(0, 1).reshape(q.shape[0], -1)
+
+
+def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query that sees every key (a decode step): q [1, H, Dk] -> [1, H*Dv]. The H/K query heads
+    of each kv head multiply its keys and values in one batched product, reading the cache where it
+    lies: SDPA with enable_gqa took 4x as long at 512 cached positions (docs/benchmarks.md)."""
+    groups = k.shape[0]
+    queries = q.reshape(groups, -1, q.shape[-1])                                # [K, H/K, Dk]
+    probs = torch.softmax(torch.bmm(queries, k.transpose(1, 2)) * scale, dim=-1)   # [K, H/K, L]
+    return torch.bmm(probs, v).reshape(1, -1)                                    # [1, H*Dv]
 
 
 def attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

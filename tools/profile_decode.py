@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 import edgemoe
 from edgemoe import kernels, quantized
+from edgemoe import model as model_module
 from edgemoe.model import Segment
 
 CLOCK = time.perf_counter
@@ -44,7 +45,7 @@ def timed(kind: str, fn):
 def instrument() -> None:
     """Timers around every kernel the decode step calls (module attributes, so the callers see them)."""
     F.linear = timed("dense matmul", F.linear)
-    F.scaled_dot_product_attention = timed("attention", F.scaled_dot_product_attention)
+    model_module.attend = timed("attention", model_module.attend)    # over the KV cache, any path
     kernels.qmatmul_int = timed("dense matmul", kernels.qmatmul_int)      # QuantizedLinear (--dense-bits)
     kernels.dequantize = timed("dense matmul", kernels.dequantize)
     for path, fn in list(quantized.FUSED.items()):
