@@ -83,6 +83,13 @@ class ExpertBatches:
     @classmethod
     def from_routing(cls, weights: torch.Tensor, experts: torch.Tensor) -> "ExpertBatches":
         """weights, experts [T, A] -> batches sorted by expert (stable: token order kept within one)."""
+        if experts.shape[0] == 1 and len(set(experts[0].tolist())) == experts.shape[1]:
+            return cls._one_token(weights[0], experts[0])
+        return cls._sorted(weights, experts)
+
+    @classmethod
+    def _sorted(cls, weights: torch.Tensor, experts: torch.Tensor) -> "ExpertBatches":
+        """Any step's routing: the (token, expert) pairs sorted by expert, then split by count."""
         top_k = experts.shape[1]
         flat = experts.reshape(-1)                       # [T*A]
         order = torch.argsort(flat, stable=True)         # pair indices sorted by expert
@@ -97,6 +104,14 @@ class ExpertBatches:
                 ws.append(weight_of[start:start + n])
                 start += n
         return cls(active, tokens, ws)
+
+    @classmethod
+    def _one_token(cls, weights: torch.Tensor, experts: torch.Tensor) -> "ExpertBatches":
+        """A decode step's routing, weights, experts [A] (distinct): no sort or count over tokens."""
+        chosen = experts.tolist()
+        order = sorted(range(len(chosen)), key=chosen.__getitem__)
+        token = torch.zeros(1, dtype=torch.long)
+        return cls([chosen[i] for i in order], [token] * len(order), [weights[i:i + 1] for i in order])
 
     def __iter__(self):
         return iter(zip(self.experts, self.tokens, self.weights))

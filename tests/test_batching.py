@@ -22,6 +22,15 @@ def test_expert_batches_group_every_token_expert_pair_once():
         [0.6000000238418579, 0.5], [0.30000001192092896, 0.5]]
 
 
+def test_one_token_batches_are_those_of_the_general_grouping():
+    for row, weights in (([5, 1, 3], [0.5, 0.3, 0.2]), ([0, 7], [0.6, 0.4]), ([4, 4], [0.5, 0.5])):
+        experts, w = torch.tensor([row]), torch.tensor([weights])
+        fast, general = ExpertBatches.from_routing(w, experts), ExpertBatches._sorted(w, experts)
+        assert fast.experts == general.experts == sorted(set(row))
+        assert [t.tolist() for t in fast.tokens] == [t.tolist() for t in general.tokens]
+        assert [x.tolist() for x in fast.weights] == [x.tolist() for x in general.weights]
+
+
 def test_sequences_of_different_lengths_batched_in_prefill_and_decode(tiny_model):
     model = edgemoe.load(tiny_model("qwen2_moe", sliding_window=4, use_sliding_window=True, max_window_layers=2))
     g = torch.Generator().manual_seed(3)

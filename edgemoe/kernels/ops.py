@@ -10,6 +10,7 @@ everywhere. A call's path is its `path` argument, else $EDGEMOE_INT_PATH, else t
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -116,7 +117,12 @@ def default_int_path() -> str:
 
 
 def _int_path(path: str | None) -> int:
-    name = default_int_path() if path is None else path
+    return _int_path_code(path, os.environ.get(INT_PATH_ENV))
+
+
+@functools.lru_cache(maxsize=None)   # asked on every kernel call: a decode token makes hundreds
+def _int_path_code(path: str | None, environment: str | None) -> int:
+    name = path if path is not None else environment or int_paths()[0]
     if name not in int_paths():
         source = f"${INT_PATH_ENV}" if path is None else "path"
         raise ValueError(f"{source}={name!r}: this CPU runs the integer paths {int_paths()}")
