@@ -57,7 +57,30 @@ class Timings:
         self.__init__()
 
 
-class MoEModel:
+class StoreOwner:
+    """A model that owns its store and the store's preloader (MoEModel, Seq2SeqModel): closed by
+    close() or on leaving a with block."""
+
+    store = None
+    preloader = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the store's loader and close its files (a model from a checkpoint holds none), and
+        detach the preloader (which refers back to the model), so the model is freed at once."""
+        if self.preloader is not None:
+            self.preloader.detach()
+            self.preloader = None
+        if self.store is not None:
+            self.store.close()
+
+
+class MoEModel(StoreOwner):
     def __init__(self, spec: ModelSpec, dense: dict[str, torch.Tensor], experts: ExpertProvider,
                  tokenizer=None, generation_config: dict | None = None, name: str = "",
                  threads: int | None = None, store=None, preload: str = "none"):
@@ -91,21 +114,6 @@ class MoEModel:
         self.context_length = spec.max_position_embeddings   # positions a sequence may occupy
         self.preloader = (Preloader(self, store, preload, store.routing_profile).attach()
                           if store is not None else None)
-
-    def __enter__(self) -> "MoEModel":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Stop the store's loader and close its files (a model from a checkpoint holds none), and
-        detach the preloader (which refers back to the model), so the model is freed at once."""
-        if self.preloader is not None:
-            self.preloader.detach()
-            self.preloader = None
-        if self.store is not None:
-            self.store.close()
 
     # ---- public API -------------------------------------------------------------------------------
     def quantize_dense(self, bits: int) -> None:

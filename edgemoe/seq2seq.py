@@ -35,11 +35,10 @@ import torch
 from .cache import KVCache
 from .errors import EdgeMoEError
 from .experts import ExpertBatches, ExpertProvider
-from .generate import (GenerationOptions, StopStringStream, defaults_from, eos_token_ids, fit_context,
-                       make_generator, next_token)
+from .generate import GenerationOptions, eos_token_ids, fit_context, generate, make_generator, next_token
 from .kernels.activations import relu_expert
 from .layers import attend, linear, rms_norm
-from .model import Timings
+from .model import StoreOwner, Timings
 from .scheduling.preload import Preloader
 from .spec import ModelSpec
 from .threads import ThreadGovernor
@@ -82,7 +81,7 @@ class DecoderState:
     cross: list[tuple[torch.Tensor, torch.Tensor]]
 
 
-class Seq2SeqModel:
+class Seq2SeqModel(StoreOwner):
     def __init__(self, spec: ModelSpec, dense: dict[str, torch.Tensor], experts: ExpertProvider,
                  tokenizer=None, generation_config: dict | None = None, name: str = "",
                  threads: int | None = None, store=None, preload: str = "none"):
@@ -112,19 +111,6 @@ class Seq2SeqModel:
         self.context_length = spec.max_position_embeddings
         self.preloader = (Preloader(self, store, preload, store.routing_profile).attach()
                           if store is not None else None)
-
-    def __enter__(self) -> "Seq2SeqModel":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if self.preloader is not None:
-            self.preloader.detach()
-            self.preloader = None
-        if self.store is not None:
-            self.store.close()
 
     # ---- public API -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -201,21 +187,7 @@ class Seq2SeqModel:
                  on_warning: Callable[[str], None] | None = None, **options) -> str:
         """The decoder's text for `prompt` (a string, or token ids), streamed to on_text. Options: those
         of edgemoe.generate.GenerationOptions (prefill_chunk does not apply: the encoder takes the prompt at once)."""
-        if self.tokenizer is None:
-            raise ValueError("generate: this model has no tokenizer")
-        opts = GenerationOptions(**{**defaults_from(self.generation_config), **options})
-        stream = StopStringStream(self.tokenizer, opts.stop_strings)
-        emit = on_text or (lambda piece: None)
-        for token in self.generate_ids(prompt, opts, on_warning):
-            piece = stream.push(token)
-            if piece:
-                emit(piece)
-            if stream.stopped:
-                break
-        piece = stream.finish()
-        if piece:
-            emit(piece)
-        return stream.text
+        return generate(self, prompt, on_text, on_warning, token_stream=self.generate_ids, **options)
 
     def generate_ids(self, prompt: str | Sequence[int], opts: GenerationOptions,
                      on_warning: Callable[[str], None] | None = None):
