@@ -10,8 +10,8 @@ small), norms and biases.
 
 A QuantizedLinear multiplies a few tokens on the integer kernel (int8 activations, edgemoe.kernels
 .qmatmul_int), more by dequantizing once and one float32 GEMM: per token the kernel redoes its dot
-products, so a GEMM wins from some token count on (KERNEL_MAX_TOKENS, measured with
-tools/bench_dense_dtype.py).
+products, so a GEMM wins from some token count on, KERNEL_MAX_TOKENS per width (measured with
+tools/bench_dense_dtype.py on 1024 x 1024: docs/benchmarks.md).
 
 Shapes: T tokens, R rows (outputs), C columns (inputs).
 """
@@ -30,7 +30,7 @@ DENSE_BITS = (8, 4)
 GROUP_SIZE = {8: None, 4: 128}
 QUANTIZED_ROLES = ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "kv_b", "mlp.gate", "mlp.up", "mlp.down",
                    "shared.gate", "shared.up", "shared.down")
-KERNEL_MAX_TOKENS = 8
+KERNEL_MAX_TOKENS = {8: 16, 4: 1}   # INT4's groups of 128 make its kernel dearer per token
 
 
 class QuantizedLinear:
@@ -49,7 +49,7 @@ class QuantizedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()
-        if x.shape[0] <= KERNEL_MAX_TOKENS:
+        if x.shape[0] <= KERNEL_MAX_TOKENS[self.qt.bits]:
             return torch.from_numpy(kernels.qmatmul_int(x.contiguous().numpy(), self.qt))
         return F.linear(x, kernels.dequantize(self.qt))
 
