@@ -22,6 +22,7 @@ from edgemoe.quant import dequantize_reference, quantize
 from edgemoe.seq2seq import Seq2SeqModel
 from edgemoe.store import StoreError
 from edgemoe.store.format import MANIFEST
+from edgemoe.store.profile_file import load_routing_profile
 
 from helpers import acts, run_cli, weights
 
@@ -178,7 +179,6 @@ def test_run_command_generates_from_store(tiny_model, store, monkeypatch, capsys
     (["eval", "{store}", "--text", "{text}"], "edgemoe eval"),
     (["run", "{store}", "-p", "hi", "--beams", "2"], "--beams"),
     (["serve", "{store}"], "serving"),
-    (["profile", "{store}", "--text", "{text}"], "edgemoe profile"),
 ])
 def test_decoder_only_commands_refuse_clearly(store, tmp_path, monkeypatch, capsys, args, words):
     text = tmp_path / "t.txt"
@@ -188,9 +188,47 @@ def test_decoder_only_commands_refuse_clearly(store, tmp_path, monkeypatch, caps
     assert words in err and "encoder-decoder switch_transformers" in err
 
 
-def test_convert_with_calibration_text_refuses(tiny_model, tmp_path):
-    with pytest.raises(EdgeMoEError, match="decoder-only"):
-        convert(switch(tiny_model), tmp_path / "s", bits=4, calib_text=PROMPT)
+def test_calibration_text_profiles_both_stacks_apart(tiny_model, tmp_path):
+    """convert --calib: the routing profile covers the MoE layers of both stacks, counted from the
+    encoder's routing of each window's first half and the decoder's of its teacher-forced second half,
+    with no layer-to-layer count from an encoder layer into a decoder layer."""
+    text = " ".join([PROMPT] * 4)
+    convert(switch(tiny_model), tmp_path / "s", bits=4, calib_text=text)
+    model = edgemoe.load(tmp_path / "s", preload="none")      # the profile is the store's own routing
+    spec = model.spec
+    profile = load_routing_profile(tmp_path / "s")
+    assert profile.moe_layers == spec.moe_layer_ids
+    encoder_moe = [l for l in spec.moe_layer_ids if l < spec.encoder_layers]
+    decoder_moe = [l for l in spec.moe_layer_ids if l >= spec.encoder_layers]
+    assert len(encoder_moe) >= 2 and decoder_moe
+    # Independently: each window's two passes through the store's model, routing seen by a plain hook.
+    ids = torch.tensor(model.tokenizer.encode(text, add_special_tokens=False))
+    context = min(model.context_length, 1024)
+    expected = {l: [0] * spec.num_experts for l in spec.moe_layer_ids}
+    model.routing_hooks.append(lambda l, experts, *rest: [expected[l].__setitem__(e, expected[l][e] + 1)
+                                                          for e in experts[:, 0].tolist()])
+    encoder_tokens = 0
+    for start in range(0, ids.numel(), context):
+        window = ids[start:start + context]
+        half = window.numel() // 2
+        model.logits(window[:half], [spec.decoder_start_token_id, *window[half:-1].tolist()])
+        encoder_tokens += half
+    assert profile.counts == expected
+    assert profile.given_prev[decoder_moe[0]] == {}      # nothing before it in its own stack
+    assert sum(seen for seen, _ in profile.given_prev[encoder_moe[1]].values()) == encoder_tokens
+
+
+def test_correlation_preloading_leaves_output_unchanged(tiny_model, tmp_path):
+    path = switch(tiny_model)
+    convert(path, tmp_path / "s", bits=4, calib_text=" ".join([PROMPT] * 4))
+    ids = edgemoe.load(path).tokenizer.encode(PROMPT)
+    opts = GenerationOptions(max_new_tokens=16)
+    with edgemoe.load(tmp_path / "s", compute="fused-float", preload="none") as plain:
+        expected = list(plain.generate_ids(ids, opts))
+    with edgemoe.load(tmp_path / "s", compute="fused-float", ram="20%", preload="correlation") as predicted:
+        assert predicted.preloader.predictor == "correlation"
+        assert list(predicted.generate_ids(ids, opts)) == expected
+        assert predicted.preloader.predicted > 0
 
 
 def test_bad_input_is_named(tiny_model, store, tmp_path):

@@ -99,9 +99,8 @@ def convert(model_dir, out, bits: int = 4, widths: dict[Key, int] | str | Path |
     ckpt = Checkpoint(model_dir)
     try:
         spec, plan = planned = plan_checkpoint(ckpt)
-        if budget is not None or calib_text is not None:
-            # Width search and routing profiles run the decoder-only model over the text.
-            require_decoder_only(spec, ckpt.path, "a quality budget or calibration text (--budget, --calib)")
+        if budget is not None:
+            require_decoder_only(spec, ckpt.path, "a quality budget (--budget)")
         keys = sorted(plan.experts)
         if isinstance(widths, (str, Path)):
             widths = read_widths(widths, spec)
