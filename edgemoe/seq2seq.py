@@ -196,6 +196,17 @@ class Seq2SeqModel(StoreOwner):
         self._count_step(tokens.numel(), start)
         return logits
 
+    def dense_weights(self) -> dict[str, torch.Tensor]:
+        """The dense weights under their canonical names (to build a twin with other experts)."""
+        dense = {"embed": self.embed, "enc_norm": self.enc_norm, "norm": self.final_norm}
+        if self.enc_embed is not self.embed:
+            dense["enc_embed"] = self.enc_embed
+        if not self.spec.tie_word_embeddings:
+            dense["lm_head"] = self.lm_head
+        for l, weights in enumerate(self.layers):
+            dense.update({f"layers.{l}.{name}": t for name, t in weights.items()})
+        return dense
+
     def logits(self, input_ids: Sequence[int], decoder_ids: Sequence[int]) -> torch.Tensor:
         """Decoder logits [T, V] for decoder_ids given the prompt input_ids (one decoder pass)."""
         return self.decode(decoder_ids, self.start(self.encode(input_ids)))

@@ -3,6 +3,8 @@ decoder logits of a pass and of cached steps, greedy generation), ungated relu e
 compute path of a store against plain torch, and the clear refusals of what is decoder-only."""
 
 import json
+import math
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -11,7 +13,8 @@ import torch
 import transformers
 
 import edgemoe
-from edgemoe.convert import convert
+from edgemoe.convert import QualityBudget, convert
+from edgemoe.store import read_manifest
 from edgemoe.errors import CheckpointError, EdgeMoEError
 from edgemoe.experts import DenseExpert, InMemoryExperts
 from edgemoe.generate import GenerationOptions
@@ -216,6 +219,64 @@ def test_calibration_text_profiles_both_stacks_apart(tiny_model, tmp_path):
     assert profile.counts == expected
     assert profile.given_prev[decoder_moe[0]] == {}      # nothing before it in its own stack
     assert sum(seen for seen, _ in profile.given_prev[encoder_moe[1]].values()) == encoder_tokens
+
+
+BUDGET_TEXT = (" ".join([PROMPT] * 3) + " Whether 'tis nobler to take arms against a sea of troubles, and by "
+               "opposing end them. To die, to sleep; no more; and by a sleep to say we end the heart-ache.") * 3
+
+
+def hf_with_widths(path, widths):
+    """transformers' model with each expert quantized at its width and dequantized by plain torch."""
+    hf = hf_model(path)
+    encoder_layers = hf.config.num_layers
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            match = re.fullmatch(r"(encoder|decoder)\.block\.(\d+)\.layer\.\d+\.mlp\.experts\.expert_(\d+)\.w[io]\.weight", name)
+            if match:
+                layer = int(match[2]) + (encoder_layers if match[1] == "decoder" else 0)
+                param.copy_(dequantize_reference(quantize(param.detach().clone(), widths[layer, int(match[3])])))
+    return hf
+
+
+def hf_summed_nll(hf, windows, start_token):
+    """Per window, transformers' summed NLL of the second half given the first (labels: teacher-forced)."""
+    total = []
+    for window in windows:
+        half = len(window) // 2
+        out = hf(input_ids=torch.tensor([window[:half]]), labels=torch.tensor([window[half:]]))
+        assert out.logits.shape[1] == len(window) - half and hf.config.decoder_start_token_id == start_token
+        total.append(out.loss.item() * (len(window) - half))
+    return total
+
+
+@torch.no_grad()
+def test_budget_search_widths_and_loss_match_transformers(tiny_model, tmp_path):
+    """convert --budget on a Switch model: mixed widths within the budget (at 0.1% relative perplexity
+    on this text the floor's uniform store exceeds it, the ceiling's meets it), and the loss the search
+    records for them equals transformers' own loss on the same text-to-text windows with those
+    experts dequantized (ppl_quantized / ppl_reference - 1)."""
+    path = switch(tiny_model)
+    context, limit = 64, 0.001
+    done = convert(path, tmp_path / "s", budget=QualityBudget(limit, context=context, heldout_text=PROMPT * 2),
+                   calib_text=BUDGET_TEXT)
+    manifest = read_manifest(tmp_path / "s")
+    record = manifest.data["budget"]
+    widths = {key: entry.bits for key, entry in manifest.experts.items()}
+    assert widths == done.search.widths
+    assert {l for l, _ in widths} == set(manifest.spec.moe_layer_ids)        # both stacks searched
+    assert {record["floor"], record["ceiling"]} == set(widths.values()) and record["floor"] < record["ceiling"]
+    assert record["feasible"] and record["moved_down"] == sum(b == record["floor"] for b in widths.values())
+    assert record["calibration_loss_bound"] <= limit
+    assert done.heldout_loss is not None and record["heldout_loss"] == done.heldout_loss
+    tokenizer = edgemoe.load(path).tokenizer
+    ids = tokenizer.encode(BUDGET_TEXT, add_special_tokens=False)
+    windows = [ids[i:i + context] for i in range(0, len(ids), context) if len(ids) - i >= 2]
+    start = manifest.spec.decoder_start_token_id
+    quantized = hf_summed_nll(hf_with_widths(path, widths), windows, start)
+    reference = hf_summed_nll(hf_model(path), windows, start)
+    targets = sum(len(w) - len(w) // 2 for w in windows)
+    expected = math.exp((sum(quantized) - sum(reference)) / targets) - 1
+    assert record["calibration_loss"] == pytest.approx(expected, rel=1e-3, abs=1e-6)
 
 
 def test_correlation_preloading_leaves_output_unchanged(tiny_model, tmp_path):
