@@ -2,6 +2,7 @@
 decoder logits of a pass and of cached steps, greedy generation), ungated relu experts on every
 compute path of a store against plain torch, and the clear refusals of what is decoder-only."""
 
+import functools
 import json
 import math
 import re
@@ -13,7 +14,8 @@ import torch
 import transformers
 
 import edgemoe
-from edgemoe.convert import QualityBudget, convert
+from edgemoe.convert import QualityBudget, convert, pipeline
+from edgemoe.loader import StoreOptions
 from edgemoe.store import read_manifest
 from edgemoe.errors import CheckpointError, EdgeMoEError
 from edgemoe.experts import DenseExpert, InMemoryExperts
@@ -191,13 +193,15 @@ def test_decoder_only_commands_refuse_clearly(store, tmp_path, monkeypatch, caps
     assert words in err and "encoder-decoder switch_transformers" in err
 
 
-def test_calibration_text_profiles_both_stacks_apart(tiny_model, tmp_path):
+def test_calibration_text_profiles_both_stacks_apart(tiny_model, tmp_path, monkeypatch):
     """convert --calib: the routing profile covers the MoE layers of both stacks, counted from the
     encoder's routing of each window's first half and the decoder's of its teacher-forced second half,
     with no layer-to-layer count from an encoder layer into a decoder layer."""
     text = " ".join([PROMPT] * 4)
+    # The profile is the store's own routing: both runs on the float path ("auto" chooses by timing).
+    monkeypatch.setattr(pipeline, "StoreOptions", functools.partial(StoreOptions, compute="fused-float"))
     convert(switch(tiny_model), tmp_path / "s", bits=4, calib_text=text)
-    model = edgemoe.load(tmp_path / "s", preload="none")      # the profile is the store's own routing
+    model = edgemoe.load(tmp_path / "s", preload="none", compute="fused-float")
     spec = model.spec
     profile = load_routing_profile(tmp_path / "s")
     assert profile.moe_layers == spec.moe_layer_ids
@@ -238,25 +242,33 @@ def hf_with_widths(path, widths):
     return hf
 
 
-def hf_summed_nll(hf, windows, start_token):
-    """Per window, transformers' summed NLL of the second half given the first (labels: teacher-forced)."""
-    total = []
-    for window in windows:
-        half = len(window) // 2
-        out = hf(input_ids=torch.tensor([window[:half]]), labels=torch.tensor([window[half:]]))
-        assert out.logits.shape[1] == len(window) - half and hf.config.decoder_start_token_id == start_token
-        total.append(out.loss.item() * (len(window) - half))
-    return total
+def hf_relative_ppl(path, widths, ids, context):
+    """transformers' ppl_quantized / ppl_reference - 1 over text-to-text windows of `context` tokens:
+    each window's second half as labels given its first half (transformers teacher-forces labels)."""
+    windows = [ids[i:i + context] for i in range(0, len(ids), context) if len(ids) - i >= 2]
+
+    def summed_nll(hf):
+        total = 0.0
+        for window in windows:
+            half = len(window) // 2
+            out = hf(input_ids=torch.tensor([window[:half]]), labels=torch.tensor([window[half:]]))
+            total += out.loss.item() * (len(window) - half)
+        return total
+
+    targets = sum(len(w) - len(w) // 2 for w in windows)
+    return math.exp((summed_nll(hf_with_widths(path, widths)) - summed_nll(hf_model(path))) / targets) - 1
 
 
 @torch.no_grad()
-def test_budget_search_widths_and_loss_match_transformers(tiny_model, tmp_path):
+def test_budget_search_widths_and_loss_match_transformers(tiny_model, tmp_path, monkeypatch):
     """convert --budget on a Switch model: mixed widths within the budget (at 0.1% relative perplexity
     on this text the floor's uniform store exceeds it, the ceiling's meets it), and the loss the search
     records for them equals transformers' own loss on the same text-to-text windows with those
     experts dequantized (ppl_quantized / ppl_reference - 1)."""
     path = switch(tiny_model)
     context, limit = 64, 0.001
+    # The held-out check opens the store on the float path ("auto" may pick int8 activations by timing).
+    monkeypatch.setattr(pipeline, "StoreOptions", functools.partial(StoreOptions, compute="fused-float"))
     done = convert(path, tmp_path / "s", budget=QualityBudget(limit, context=context, heldout_text=PROMPT * 2),
                    calib_text=BUDGET_TEXT)
     manifest = read_manifest(tmp_path / "s")
@@ -269,14 +281,14 @@ def test_budget_search_widths_and_loss_match_transformers(tiny_model, tmp_path):
     assert record["calibration_loss_bound"] <= limit
     assert done.heldout_loss is not None and record["heldout_loss"] == done.heldout_loss
     tokenizer = edgemoe.load(path).tokenizer
-    ids = tokenizer.encode(BUDGET_TEXT, add_special_tokens=False)
-    windows = [ids[i:i + context] for i in range(0, len(ids), context) if len(ids) - i >= 2]
-    start = manifest.spec.decoder_start_token_id
-    quantized = hf_summed_nll(hf_with_widths(path, widths), windows, start)
-    reference = hf_summed_nll(hf_model(path), windows, start)
-    targets = sum(len(w) - len(w) // 2 for w in windows)
-    expected = math.exp((sum(quantized) - sum(reference)) / targets) - 1
-    assert record["calibration_loss"] == pytest.approx(expected, rel=1e-3, abs=1e-6)
+    # transformers shifts the labels right from its config's start token, as edgemoe's decoder input.
+    assert hf_model(path).config.decoder_start_token_id == manifest.spec.decoder_start_token_id
+    calibration = tokenizer.encode(BUDGET_TEXT, add_special_tokens=False)
+    assert record["calibration_loss"] == pytest.approx(hf_relative_ppl(path, widths, calibration, context),
+                                                       rel=1e-3, abs=1e-6)
+    # The held-out confirmation, from the written store, in the same windows of the held-out text.
+    heldout = tokenizer.encode(PROMPT * 2, add_special_tokens=False)
+    assert done.heldout_loss == pytest.approx(hf_relative_ppl(path, widths, heldout, context), rel=1e-3, abs=1e-6)
 
 
 def test_correlation_preloading_leaves_output_unchanged(tiny_model, tmp_path):
