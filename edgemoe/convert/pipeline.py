@@ -160,8 +160,9 @@ def _profile_and_confirm(path: Path, manifest, calib_text, budget, reference, th
         ids = model.tokenizer.encode(budget.heldout_text, add_special_tokens=False)
         context = min(budget.context, model.context_length)   # windows as the calibration's
         if model.spec.is_encoder_decoder:     # text-to-text windows; `evaluate` is next-token only
-            report("confirming on held-out text", 0, 1)
-            return heldout_loss(model, reference, torch.tensor(ids), context, budget.metric)
+            loss = heldout_loss(model, reference, torch.tensor(ids), context, budget.metric)
+            report("confirming on held-out text", 1, 1)
+            return loss
         result = evaluate(model, ids, context=context, stride=context, reference=reference,
                           on_progress=lambda d, t: report("confirming on held-out text", d, t))
         return metric_loss(result, budget.metric)
