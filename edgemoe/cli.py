@@ -467,11 +467,8 @@ def trace(
     from .tracing import trace_text
     from .progress import progress_bar
 
-    from .loader import require_decoder_only
-
     content = _read_text(text)
     m = edgemoe.load(model, threads=threads, **({"preload": "none"} if is_store(model) else {}))
-    require_decoder_only(m.spec, model, "edgemoe trace")
     options.window_length(context, "--context", m.context_length)
     with progress_bar("tracing", quiet) as report:
         records = trace_text(m, content, context, report)
@@ -502,10 +499,7 @@ def profile(
     if not is_store(store):
         raise EdgeMoEError(f"{store}: not a store; a routing profile belongs to a store (make one with "
                            f"edgemoe convert, which profiles it when given --calib)")
-    from .loader import require_decoder_only
-
     spec = read_manifest(store).spec
-    require_decoder_only(spec, store, "edgemoe profile")
     options.window_length(context, "--context", spec.max_position_embeddings)
     content = _read_text(text) if text else None
     with progress_bar("profiling routing", quiet) as report:

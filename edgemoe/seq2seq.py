@@ -19,6 +19,11 @@ passes). A one-token decoder step never reaches the capacity.
 
 Layer indices: encoder layers 0..Le-1, decoder layers Le..num_layers-1 (one (layer, expert) key space).
 
+Text as text-to-text (the budget's calibration loss, routing profiles): a window of consecutive tokens
+is split by text_to_text into the encoder's input (its first half) and the decoder's target (the
+second half), which the decoder reads teacher-forced: decoder_start_token_id, then the target but its
+last token, each position predicting the next target token.
+
 Shapes: S prompt tokens, T tokens of a pass, L cached decoder length, D hidden, V vocab, H heads,
 Dh head dim, B relative-position buckets.
 """
@@ -70,6 +75,25 @@ def position_bias(table: torch.Tensor, query_positions: torch.Tensor, key_length
     bias = table[relative_position_bucket(relative, bidirectional, table.shape[0], max_distance)]
     bias = bias.permute(2, 0, 1).float()
     return bias if bidirectional else bias.masked_fill(relative[None] > 0, float("-inf"))
+
+
+@dataclass(frozen=True)
+class TextToText:
+    """One window as text-to-text: source [S] (the encoder's input), decoder_input [T], target [T]."""
+
+    source: torch.Tensor
+    decoder_input: torch.Tensor
+    target: torch.Tensor
+
+
+def text_to_text(window: torch.Tensor, decoder_start_token_id: int) -> TextToText:
+    """Split a window of >= 2 token ids: first half the source, second half the target (teacher-forced)."""
+    if window.numel() < 2:
+        raise ValueError(f"text-to-text window: {window.numel()} token(s), expected at least 2")
+    half = window.numel() // 2
+    source, target = window[:half], window[half:]
+    decoder_input = torch.cat([torch.tensor([decoder_start_token_id], dtype=target.dtype), target[:-1]])
+    return TextToText(source, decoder_input, target)
 
 
 @dataclass
@@ -172,9 +196,24 @@ class Seq2SeqModel(StoreOwner):
         self._count_step(tokens.numel(), start)
         return logits
 
+    def dense_weights(self) -> dict[str, torch.Tensor]:
+        """The dense weights under their canonical names (to build a twin with other experts)."""
+        dense = {"embed": self.embed, "enc_norm": self.enc_norm, "norm": self.final_norm}
+        if self.enc_embed is not self.embed:
+            dense["enc_embed"] = self.enc_embed
+        if not self.spec.tie_word_embeddings:
+            dense["lm_head"] = self.lm_head
+        for l, weights in enumerate(self.layers):
+            dense.update({f"layers.{l}.{name}": t for name, t in weights.items()})
+        return dense
+
     def logits(self, input_ids: Sequence[int], decoder_ids: Sequence[int]) -> torch.Tensor:
         """Decoder logits [T, V] for decoder_ids given the prompt input_ids (one decoder pass)."""
         return self.decode(decoder_ids, self.start(self.encode(input_ids)))
+
+    def teacher_forced(self, pair: TextToText) -> torch.Tensor:
+        """Decoder logits [T, V] of a text-to-text window: row t predicts pair.target[t]."""
+        return self.logits(pair.source, pair.decoder_input)
 
     def route(self, l: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer l's top-1 router on its MoE input x [T, D] -> (weights [T, 1] float32, experts [T, 1]):

@@ -3,6 +3,13 @@
 
 The text is cut into consecutive windows of `context` tokens, each run from an empty KV cache as
 its own sequence (trace "seq" = window number), so every token is routed once.
+
+An encoder-decoder model (Seq2SeqModel) reads each window as text-to-text (edgemoe.seq2seq.text_to_text):
+the encoder's layers route the source, the decoder's layers the teacher-forced decoder input. The two
+are different token streams, so they are two sequences, "W/encoder" and "W/decoder" (W the window
+number): a token's routing then holds the layers of one stack only, and the profile's layer-to-layer
+counts (P(expert at l | experts at l-1, l-2)) never pair an encoder token's layer with a decoder
+token's. A trailing window of one token has no target and is left out.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from edgemoe.store.profile_file import save_routing_profile
 from .evaluate import default_context
 from .options import window_length
 from .replay import records_for_model
+from .seq2seq import text_to_text
 
 
 def trace_text(model, text: str, context: int | None = None,
@@ -32,12 +40,25 @@ def trace_text(model, text: str, context: int | None = None,
     records: list[TraceRecord] = []
     starts = range(0, ids.numel(), context)
     for window, start in enumerate(starts):
-        with TraceRecorder(model, seq=window) as recorder:
-            model.logits(ids[start:start + context])
-        records += recorder.records
+        records += _trace_window(model, ids[start:start + context], window)
         if on_progress:
             on_progress(window + 1, len(starts))
     return records
+
+
+def _trace_window(model, tokens: torch.Tensor, window: int) -> list[TraceRecord]:
+    if not model.spec.is_encoder_decoder:
+        with TraceRecorder(model, seq=window) as recorder:
+            model.logits(tokens)
+        return recorder.records
+    if tokens.numel() < 2:
+        return []
+    pair = text_to_text(tokens, model.spec.decoder_start_token_id)
+    with TraceRecorder(model, seq=f"{window}/encoder") as encoder:
+        source = model.encode(pair.source)
+    with TraceRecorder(model, seq=f"{window}/decoder") as decoder:
+        model.decode(pair.decoder_input, model.start(source))
+    return encoder.records + decoder.records
 
 
 def build_profile(model, records: list[TraceRecord], min_count: int = 3) -> RoutingProfile:

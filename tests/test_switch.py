@@ -2,7 +2,10 @@
 decoder logits of a pass and of cached steps, greedy generation), ungated relu experts on every
 compute path of a store against plain torch, and the clear refusals of what is decoder-only."""
 
+import functools
 import json
+import math
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -11,7 +14,9 @@ import torch
 import transformers
 
 import edgemoe
-from edgemoe.convert import convert
+from edgemoe.convert import QualityBudget, convert, pipeline
+from edgemoe.loader import StoreOptions
+from edgemoe.store import read_manifest
 from edgemoe.errors import CheckpointError, EdgeMoEError
 from edgemoe.experts import DenseExpert, InMemoryExperts
 from edgemoe.generate import GenerationOptions
@@ -22,6 +27,7 @@ from edgemoe.quant import dequantize_reference, quantize
 from edgemoe.seq2seq import Seq2SeqModel
 from edgemoe.store import StoreError
 from edgemoe.store.format import MANIFEST
+from edgemoe.store.profile_file import load_routing_profile
 
 from helpers import acts, run_cli, weights
 
@@ -178,7 +184,6 @@ def test_run_command_generates_from_store(tiny_model, store, monkeypatch, capsys
     (["eval", "{store}", "--text", "{text}"], "edgemoe eval"),
     (["run", "{store}", "-p", "hi", "--beams", "2"], "--beams"),
     (["serve", "{store}"], "serving"),
-    (["profile", "{store}", "--text", "{text}"], "edgemoe profile"),
 ])
 def test_decoder_only_commands_refuse_clearly(store, tmp_path, monkeypatch, capsys, args, words):
     text = tmp_path / "t.txt"
@@ -188,9 +193,115 @@ def test_decoder_only_commands_refuse_clearly(store, tmp_path, monkeypatch, caps
     assert words in err and "encoder-decoder switch_transformers" in err
 
 
-def test_convert_with_calibration_text_refuses(tiny_model, tmp_path):
-    with pytest.raises(EdgeMoEError, match="decoder-only"):
-        convert(switch(tiny_model), tmp_path / "s", bits=4, calib_text=PROMPT)
+def test_calibration_text_profiles_both_stacks_apart(tiny_model, tmp_path, monkeypatch):
+    """convert --calib: the routing profile covers the MoE layers of both stacks, counted from the
+    encoder's routing of each window's first half and the decoder's of its teacher-forced second half,
+    with no layer-to-layer count from an encoder layer into a decoder layer."""
+    text = " ".join([PROMPT] * 4)
+    # The profile is the store's own routing: both runs on the float path ("auto" chooses by timing).
+    monkeypatch.setattr(pipeline, "StoreOptions", functools.partial(StoreOptions, compute="fused-float"))
+    convert(switch(tiny_model), tmp_path / "s", bits=4, calib_text=text)
+    model = edgemoe.load(tmp_path / "s", preload="none", compute="fused-float")
+    spec = model.spec
+    profile = load_routing_profile(tmp_path / "s")
+    assert profile.moe_layers == spec.moe_layer_ids
+    encoder_moe = [l for l in spec.moe_layer_ids if l < spec.encoder_layers]
+    decoder_moe = [l for l in spec.moe_layer_ids if l >= spec.encoder_layers]
+    assert len(encoder_moe) >= 2 and decoder_moe
+    # Independently: each window's two passes through the store's model, routing seen by a plain hook.
+    ids = torch.tensor(model.tokenizer.encode(text, add_special_tokens=False))
+    context = min(model.context_length, 1024)
+    expected = {l: [0] * spec.num_experts for l in spec.moe_layer_ids}
+    model.routing_hooks.append(lambda l, experts, *rest: [expected[l].__setitem__(e, expected[l][e] + 1)
+                                                          for e in experts[:, 0].tolist()])
+    encoder_tokens = 0
+    for start in range(0, ids.numel(), context):
+        window = ids[start:start + context]
+        half = window.numel() // 2
+        model.logits(window[:half], [spec.decoder_start_token_id, *window[half:-1].tolist()])
+        encoder_tokens += half
+    assert profile.counts == expected
+    assert profile.given_prev[decoder_moe[0]] == {}      # nothing before it in its own stack
+    assert sum(seen for seen, _ in profile.given_prev[encoder_moe[1]].values()) == encoder_tokens
+
+
+BUDGET_TEXT = (" ".join([PROMPT] * 3) + " Whether 'tis nobler to take arms against a sea of troubles, and by "
+               "opposing end them. To die, to sleep; no more; and by a sleep to say we end the heart-ache.") * 3
+
+
+def hf_with_widths(path, widths):
+    """transformers' model with each expert quantized at its width and dequantized by plain torch."""
+    hf = hf_model(path)
+    encoder_layers = hf.config.num_layers
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            match = re.fullmatch(r"(encoder|decoder)\.block\.(\d+)\.layer\.\d+\.mlp\.experts\.expert_(\d+)\.w[io]\.weight", name)
+            if match:
+                layer = int(match[2]) + (encoder_layers if match[1] == "decoder" else 0)
+                param.copy_(dequantize_reference(quantize(param.detach().clone(), widths[layer, int(match[3])])))
+    return hf
+
+
+def hf_relative_ppl(path, widths, ids, context):
+    """transformers' ppl_quantized / ppl_reference - 1 over text-to-text windows of `context` tokens:
+    each window's second half as labels given its first half (transformers teacher-forces labels)."""
+    windows = [ids[i:i + context] for i in range(0, len(ids), context) if len(ids) - i >= 2]
+
+    def summed_nll(hf):
+        total = 0.0
+        for window in windows:
+            half = len(window) // 2
+            out = hf(input_ids=torch.tensor([window[:half]]), labels=torch.tensor([window[half:]]))
+            total += out.loss.item() * (len(window) - half)
+        return total
+
+    targets = sum(len(w) - len(w) // 2 for w in windows)
+    return math.exp((summed_nll(hf_with_widths(path, widths)) - summed_nll(hf_model(path))) / targets) - 1
+
+
+@torch.no_grad()
+def test_budget_search_widths_and_loss_match_transformers(tiny_model, tmp_path, monkeypatch):
+    """convert --budget on a Switch model: mixed widths within the budget (at 0.1% relative perplexity
+    on this text the floor's uniform store exceeds it, the ceiling's meets it), and the loss the search
+    records for them equals transformers' own loss on the same text-to-text windows with those
+    experts dequantized (ppl_quantized / ppl_reference - 1)."""
+    path = switch(tiny_model)
+    context, limit = 64, 0.001
+    # The held-out check opens the store on the float path ("auto" may pick int8 activations by timing).
+    monkeypatch.setattr(pipeline, "StoreOptions", functools.partial(StoreOptions, compute="fused-float"))
+    done = convert(path, tmp_path / "s", budget=QualityBudget(limit, context=context, heldout_text=PROMPT * 2),
+                   calib_text=BUDGET_TEXT)
+    manifest = read_manifest(tmp_path / "s")
+    record = manifest.data["budget"]
+    widths = {key: entry.bits for key, entry in manifest.experts.items()}
+    assert widths == done.search.widths
+    assert {l for l, _ in widths} == set(manifest.spec.moe_layer_ids)        # both stacks searched
+    assert {record["floor"], record["ceiling"]} == set(widths.values()) and record["floor"] < record["ceiling"]
+    assert record["feasible"] and record["moved_down"] == sum(b == record["floor"] for b in widths.values())
+    assert record["calibration_loss_bound"] <= limit
+    assert done.heldout_loss is not None and record["heldout_loss"] == done.heldout_loss
+    tokenizer = edgemoe.load(path).tokenizer
+    # transformers shifts the labels right from its config's start token, as edgemoe's decoder input.
+    assert hf_model(path).config.decoder_start_token_id == manifest.spec.decoder_start_token_id
+    calibration = tokenizer.encode(BUDGET_TEXT, add_special_tokens=False)
+    assert record["calibration_loss"] == pytest.approx(hf_relative_ppl(path, widths, calibration, context),
+                                                       rel=1e-3, abs=1e-6)
+    # The held-out confirmation, from the written store, in the same windows of the held-out text.
+    heldout = tokenizer.encode(PROMPT * 2, add_special_tokens=False)
+    assert done.heldout_loss == pytest.approx(hf_relative_ppl(path, widths, heldout, context), rel=1e-3, abs=1e-6)
+
+
+def test_correlation_preloading_leaves_output_unchanged(tiny_model, tmp_path):
+    path = switch(tiny_model)
+    convert(path, tmp_path / "s", bits=4, calib_text=" ".join([PROMPT] * 4))
+    ids = edgemoe.load(path).tokenizer.encode(PROMPT)
+    opts = GenerationOptions(max_new_tokens=16)
+    with edgemoe.load(tmp_path / "s", compute="fused-float", preload="none") as plain:
+        expected = list(plain.generate_ids(ids, opts))
+    with edgemoe.load(tmp_path / "s", compute="fused-float", ram="20%", preload="correlation") as predicted:
+        assert predicted.preloader.predictor == "correlation"
+        assert list(predicted.generate_ids(ids, opts)) == expected
+        assert predicted.preloader.predicted > 0
 
 
 def test_bad_input_is_named(tiny_model, store, tmp_path):

@@ -13,6 +13,8 @@ Search (widths from {2, 4, 8}):
  2. Importance: each expert alone at the floor, every other at the ceiling, on one half of the
     calibration windows. Cheap: each window's input to every layer is cached for the all-ceiling
     model, so an expert's effect is measured by re-running the model from its own layer only (exact).
+    An encoder-decoder model (Seq2SeqModel, windows read as text-to-text: Calibration) is re-run
+    whole: its decoder layers read the encoder's output too, which that cache does not carry.
  3. The least important experts go down first: binary search, on the other half of the windows,
     for the largest K whose K least important experts at the floor keep the loss within the budget.
     Ranking and choosing on the same text would favour experts whose measured importance was low by
@@ -43,6 +45,7 @@ from edgemoe.quant import quantize
 
 from edgemoe.experts import DenseExpert, ExpertProvider, InMemoryExperts
 from edgemoe.model import MoEModel, Segment
+from edgemoe.seq2seq import Seq2SeqModel, text_to_text
 
 WIDTHS = (2, 4, 8)
 METRICS = ("ppl", "top1", "kl")
@@ -54,8 +57,7 @@ class MixedWidthExperts(ExpertProvider):
     Dequantized weights are cached up to `cache_bytes` (least recently used first out)."""
 
     def __init__(self, dense: InMemoryExperts, group_size: int | None, method: str, cache_bytes: int = 2 << 30):
-        self.packed = {(key, bits): {role: quantize(getattr(e, role), bits, group_size, method)
-                                     for role in ("gate", "up", "down")}
+        self.packed = {(key, bits): {role: quantize(w, bits, group_size, method) for role, w in e.weights.items()}
                        for key, e in dense.experts.items() for bits in WIDTHS}
         self.activations = {key: e.activation for key, e in dense.experts.items()}
         self.widths: dict[Key, int] = {key: 8 for key in dense.experts}
@@ -79,12 +81,17 @@ class MixedWidthExperts(ExpertProvider):
 class Calibration:
     """Calibration windows with what the loss needs from the reference model.
 
+    A decoder-only model predicts each window's tokens after the first; an encoder-decoder model
+    reads each window as text-to-text (edgemoe.seq2seq.text_to_text: the first half is the encoder's
+    input, the second half the decoder's teacher-forced target) and predicts the target's tokens.
+
     The loss is estimated from a sample of text, so the search judges it by an upper confidence
     bound: per window, the quantized-minus-reference difference (nats per token for ppl, disagreements
     or KL per token otherwise) is a paired sample; bound = mean + z * standard error, z from
     `confidence` (one-sided; 0.5 gives the plain estimate)."""
 
-    def __init__(self, reference: MoEModel, ids: torch.Tensor, context: int, metric: str, confidence: float = 0.95):
+    def __init__(self, reference: MoEModel | Seq2SeqModel, ids: torch.Tensor, context: int, metric: str,
+                 confidence: float = 0.95):
         if metric not in METRICS:
             raise ValueError(f"--metric {metric!r}: expected one of {METRICS}")
         if not 0.5 <= confidence < 1:
@@ -94,21 +101,31 @@ class Calibration:
         self.windows = [ids[i:i + context] for i in range(0, ids.numel(), context) if ids.numel() - i >= 2]
         if not self.windows:
             raise ValueError("calibration text: fewer than 2 tokens")
-        self.sizes = [w.numel() - 1 for w in self.windows]
+        spec = reference.spec
+        self.pairs = ([text_to_text(w, spec.decoder_start_token_id) for w in self.windows]
+                      if spec.is_encoder_decoder else None)
+        self.targets = [p.target for p in self.pairs] if self.pairs else [w[1:] for w in self.windows]
+        self.sizes = [t.numel() for t in self.targets]
         self.tokens = sum(self.sizes)
         self.reference: list[torch.Tensor] = []
         self.reference_nll: list[float] = []     # per window, summed over its tokens
-        for window in self.windows:
-            logp = torch.log_softmax(reference.logits(window)[:-1], dim=-1)    # [T-1, V]
-            self.reference_nll.append(-logp.gather(1, window[1:, None]).sum().item())
+        for i, target in enumerate(self.targets):
+            logp = torch.log_softmax(self.predict(reference, i), dim=-1)    # [T, V]
+            self.reference_nll.append(-logp.gather(1, target[:, None]).sum().item())
             self.reference.append(logp if metric == "kl" else logp.argmax(-1))
 
+    def predict(self, model: MoEModel | Seq2SeqModel, i: int) -> torch.Tensor:
+        """The model's logits [T, V] for window i, row t predicting targets[i][t]."""
+        if self.pairs:
+            return model.teacher_forced(self.pairs[i])
+        return model.logits(self.windows[i])[:-1]
+
     def window_loss(self, i: int, logits: torch.Tensor) -> float:
-        """This window's loss, summed over its tokens (for ppl: NLL minus the reference's NLL)."""
-        window = self.windows[i]
-        logp = torch.log_softmax(logits[:-1], dim=-1)
+        """This window's loss from logits [T, V] aligned with its targets (predict), summed over its
+        tokens (for ppl: NLL minus the reference's NLL)."""
+        logp = torch.log_softmax(logits, dim=-1)
         if self.metric == "ppl":
-            return -logp.gather(1, window[1:, None]).sum().item() - self.reference_nll[i]
+            return -logp.gather(1, self.targets[i][:, None]).sum().item() - self.reference_nll[i]
         if self.metric == "top1":
             return (logp.argmax(-1) != self.reference[i]).sum().item()
         ref = self.reference[i]
@@ -165,7 +182,12 @@ def _by_layer(values: dict[Key, float]) -> dict[str, list]:
 
 
 class BudgetSearch:
-    def __init__(self, model: MoEModel, calibration: Calibration, group_size: int | None = None,
+    """The search on a MoEModel or a Seq2SeqModel. The importance step re-runs a MoEModel from the
+    expert's layer on cached layer inputs; a Seq2SeqModel runs whole (encoder and decoder) per
+    evaluation: its decoder layers also read the encoder's output, so one cached input per layer
+    does not resume it."""
+
+    def __init__(self, model: MoEModel | Seq2SeqModel, calibration: Calibration, group_size: int | None = None,
                  method: str = "rtn", progress: Callable[[str, int, int], None] | None = None):
         if not isinstance(model.experts, InMemoryExperts):
             raise ValueError("budget search: load the checkpoint directory, not a store")
@@ -175,17 +197,18 @@ class BudgetSearch:
         self.keys = sorted(model.experts.experts)
         self.evaluations = 0
         self._layer_inputs: list[dict[int, torch.Tensor]] = []
-        self._quantized = MoEModel(model.spec, model.dense_weights(), self.experts)
+        self._quantized = type(model)(model.spec, model.dense_weights(), self.experts)
+        self._resumable = isinstance(model, MoEModel)
 
     def loss(self, widths: dict[Key, int], start_layer: int = 0, windows=None) -> tuple[float, float]:
         """(estimate, upper bound) of the calibration loss with these widths over `windows` (default
-        all); computed from `start_layer` on the cached layer inputs when > 0."""
+        all); computed from `start_layer` on the cached layer inputs when > 0 (MoEModel only)."""
         self.experts.widths = widths
         self.evaluations += 1
         per_window = {}
         for i in (range(len(self.calib.windows)) if windows is None else windows):
-            logits = (self._quantized.logits(self.calib.windows[i]) if start_layer == 0
-                      else self._from_layer(i, start_layer))
+            logits = (self.calib.predict(self._quantized, i) if start_layer == 0
+                      else self._from_layer(i, start_layer)[:-1])
             per_window[i] = self.calib.window_loss(i, logits)
         return self.calib.loss(per_window)
 
@@ -213,11 +236,13 @@ class BudgetSearch:
 
     def importance(self, floor: int, ceiling: int, windows=None) -> dict[Key, float]:
         base = {key: ceiling for key in self.keys}
-        self._cache_layer_inputs(base)
+        if self._resumable:
+            self._cache_layer_inputs(base)
         base_loss = self.loss(base, start_layer=0, windows=windows)[0]
         scores = {}
         for i, key in enumerate(self.keys):
-            scores[key] = self.loss({**base, key: floor}, start_layer=key[0], windows=windows)[0] - base_loss
+            start_layer = key[0] if self._resumable else 0
+            scores[key] = self.loss({**base, key: floor}, start_layer=start_layer, windows=windows)[0] - base_loss
             self.progress("importance", i + 1, len(self.keys))
         self._layer_inputs = []
         return scores
@@ -286,6 +311,13 @@ def parse_budget(text: str) -> float:
     if not math.isfinite(limit):
         raise ValueError(f"--budget {text!r}: expected a percentage like 5% or a number like 0.05")
     return limit
+
+
+def heldout_loss(model: Seq2SeqModel, reference: Seq2SeqModel, ids: torch.Tensor, context: int, metric: str) -> float:
+    """An encoder-decoder store's loss on held-out text: the calibration loss's estimate (not its
+    bound), windows as the calibration's, against the reference model."""
+    heldout = Calibration(reference, ids, context, metric, confidence=0.5)
+    return heldout.loss({i: heldout.window_loss(i, heldout.predict(model, i)) for i in range(len(heldout.windows))})[0]
 
 
 def metric_loss(result, metric: str) -> float:

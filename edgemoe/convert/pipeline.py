@@ -28,14 +28,14 @@ import torch
 
 from edgemoe.checkpoint import Checkpoint
 from edgemoe.evaluate import evaluate
-from edgemoe.loader import StoreOptions, load_store, model_from_checkpoint, plan_checkpoint, require_decoder_only
+from edgemoe.loader import StoreOptions, load_store, model_from_checkpoint, plan_checkpoint
 from edgemoe.options import OptionError, one_of
 from edgemoe.tracing import build_profile, trace_text
 from edgemoe.quant import quantize
 from edgemoe.store.profile_file import save_routing_profile
 from edgemoe.weights import read_expert
 
-from .budget import BudgetResult, BudgetSearch, Calibration, METRICS, metric_loss
+from .budget import BudgetResult, BudgetSearch, Calibration, METRICS, heldout_loss, metric_loss
 from .writer import Key, StoreWriter, check_destination, read_widths
 
 Progress = Callable[[str, int, int], None]    # (stage, done, total)
@@ -99,9 +99,6 @@ def convert(model_dir, out, bits: int = 4, widths: dict[Key, int] | str | Path |
     ckpt = Checkpoint(model_dir)
     try:
         spec, plan = planned = plan_checkpoint(ckpt)
-        if budget is not None or calib_text is not None:
-            # Width search and routing profiles run the decoder-only model over the text.
-            require_decoder_only(spec, ckpt.path, "a quality budget or calibration text (--budget, --calib)")
         keys = sorted(plan.experts)
         if isinstance(widths, (str, Path)):
             widths = read_widths(widths, spec)
@@ -162,6 +159,10 @@ def _profile_and_confirm(path: Path, manifest, calib_text, budget, reference, th
             return None
         ids = model.tokenizer.encode(budget.heldout_text, add_special_tokens=False)
         context = min(budget.context, model.context_length)   # windows as the calibration's
+        if model.spec.is_encoder_decoder:     # text-to-text windows; `evaluate` is next-token only
+            loss = heldout_loss(model, reference, torch.tensor(ids), context, budget.metric)
+            report("confirming on held-out text", 1, 1)
+            return loss
         result = evaluate(model, ids, context=context, stride=context, reference=reference,
                           on_progress=lambda d, t: report("confirming on held-out text", d, t))
         return metric_loss(result, budget.metric)

@@ -2,7 +2,8 @@
 
 Predictors:
 - "correlation" (EdgeMoE): the store's routing profile, P(expert at l | experts at l-1 and l-2)
-  with back-off (edgemoe.scheduling.profile); issued as soon as layer l-1's routing is known.
+  with back-off (edgemoe.scheduling.profile); issued as soon as layer l-1's routing is known, within
+  a stack: an encoder-decoder's encoder tokens predict nothing of its decoder's first MoE layer.
 - "lookahead" (Mixtral-offloading): the next MoE layer's router applied to this layer's MoE input;
   issued just before this layer routes.
 For a step with several tokens, an expert's score is the probability that any token needs it,
@@ -47,9 +48,13 @@ class Preloader:
         if predictor == "correlation" and profile is None:
             raise ValueError(f"preload='correlation': {store.path} has no routing profile (run edgemoe profile)")
         self.model, self.store, self.predictor, self.profile = model, store, predictor, profile
-        moe = model.spec.moe_layer_ids
+        spec = model.spec
+        moe = spec.moe_layer_ids
         self.next_moe = {l: moe[i + 1] for i, l in enumerate(moe[:-1])}
-        self.first_moe = moe[0]
+        # The first MoE layer of each stack (an encoder-decoder has two): its tokens' history starts
+        # there, as in the routing profile (edgemoe.tracing), so correlation never predicts across.
+        firsts = (0, spec.encoder_layers) if spec.is_encoder_decoder else (0,)
+        self.stack_starts = {min(l for l in moe if l >= first) for first in firsts if moe[-1] >= first}
         self.smoothing = smoothing
         self.layer_seconds: float | None = None   # between consecutive MoE layers (moving average)
         self.idle_seconds: float | None = None    # of it, the disk's idle time (moving average)
@@ -89,12 +94,12 @@ class Preloader:
         self.store.cancel_preloads(layer)
         chosen = [tuple(row) for row in experts.tolist()]
         self._score(layer, chosen)
-        if layer == self.first_moe or len(self._history) != len(chosen):
+        if layer in self.stack_starts or len(self._history) != len(chosen):
             self._history = [{} for _ in chosen]
         for history, token_experts in zip(self._history, chosen):
             history[layer] = token_experts
         nxt = self.next_moe.get(layer)
-        if nxt is not None and self.predictor == "correlation":
+        if nxt is not None and nxt not in self.stack_starts and self.predictor == "correlation":
             unneeded = torch.ones(self.model.spec.num_experts)   # P(no token needs e)
             for history in self._history:
                 for e, p in self.profile.predict(nxt, history):

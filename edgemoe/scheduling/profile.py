@@ -129,7 +129,8 @@ class TraceRecorder:
 
     "seq" is the given label, else the number of the segment's sequence in order of first appearance
     (the segment index of the first step; stable when a batch drops finished sequences, because
-    sequences are told apart by their KV cache)."""
+    sequences are told apart by their KV cache). A pass without segments (Seq2SeqModel's) is one
+    sequence: the given label, else 0."""
 
     def __init__(self, model, seq: int | str | None = None):
         self.model = model
@@ -153,6 +154,10 @@ class TraceRecorder:
 
     def _hook(self, layer, experts, weights, positions, segments) -> None:
         experts, weights, positions = experts.tolist(), weights.tolist(), positions.tolist()   # [T, A], [T, A], [T]
+        if not segments:    # a pass of one sequence without segments (Seq2SeqModel's encoder or decoder)
+            seq = 0 if self.seq is None else self.seq
+            self.records += [TraceRecord(seq, p, layer, e, w) for p, e, w in zip(positions, experts, weights)]
+            return
         t = 0
         for segment in segments:
             seq = self._seq(segment)
