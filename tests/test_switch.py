@@ -396,3 +396,13 @@ def test_store_written_before_expert_kinds_reads_as_swiglu(tiny_model, tmp_path)
         assert model.spec.expert_activation == "swiglu" and ModelSpec.from_dict(manifest["spec"]).expert_roles == (
             "gate", "up", "down")
         assert torch.equal(model.logits(ids), expected)
+
+
+def test_no_preloader_predicts_from_the_encoder_into_the_decoder(store):
+    with edgemoe.load(store, preload="lookahead", ram="20%") as model:
+        spec = model.spec
+        first_decoder_moe = min(l for l in spec.moe_layer_ids if l >= spec.encoder_layers)
+        last_encoder_moe = max(l for l in spec.moe_layer_ids if l < spec.encoder_layers)
+        assert first_decoder_moe not in model.preloader.next_moe.values()
+        assert last_encoder_moe not in model.preloader.next_moe        # its next MoE layer is the decoder's
+        assert model.preloader.next_moe                                # within each stack it predicts

@@ -2,10 +2,11 @@
 
 Predictors:
 - "correlation" (EdgeMoE): the store's routing profile, P(expert at l | experts at l-1 and l-2)
-  with back-off (edgemoe.scheduling.profile); issued as soon as layer l-1's routing is known, within
-  a stack: an encoder-decoder's encoder tokens predict nothing of its decoder's first MoE layer.
+  with back-off (edgemoe.scheduling.profile); issued as soon as layer l-1's routing is known.
 - "lookahead" (Mixtral-offloading): the next MoE layer's router applied to this layer's MoE input;
   issued just before this layer routes.
+Both predict within a stack: an encoder-decoder's encoder tokens predict nothing of its decoder's
+first MoE layer.
 For a step with several tokens, an expert's score is the probability that any token needs it,
 1 - prod_t (1 - p_t) (correlation), or the sum of the routers' weights (lookahead).
 
@@ -50,11 +51,12 @@ class Preloader:
         self.model, self.store, self.predictor, self.profile = model, store, predictor, profile
         spec = model.spec
         moe = spec.moe_layer_ids
-        self.next_moe = {l: moe[i + 1] for i, l in enumerate(moe[:-1])}
         # The first MoE layer of each stack (an encoder-decoder has two): its tokens' history starts
-        # there, as in the routing profile (edgemoe.tracing), so correlation never predicts across.
+        # there, as in the routing profile (edgemoe.tracing), and no predictor predicts across: the
+        # encoder's tokens are not the decoder's.
         firsts = (0, spec.encoder_layers) if spec.is_encoder_decoder else (0,)
         self.stack_starts = {min(l for l in moe if l >= first) for first in firsts if moe[-1] >= first}
+        self.next_moe = {l: nxt for l, nxt in zip(moe, moe[1:]) if nxt not in self.stack_starts}
         self.smoothing = smoothing
         self.layer_seconds: float | None = None   # between consecutive MoE layers (moving average)
         self.idle_seconds: float | None = None    # of it, the disk's idle time (moving average)
@@ -99,7 +101,7 @@ class Preloader:
         for history, token_experts in zip(self._history, chosen):
             history[layer] = token_experts
         nxt = self.next_moe.get(layer)
-        if nxt is not None and nxt not in self.stack_starts and self.predictor == "correlation":
+        if nxt is not None and self.predictor == "correlation":
             unneeded = torch.ones(self.model.spec.num_experts)   # P(no token needs e)
             for history in self._history:
                 for e, p in self.profile.predict(nxt, history):
