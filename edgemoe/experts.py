@@ -61,14 +61,14 @@ class DenseExpert:
                  activation: Activation = None):
         if gate is None and activation is None:
             raise ValueError("DenseExpert: a SwiGLU expert needs its gate matrix")
-        self.gate, self.up, self.down = gate, up, down
         self.weights = {role: t for role, t in (("gate", gate), ("up", up), ("down", down)) if t is not None}
         self.activation = activation
         self.nbytes = sum(t.numel() * t.element_size() for t in self.weights.values())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.activation is None:
-            return swiglu(x, self.gate, self.up, self.down)
+            w = self.weights
+            return swiglu(x, w["gate"], w["up"], w["down"])
         return self.activation(x.float(), dense_matmul(self.weights)).to(x.dtype)
 
 

@@ -93,7 +93,6 @@ class MoEModel(StoreOwner):
         self.generation_config = generation_config or {}
         self.name = name
         self.dtype = torch.float32   # activations, residual stream, KV cache; weights keep their own
-        self.dense_bits = None       # quantize_dense's width, if called
         self.embed = dense["embed"]
         self.final_norm = dense["norm"]
         self.final_norm_bias = dense.get("norm_bias")
@@ -121,7 +120,6 @@ class MoEModel(StoreOwner):
         embedding stays as loaded (a tied LM head gets a quantized copy of it)."""
         self.layers = [quantize_layer(w, bits) for w in self.layers]
         self.lm_head = quantize_matrix(self.lm_head, bits)
-        self.dense_bits = bits
 
     def new_cache(self) -> KVCache:
         s = self.spec

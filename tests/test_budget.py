@@ -150,7 +150,7 @@ def test_the_search_twin_computes_gpt_oss_experts_with_their_biases(tiny_model):
     ids = torch.tensor(model.tokenizer.encode(TEXT, add_special_tokens=False))[:40]
     search = BudgetSearch(model, Calibration(model, ids, context=48, metric="kl"))
     expected = edgemoe.load(tiny_model("gpt_oss", swiglu_limit=0.5))
-    expected.experts = InMemoryExperts({key: DenseExpert(**{role: dequantize_reference(quantize(getattr(e, role), 8))
+    expected.experts = InMemoryExperts({key: DenseExpert(**{role: dequantize_reference(quantize(e.weights[role], 8))
                                                            for role in ("gate", "up", "down")}, activation=e.activation)
                                         for key, e in model.experts.experts.items()})
     assert set(search.experts.widths.values()) == {8}

@@ -95,7 +95,7 @@ def checkpoints(tiny_model):
 def dequantized_reference(path, bits):
     """The checkpoint's model (float32) with each expert's matrices replaced by quantize -> dequantize_reference."""
     model = edgemoe.load(path, dtype=torch.float32)
-    model.experts = InMemoryExperts({key: DenseExpert(**{role: dequantize_reference(quantize(getattr(e, role), bits))
+    model.experts = InMemoryExperts({key: DenseExpert(**{role: dequantize_reference(quantize(e.weights[role], bits))
                                                         for role in ("gate", "up", "down")}, activation=e.activation)
                                      for key, e in model.experts.experts.items()})
     return model

@@ -181,5 +181,5 @@ def test_auto_precision_keeps_bfloat16_only_where_the_cpu_computes_it(tiny_model
         monkeypatch.setattr(precision, "native_types", lambda native=native: native)
         model = edgemoe.load(path)
         assert model.layers[0]["q"].dtype == expected and model.embed.dtype == expected
-        assert model.experts.expert(1, 0).gate.dtype == expected
+        assert model.experts.expert(1, 0).weights["gate"].dtype == expected
     assert edgemoe.load(path, dtype=torch.bfloat16).layers[0]["q"].dtype == torch.bfloat16   # explicit wins

@@ -35,7 +35,7 @@ def store(checkpoint, tmp_path_factory):
 def dequantized_reference(checkpoint, widths):
     """The checkpoint's model with each expert replaced by quantize -> dequantize_reference (plain torch)."""
     model = edgemoe.load(checkpoint)
-    experts = {key: DenseExpert(**{role: dequantize_reference(quantize(getattr(e, role), widths(key)))
+    experts = {key: DenseExpert(**{role: dequantize_reference(quantize(e.weights[role], widths(key)))
                                    for role in ("gate", "up", "down")}, activation=e.activation)
                for key, e in model.experts.experts.items()}
     model.experts = InMemoryExperts(experts)
