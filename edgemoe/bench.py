@@ -8,7 +8,7 @@ Modes:
   (EdgeMoE's IO-EXP baseline, Mixtral-offloading's scheme).
 - "predictive": the RAM capacity, expected-use eviction with its preload admission (edgemoe/scheduling/policies.py),
   popularity placement at load, correlation preload from the store's routing profile, and reads
-  overlapped with compute.
+  overlapped with compute; with `skip_below` / `fallback_below`, also those quality trade-offs.
 
 A run: a fresh store (empty RAM tier; `cold` first drops the store's files from the page cache),
 a prompt of L tokens fed in chunks (time to first token: up to the first token chosen), then
@@ -60,6 +60,8 @@ class BenchConfig:
     threads: int | None = None                 # the kernels' threads (None: the cores left free)
     routing_profile: object | None = None      # a RoutingProfile for the predictive mode instead of the store's
     compute: str = "auto"                      # the experts' compute path (edgemoe.quantized)
+    skip_below: float = 0.0                    # the predictive mode's quality trade-offs (StoreOptions):
+    fallback_below: float = 0.0                # adaptive top-k and fallback copies (off by default)
 
     def __post_init__(self):
         unknown = [m for m in self.modes if m not in MODES]
@@ -224,7 +226,8 @@ def store_options(mode: str, config: "BenchConfig"):
     if mode == "on-demand-lru":
         return StoreOptions(ram=config.ram, policy="lru", preload="none", place_popular=False, **run)
     return StoreOptions(ram=config.ram, policy="expected-use", preload="correlation", place_popular=True,
-                        routing_profile=config.routing_profile, **run)
+                        routing_profile=config.routing_profile, skip_below=config.skip_below,
+                        fallback_below=config.fallback_below, **run)
 
 
 def open_model(store_path: Path, mode: str, config: BenchConfig):
@@ -253,7 +256,8 @@ def _counters(model) -> dict:
     return {"requests": s.requests, "hits": s.vram.hits + s.ram.hits, "disk_bytes": s.disk_bytes_read,
             "disk_reads": store.disk.reads, "requested_bytes": s.requested_bytes,
             "io_wait": model.experts.io_wait_seconds, "attention": t.attention, "experts": t.experts,
-            "preloads_loaded": s.preloads_loaded, "preloads_used": s.preloads_used}
+            "preloads_loaded": s.preloads_loaded, "preloads_used": s.preloads_used,
+            "skipped": model.experts.skipped, "fallback_uses": model.experts.fallback_uses}
 
 
 def _delta(after: dict, before: dict) -> dict:
@@ -311,6 +315,9 @@ def run_once(store_path: Path, mode: str, prompt: list[int], config: BenchConfig
         "decode_io_wait_s_per_token": decode["io_wait"] / n,
         "decode_preloads_per_token": decode["preloads_loaded"] / n,
         "decode_preloads_used_per_token": decode["preloads_used"] / n,
+        "decode_skipped_per_token": decode["skipped"] / n, "decode_fallback_uses_per_token": decode["fallback_uses"] / n,
+        "skip_below": config.skip_below if mode == "predictive" else 0.0,
+        "fallback_below": config.fallback_below if mode == "predictive" else 0.0,
         "memory_bandwidth": bw.memory, "disk_bandwidth": bw.disk,
     }
 
@@ -352,7 +359,11 @@ def check_store(store_path: Path, config: BenchConfig) -> None:
     from edgemoe.store import read_manifest
     from edgemoe.store.profile_file import find_routing_profile
 
-    context = read_manifest(store_path).spec.max_position_embeddings
+    manifest = read_manifest(store_path)
+    if config.fallback_below and "predictive" in config.modes and not manifest.fallback:
+        raise ValueError(f"--fallback-below {config.fallback_below}: {store_path} has no fallback copies "
+                         f"(convert it with --fallback-bits)")
+    context = manifest.spec.max_position_embeddings
     steps = config.warmup_tokens + config.decode_tokens
     for length in config.prefill_tokens:
         if length + steps > context:

@@ -67,6 +67,12 @@ def _unit_interval(value: float, flag: str) -> float:
     return value
 
 
+def _routing_weight(value: float, flag: str) -> float:
+    if not 0 <= value < 1:
+        raise options.OptionError(flag, value, "expected a routing weight in [0, 1)")
+    return value
+
+
 def _port(value: int, flag: str) -> int:
     if not 0 <= value <= 65535:
         raise options.OptionError(flag, value, "expected a TCP port in 0..65535")
@@ -140,6 +146,11 @@ STORE_FLAGS = {
                                                "an expert not in RAM that every token chose with a routing weight "
                                                "below this (never as its strongest) is skipped and the other "
                                                "weights rescaled (adaptive top-k; default 0: off).")),
+    "fallback_below": (float, lambda: typer.Option(0.0, "--fallback-below", help="Store only, trades quality for "
+                                                   "reads: an expert not in RAM that every token chose with a "
+                                                   "routing weight below this (never as its strongest) is read "
+                                                   "as its narrower copy (a store converted with --fallback-bits; "
+                                                   "default 0: off).")),
     "compute": (str, lambda: typer.Option("auto", "--compute", help="Store only: the experts' compute path, auto "
                                           "(default: the fastest measured), fused-int, fused-float, dequant or "
                                           "device.")),
@@ -169,7 +180,7 @@ def _with_store_options(*names: str):
 
 
 @app.command()
-@_with_store_options("ram", "vram", "device", "policy", "preload", "skip_below")
+@_with_store_options("ram", "vram", "device", "policy", "preload", "skip_below", "fallback_below")
 def run(
     model: Optional[Path] = typer.Argument(None, help=MODEL_HELP),
     prompt: str = typer.Option("", "--prompt", "-p", help="Text to continue (default: start from nothing)."),
@@ -310,6 +321,9 @@ def convert(
                                help="rtn (round to nearest) or hqq (refined zero points)."),
     compress: Optional[str] = typer.Option(None, "--compress", callback=_checked(options.one_of, ("zstd",)),
                                            help="zstd: compress each expert blob."),
+    fallback_bits: Optional[int] = typer.Option(None, "--fallback-bits", callback=_checked(options.one_of, (2, 4)),
+                                                help="Also store each wider expert narrowed to 2 or 4 bits: the copy "
+                                                "read for a weakly chosen miss (run --fallback-below)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing store (never anything else)."),
     workers: Optional[int] = typer.Option(None, "--workers", callback=_checked(options.integer_at_least, 1),
                                           help="Quantization threads (default: as --threads)."),
@@ -352,11 +366,15 @@ def convert(
     with staged_progress(quiet) as report:
         result = convert_store(model, out, bits=bits, widths=widths, group_size=group_size, method=method,
                                compress=compress, force=force, workers=workers, budget=quality,
-                               calib_text=calib_text, threads=threads, progress=report, inputs=inputs)
+                               calib_text=calib_text, threads=threads, progress=report, inputs=inputs,
+                               fallback_bits=fallback_bits)
     widths_text = ", ".join(f"INT{b}: {n}" for b, n in result.widths.items())
     print(f"wrote {result.store}: {result.experts} experts ({widths_text}), expert bytes "
           f"{_size(result.expert_bytes)} ({result.bits_per_weight:.3f} bits/weight), dense "
           f"{_size(result.dense_bytes)}; {result.seconds:.1f} s in all, peak RSS {_size(result.peak_rss_bytes)}")
+    if result.fallback_copies:
+        print(f"fallback copies: {result.fallback_copies} experts at INT{fallback_bits}, "
+              f"{_size(result.fallback_bytes)}")
     if result.profiled:
         print(f"profiled routing on {calib}")
     if result.search is not None:
@@ -417,6 +435,9 @@ def inspect(
                   f"{_quantization_text(summary['quantization'])}")
     console.print(f"experts {_size(summary['expert_bytes'])} at {summary['bits_per_weight']:.3f} bits/weight, "
                   f"dense {_size(summary['dense_bytes'])}")
+    if summary["fallback"]:
+        f = summary["fallback"]
+        console.print(f"fallback copies: {f['experts']} experts at INT{f['bits']}, {_size(f['bytes'])}")
     table = Table("layer", *[f"INT{b}" for b in (2, 4, 8)], "bytes", *(["in RAM"] if ram else []))
     for row in summary["layers"]:
         table.add_row(str(row["layer"]), *[str(row["widths"].get(str(b), 0)) for b in (2, 4, 8)],
@@ -539,6 +560,11 @@ def bench(
     threads: Optional[int] = _threads_option(),
     quiet: bool = _quiet_option(),
     compute: str = STORE_FLAGS["compute"][1](),
+    skip_below: float = typer.Option(0.0, "--skip-below", callback=_checked(_routing_weight),
+                                     help="The predictive mode also skips weakly chosen misses (as run --skip-below)."),
+    fallback_below: float = typer.Option(0.0, "--fallback-below", callback=_checked(_routing_weight),
+                                         help="The predictive mode also reads weakly chosen misses as their fallback "
+                                         "copies (as run --fallback-below)."),
 ):
     """Time to first token and decode speed with a RAM capacity, per mode, next to the physical limit."""
     import json
@@ -566,7 +592,7 @@ def bench(
     config = BenchConfig(ram=parse_ram(ram, store), modes=tuple(mode) or MODES, prefill_tokens=lengths,
                          decode_tokens=decode_tokens, warmup_tokens=warmup_tokens, repeats=repeats, cold=cold,
                          replay=replayer, dtype=_dtype(dtype), dense_bits=dense_bits, threads=threads,
-                         routing_profile=profile,
+                         routing_profile=profile, skip_below=skip_below, fallback_below=fallback_below,
                          compute=options.one_of(compute, "--compute", COMPUTE_CHOICES))
     # The bandwidths are measured first, outside the memory limit: their 1 GiB buffer is not the run's.
     bandwidths = measure_bandwidths(store)
@@ -656,7 +682,7 @@ def _print_bench_table(records: list) -> None:
 
 
 @app.command("eval")
-@_with_store_options("ram", "vram", "device", "policy", "preload", "skip_below", "compute")
+@_with_store_options("ram", "vram", "device", "policy", "preload", "skip_below", "fallback_below", "compute")
 def eval_(
     model: Optional[Path] = typer.Argument(None, help=MODEL_HELP),
     text: Optional[Path] = typer.Option(None, "--text", help="UTF-8 text file (default with the bundled "
@@ -669,7 +695,8 @@ def eval_(
     stride: Optional[int] = typer.Option(None, callback=_checked(options.integer_at_least, 1),
                                          help="Window step (default: context / 2)."),
     decode: bool = typer.Option(False, "--decode", help="Score token by token through the KV cache, as "
-                                "generation runs (slower; for options that act per step: --skip-below, --ram)."),
+                                "generation runs (slower; for options that act per step: --skip-below, --fallback-below, "
+                                "--ram)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     dtype: str = _dtype_option(),
     dense_bits: Optional[int] = _dense_bits_option(),
@@ -704,14 +731,16 @@ def eval_(
                                decode=decode)
     store = getattr(m.experts, "store", None)
     reads = {} if store is None else {"disk_bytes_per_token": store.stats.disk_bytes_read / m.timings.tokens,
-                                      "skipped_per_token": m.experts.skipped / m.timings.tokens}
+                                      "skipped_per_token": m.experts.skipped / m.timings.tokens,
+                                      "fallback_uses_per_token": m.experts.fallback_uses / m.timings.tokens}
     if as_json:
         print(json.dumps({**result.to_dict(), **reads}))
         return
     print(f"text: {text} ({result.tokens} tokens scored; context {result.context} tokens, stride {result.stride})")
     if reads:
         print(f"store: {reads['disk_bytes_per_token'] / 2**20:.3f} MiB read from disk per token run, "
-              f"{reads['skipped_per_token']:.3f} expert choices skipped per token")
+              f"{reads['skipped_per_token']:.3f} expert choices skipped and "
+              f"{reads['fallback_uses_per_token']:.3f} served by fallback copies per token")
     print(f"perplexity: {result.perplexity:.4f}   (nll {result.nll:.4f} nats/token)")
     if ref is not None:
         print(f"reference perplexity: {result.reference_perplexity:.4f}")

@@ -50,7 +50,9 @@ class StoreOptions:
     when the store opens; ram None: unlimited, vram None or 0: no VRAM tier). device: the VRAM tier's torch
     device. policy: eviction (edgemoe.scheduling.policies). preload: predictor
     (edgemoe.scheduling.preload). compute: the experts' path (edgemoe.quantized). skip_below:
-    adaptive top-k, a non-resident expert chosen only below this weight is not read. io: buffered
+    adaptive top-k, a non-resident expert chosen only below this weight is not read. fallback_below:
+    an expert chosen only below this weight is served by the store's narrower copy when not resident
+    (a store converted with fallback copies). io: buffered
     or direct reads. place_popular: start with the most popular experts resident. routing_profile:
     a RoutingProfile to use instead of the store's profile.json."""
 
@@ -61,6 +63,7 @@ class StoreOptions:
     preload: str = "auto"
     compute: str = "auto"
     skip_below: float = 0.0
+    fallback_below: float = 0.0
     io: str = "buffered"
     place_popular: bool = True
     routing_profile: object = None
@@ -77,6 +80,8 @@ class StoreOptions:
         one_of(self.io, n("io"), IO_MODES)
         if not 0 <= self.skip_below < 1:
             raise OptionError(n("skip_below"), self.skip_below, "expected a routing weight in [0, 1)")
+        if not 0 <= self.fallback_below < 1:
+            raise OptionError(n("fallback_below"), self.fallback_below, "expected a routing weight in [0, 1)")
 
     def given(self) -> list[str]:
         """The options set to something other than their defaults, as `name` spells them."""
@@ -163,6 +168,10 @@ def load_store(path: str | os.PathLike, options: StoreOptions | None = None, dty
     o = options or StoreOptions()
     store = TieredStore(path, ram=o.ram, vram=o.vram, device=o.device, policy=o.policy, io=o.io,
                         place_popular=o.place_popular, routing_profile=o.routing_profile, manifest=manifest)
+    if o.fallback_below and not store.manifest.fallback:
+        store.close()
+        raise OptionError(o.name("fallback_below"), o.fallback_below, f"{store.path} has no fallback copies "
+                          f"(convert it with --fallback-bits)")
     dense_info = store.manifest.data["dense"]
     dense_path = store.path / dense_info["file"]
     if crc32(dense_path.read_bytes()) != dense_info["crc32"]:
@@ -179,7 +188,7 @@ def load_store(path: str | os.PathLike, options: StoreOptions | None = None, dty
     tokenizer, generation_config = read_text_config(directory)
     # preload="none" is pure on-demand loading (the baseline): no background reads of any kind.
     experts = StoreExperts(store, o.compute, overlap=o.preload != "none", skip_below=o.skip_below,
-                           activations=expert_activations(store.spec, dense))
+                           fallback_below=o.fallback_below, activations=expert_activations(store.spec, dense))
     return model_class(store.spec)(store.spec, dense, experts, tokenizer, generation_config, name=directory.name,
                                    threads=threads, store=store, preload=o.preload)
 

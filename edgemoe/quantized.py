@@ -88,9 +88,9 @@ class StoreExperts(ExpertProvider):
     """The ExpertProvider of a model loaded from a store."""
 
     def __init__(self, store: TieredStore, compute: str = "auto", overlap: bool = True, skip_below: float = 0.0,
-                 activations: Callable[[int, int], Activation] | None = None):
+                 activations: Callable[[int, int], Activation] | None = None, fallback_below: float = 0.0):
         """activations: (layer, expert) -> the expert's Activation (edgemoe.experts.expert_activations),
-        None for SwiGLU experts."""
+        None for SwiGLU experts. skip_below, fallback_below: see edgemoe.loader.StoreOptions."""
         if compute == "device" and store.device is None:
             raise ValueError("compute='device' needs a VRAM tier: give vram= and device=")
         self.store = store
@@ -101,7 +101,10 @@ class StoreExperts(ExpertProvider):
         self.io_wait_seconds = 0.0   # time the compute spent waiting for experts to arrive
         self.skip_below = skip_below  # adaptive top-k: drop non-resident experts only weakly chosen
         self.skipped = 0              # (token, expert) pairs dropped so far
+        self.fallback_below = fallback_below   # a weakly chosen expert may be served by its fallback copy
+        self.fallback_uses = 0        # expert uses served by a fallback copy so far
         self._kept: ExpertBatches | None = None
+        self._weak: set[tuple[int, int]] = set()   # the running layer's weakly chosen experts
         # Each token computed as a one-token step would (path and kernel call), so that a step of
         # several positions of one sequence gives plain decoding's bits (speculative verification):
         # the float kernels' per-token sums depend on the step's token count.
@@ -113,7 +116,8 @@ class StoreExperts(ExpertProvider):
         if self._latency is None:
             from .latency import load_or_calibrate
             spec = self.store.spec
-            widths = {e.bits for e in self.store.manifest.experts.values()}
+            widths = {e.bits for e in self.store.manifest.experts.values()} | {
+                e.bits for e in self.store.manifest.fallback.values()}
             device = str(self.store.device) if self.store.device is not None else None
             self._latency = load_or_calibrate((spec.expert_hidden, spec.hidden_size), widths, device=device)
         return self._latency
@@ -123,14 +127,16 @@ class StoreExperts(ExpertProvider):
 
     def expert(self, layer: int, expert: int) -> QuantizedExpert:
         start = time.perf_counter()
-        resident = self.store.get(layer, expert)
+        resident = self.store.get(layer, expert, fallback=(layer, expert) in self._weak)
         self.io_wait_seconds += time.perf_counter() - start
+        self.fallback_uses += resident.narrowed
         return QuantizedExpert(resident, self.choose, self.store.device, self.activations(layer, expert),
                                self.token_by_token)
 
     def prepare(self, layer: int, batches: ExpertBatches) -> None:
         self._kept = self._skip_weak_misses(layer, batches) if self.skip_below else batches
-        self.store.begin_layer(layer, needed=((layer, e) for e in self._kept.experts))
+        self._weak = {(layer, e) for e in _weakly_chosen(self._kept, self.fallback_below)}
+        self.store.begin_layer(layer, needed=((layer, e) for e in self._kept.experts), weak=self._weak)
 
     def run(self, layer: int, x: torch.Tensor, batches: ExpertBatches) -> torch.Tensor:
         batches = self._kept if self._kept is not None else batches
@@ -143,19 +149,27 @@ class StoreExperts(ExpertProvider):
         """Adaptive top-k: an expert that is not resident and that every one of its tokens chose with
         a weight below skip_below (never as its strongest) is not read; each token's remaining
         weights are scaled to keep their sum. Results then depend on what is resident."""
-        missing = set(self.store.missing([(layer, e) for e in batches.experts]))
-        tokens = torch.cat(batches.tokens)
-        weights = torch.cat(batches.weights)
-        count = int(tokens.max()) + 1
-        strongest = torch.zeros(count).scatter_reduce_(0, tokens, weights, "amax", include_self=False)
-        total = torch.zeros(count).index_add_(0, tokens, weights)
-        skip = {e for e, t, w in batches if (layer, e) in missing
-                and bool((w < self.skip_below).all()) and bool((w < strongest[t]).all())}
+        missing = {e for l, e in self.store.missing([(layer, e) for e in batches.experts])}
+        skip = missing & _weakly_chosen(batches, self.skip_below)
         if not skip:
             return batches
         kept = [(e, t, w) for e, t, w in batches if e not in skip]
         self.skipped += sum(len(t) for e, t, _ in batches if e in skip)
+        tokens = torch.cat(batches.tokens)
+        count = int(tokens.max()) + 1
+        total = torch.zeros(count).index_add_(0, tokens, torch.cat(batches.weights))
         remaining = torch.zeros(count).index_add_(0, torch.cat([t for _, t, _ in kept]),
                                                   torch.cat([w for _, _, w in kept]))
         scale = total / remaining
         return ExpertBatches([e for e, _, _ in kept], [t for _, t, _ in kept], [w * scale[t] for _, t, w in kept])
+
+
+def _weakly_chosen(batches: ExpertBatches, below: float) -> set[int]:
+    """The experts every one of whose tokens chose them with a weight below `below`, never as that
+    token's strongest choice (so a token always keeps its first expert as it is)."""
+    if not below or not batches.experts:
+        return set()
+    tokens = torch.cat(batches.tokens)
+    strongest = torch.zeros(int(tokens.max()) + 1).scatter_reduce_(0, tokens, torch.cat(batches.weights), "amax",
+                                                                  include_self=False)
+    return {e for e, t, w in batches if bool((w < below).all()) and bool((w < strongest[t]).all())}

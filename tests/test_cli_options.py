@@ -65,6 +65,7 @@ BAD = [
     (["run", "CKPT", "--early-stopping"], "--early-stopping"),
     # convert
     (["convert", "CKPT", "-o", "OUT", "--bits", "3"], "--bits"),
+    (["convert", "CKPT", "-o", "OUT", "--fallback-bits", "8"], "--fallback-bits"),
     (["convert", "CKPT", "-o", "OUT", "--budget", "200%"], "--budget"),
     (["convert", "CKPT", "-o", "OUT", "--budget", "nan"], "--budget"),
     (["convert", "CKPT", "-o", "OUT", "--budget", "-1%"], "--budget"),
@@ -84,6 +85,8 @@ BAD = [
     (["eval", "CKPT", "--text", "TEXT", "--context", "32", "--stride", "40"], "--stride"),
     (["eval", "CKPT", "--text", "TEXT", "--ram", "1GiB"], "--ram"),
     (["eval", "STORE", "--text", "TEXT", "--ram", "lots"], "--ram"),
+    (["eval", "STORE", "--text", "TEXT", "--fallback-below", "1"], "--fallback-below"),
+    (["run", "STORE", "--fallback-below", "0.3"], "--fallback-below"),     # the store has no copies
     # trace, profile, inspect
     (["trace", "CKPT", "--text", "TEXT", "-o", "OUT", "--context", "1"], "--context"),
     (["trace", "CKPT", "--text", "TEXT", "-o", "OUT", "--context", "65"], "--context"),
@@ -108,6 +111,8 @@ BAD = [
     (["bench", "STORE", "--warmup-tokens", "-1"], "--warmup-tokens"),
     (["bench", "STORE", "--memory-limit", "lots"], "--memory-limit"),
     (["bench", "STORE", "--compute", "gpu"], "--compute"),
+    (["bench", "STORE", "--skip-below", "1"], "--skip-below"),
+    (["bench", "STORE", "--fallback-below", "-0.1"], "--fallback-below"),
     (["eval", "STORE", "--text", "TEXT", "--compute", "fused"], "--compute"),
     # simulate
     (["simulate", "TRACE", "--cache-experts", "0"], "--cache-experts"),

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from edgemoe.quant import (FORMATS, QuantError, QuantizedTensor, dequantize_reference, get_format,
-                           group_layout, quantize)
+                           group_layout, narrow, quantize)
 
 WIDTHS = (2, 4, 8)
 SHAPES = [(1, 1), (3, 7), (17, 33), (8, 64), (5, 130)]
@@ -148,3 +148,48 @@ def test_invalid_input_names_the_argument(call, needle):
         call()
     assert needle in str(info.value)
     assert isinstance(info.value, ValueError)
+
+
+def _bucket_middles(w: torch.Tensor, bits: int, narrow_bits: int, group_size) -> torch.Tensor:
+    """The plain-torch reading of a narrowed copy: each code q of w's quantization replaced by the
+    middle of its bucket, (floor(q / 2^s) * 2^s + (2^s - 1) / 2 - zero) * scale, s = bits - narrow_bits."""
+    qt = quantize(w, bits, group_size)
+    scale, zero = torch.tensor(qt.scale), torch.tensor(qt.zero)
+    rows, cols = w.shape
+    g = qt.group
+    pad = scale.shape[1] * g - cols
+    wg = torch.cat([w, w[:, -1:].expand(rows, pad)], 1).reshape(rows, -1, g)
+    codes = torch.round(wg / scale[..., None] + zero[..., None]).clamp(0, (1 << bits) - 1)
+    step = 1 << (bits - narrow_bits)
+    middle = torch.div(codes, step, rounding_mode="floor") * step + (step - 1) / 2
+    return ((middle - zero[..., None]) * scale[..., None]).reshape(rows, -1)[:, :cols]
+
+
+@pytest.mark.parametrize("bits, narrow_bits", [(4, 2), (8, 2), (8, 4)])
+@pytest.mark.parametrize("shape, group_size", [((17, 33), None), ((5, 130), 16), ((8, 64), 8)])
+def test_narrow_reads_back_the_middle_of_each_code_bucket(bits, narrow_bits, shape, group_size):
+    w = weights(*shape, seed=3)
+    qt = narrow(quantize(w, bits, group_size), narrow_bits)
+    assert (qt.bits, qt.group_size, qt.shape) == (narrow_bits, group_size, shape)
+    torch.testing.assert_close(dequantize_reference(qt), _bucket_middles(w, bits, narrow_bits, group_size),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_narrow_keeps_constant_groups_exact():
+    w = torch.full((3, 40), 0.25)
+    w[1] = -1.5
+    w[2, :20] = torch.linspace(-1, 1, 20)
+    back = dequantize_reference(narrow(quantize(w, 4, 20), 2))
+    torch.testing.assert_close(back[:2], w[:2])
+    torch.testing.assert_close(back[2, 20:], w[2, 20:])
+
+
+def test_narrowed_int4_is_closer_to_the_weights_than_min_max_int2():
+    w = weights(64, 256, seed=5)
+    error = lambda qt: float((dequantize_reference(qt) - w).norm() / w.norm())
+    assert error(narrow(quantize(w, 4), 2)) < error(quantize(w, 2))
+
+
+def test_narrow_refuses_a_width_not_below_the_tensors():
+    with pytest.raises(QuantError, match="bits=4"):
+        narrow(quantize(weights(4, 8), 4), 4)

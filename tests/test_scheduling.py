@@ -90,9 +90,9 @@ def test_queued_predictions_for_a_layer_are_cancelled_when_it_routes(store):
     with open_store(store, place_popular=False) as s:
         gate, original = threading.Event(), s._read
 
-        def slow_read(key):
+        def slow_read(key, narrowed=False):
             gate.wait(5)
-            return original(key)
+            return original(key, narrowed)
 
         s._read = slow_read
         s.prefetch([(0, 0)])                          # the loader takes this one and blocks in it

@@ -1,8 +1,14 @@
 #!/usr/bin/env python
-"""Disk-tier read speed of a store: cold and warm page cache, buffered and O_DIRECT reads, the
-checksum's cost, and whether zstd compression of the blobs pays.
+"""Disk-tier read speed of a store and the CPU it costs: cold and warm page cache, buffered and
+O_DIRECT reads, the checksum's cost, and whether zstd compression of the blobs pays.
 
     python tools/bench_store_io.py STORE [--experts 64] [--json]
+
+CPU: the reading thread's CPU time (user + system: the kernel's copies, page faults and page-cache
+work are charged to it) per GB read, the cost a background read takes from the compute on a
+machine with few cores. "direct, one reused buffer" reads O_DIRECT into the same aligned buffer
+every time: what a pool of buffers recycled on eviction would cost, against a fresh buffer per
+read (DiskTier's, whose pages the kernel must fault in and zero).
 
 Cold: posix_fadvise(DONTNEED) empties the page cache of the data file before each pass (measured:
 it does on Linux). Each pass reads the same experts through DiskTier.read; an
@@ -18,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
+import os
 import platform
 import time
 from pathlib import Path
@@ -26,18 +34,39 @@ import numpy as np
 
 from edgemoe.store import read_manifest
 from edgemoe.store.disk import DiskTier, drop_page_cache
-from edgemoe.store.format import crc32
+from edgemoe.store.format import ALIGNMENT, align, crc32
 
 
-def read_pass(tier: DiskTier, entries, cold: bool) -> float:
-    """GB/s reading `entries` once through `tier` (checksums verified on each expert's first read)."""
+def read_pass(tier: DiskTier, entries, cold: bool) -> tuple[float, float]:
+    """(GB/s, CPU seconds per GB) reading `entries` once through `tier` (checksums verified on each
+    expert's first read)."""
     if cold:
         for name in {e.file for e in entries}:
             drop_page_cache(tier.manifest.path / name)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.thread_time()
     for e in entries:
         tier.read(e)
-    return sum(e.stored_length for e in entries) / (time.perf_counter() - start) / 1e9
+    return _rates(sum(e.stored_length for e in entries), time.perf_counter() - start, time.thread_time() - cpu)
+
+
+def direct_reused_pass(manifest, entries) -> tuple[float, float]:
+    """O_DIRECT reads, cold, all into one reused page-aligned buffer (no checksum)."""
+    for name in {e.file for e in entries}:
+        drop_page_cache(manifest.path / name)
+    fds = {name: os.open(manifest.path / name, os.O_RDONLY | os.O_DIRECT) for name in {e.file for e in entries}}
+    buffer = mmap.mmap(-1, align(max(e.stored_length for e in entries), ALIGNMENT))
+    try:
+        start, cpu = time.perf_counter(), time.thread_time()
+        for e in entries:
+            os.preadv(fds[e.file], [memoryview(buffer)[:align(e.stored_length, ALIGNMENT)]], e.offset)
+        return _rates(sum(e.stored_length for e in entries), time.perf_counter() - start, time.thread_time() - cpu)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _rates(nbytes: int, seconds: float, cpu_seconds: float) -> tuple[float, float]:
+    return nbytes / seconds / 1e9, cpu_seconds / (nbytes / 1e9)
 
 
 def main() -> None:
@@ -51,22 +80,29 @@ def main() -> None:
     entries = sorted(manifest.experts.values(), key=lambda e: (e.file, e.offset))
     step = max(1, len(entries) // args.experts)
     sample = entries[::step][:args.experts]   # spread over the file, read in file order
-    results = {}
+    results, cpu = {}, {}
+
+    def record(name, passes):
+        results[name] = float(np.median([gbps for gbps, _ in passes]))
+        cpu[name] = float(np.median([seconds for _, seconds in passes]))
+
     for io in ("buffered", "direct"):
-        first = [read_pass(DiskTier(manifest, io=io), sample, cold=True) for _ in range(args.repeats)]
-        results[f"{io} cold, first read (crc)"] = float(np.median(first))
+        record(f"{io} cold, first read (crc)",
+               [read_pass(DiskTier(manifest, io=io), sample, cold=True) for _ in range(args.repeats)])
         tier = DiskTier(manifest, io=io)
         read_pass(tier, sample, cold=True)                       # checksums verified once
         for cold in (True, False):
-            speeds = [read_pass(tier, sample, cold) for _ in range(args.repeats)]
-            results[f"{io} {'cold' if cold else 'warm'}"] = float(np.median(speeds))
+            record(f"{io} {'cold' if cold else 'warm'}", [read_pass(tier, sample, cold) for _ in range(args.repeats)])
         tier.close()
+    if hasattr(os, "O_DIRECT"):
+        record("direct cold, one reused buffer", [direct_reused_pass(manifest, sample) for _ in range(args.repeats)])
     tier = DiskTier(manifest)
     blobs = [tier.read(e) for e in sample[:16]]
-    start = time.perf_counter()
+    start, thread = time.perf_counter(), time.thread_time()
     for b in blobs:
         crc32(b)
-    results["crc32 in memory"] = sum(b.nbytes for b in blobs) / (time.perf_counter() - start) / 1e9
+    results["crc32 in memory"], cpu["crc32 in memory"] = _rates(sum(b.nbytes for b in blobs),
+                                                                time.perf_counter() - start, time.thread_time() - thread)
     import zstandard
     compressed = [zstandard.ZstdCompressor(level=3).compress(b.tobytes()) for b in blobs]
     ratio = sum(b.nbytes for b in blobs) / sum(len(c) for c in compressed)
@@ -76,14 +112,15 @@ def main() -> None:
     results["zstd decompress (output)"] = sum(b.nbytes for b in blobs) / (time.perf_counter() - start) / 1e9
     sampled = sum(e.stored_length for e in sample)
     record = {"store": str(args.store), "machine": platform.platform(), "experts_read": len(sample),
-              "bytes_per_pass": sampled, "gbps": results, "zstd_ratio": ratio}
+              "bytes_per_pass": sampled, "gbps": results, "cpu_seconds_per_gb": cpu, "zstd_ratio": ratio}
     if args.json:
         print(json.dumps(record, indent=1))
         return
     print(f"{args.store}: {len(sample)} experts per pass ({sampled / 1e6:.1f} MB), median of {args.repeats}")
     for name, gbps in results.items():
-        print(f"  {name:26} {gbps:7.2f} GB/s")
-    print(f"  zstd level 3 ratio         {ratio:7.3f}")
+        cost = f"   {1000 * cpu[name]:6.0f} CPU ms per GB" if name in cpu else ""
+        print(f"  {name:31} {gbps:7.2f} GB/s{cost}")
+    print(f"  {'zstd level 3 ratio':31} {ratio:7.3f}")
 
 
 if __name__ == "__main__":

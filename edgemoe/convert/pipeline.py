@@ -74,6 +74,8 @@ class ConvertReport:
     search: BudgetResult | None = None
     heldout_loss: float | None = None
     profiled: bool = False
+    fallback_copies: int = 0          # experts with a narrower copy (--fallback-bits)
+    fallback_bytes: int = 0
 
     @property
     def bits_per_weight(self) -> float:
@@ -84,13 +86,16 @@ class ConvertReport:
 def convert(model_dir, out, bits: int = 4, widths: dict[Key, int] | str | Path | None = None, group_size: int | None = None,
             method: str = "rtn", compress: str | None = None, force: bool = False, workers: int | None = None,
             budget: QualityBudget | None = None, calib_text: str | None = None, threads: int | None = None,
-            progress: Progress | None = None, inputs=()) -> ConvertReport:
+            progress: Progress | None = None, inputs=(), fallback_bits: int | None = None) -> ConvertReport:
     """Convert the checkpoint at `model_dir` into a store at `out`. widths: per-expert bits overriding
     `bits` ({(layer, expert): bits}, or a width file: read_widths); budget: search them instead (needs calib_text); calib_text: also profile the store's
-    routing on it. inputs: other files the command reads (never overwritten, see check_destination)."""
+    routing on it. inputs: other files the command reads (never overwritten, see check_destination).
+    fallback_bits: also store each wider expert narrowed to this width (edgemoe.quant.narrow), the
+    copy a runtime reads for a weakly chosen miss (StoreOptions.fallback_below)."""
     start = time.perf_counter()
     one_of(bits, "bits=", (2, 4, 8))
     one_of(compress, "compress=", (None, "zstd"))
+    one_of(fallback_bits, "fallback_bits=", (None, 2, 4))
     if budget is not None and (widths is not None or calib_text is None):
         raise OptionError("budget=", budget.limit, "needs calibration text (calib_text) and no fixed widths")
     out = Path(out)
@@ -109,6 +114,9 @@ def convert(model_dir, out, bits: int = 4, widths: dict[Key, int] | str | Path |
             search, packed = _search_widths(reference, budget, calib_text, group_size, method, report)
             widths = search.widths
         widths = {key: (widths or {}).get(key, bits) for key in keys}
+        if fallback_bits and max(widths.values()) <= fallback_bits:
+            raise OptionError("fallback_bits=", fallback_bits, f"no expert is wider (the widest is "
+                              f"{max(widths.values())} bits): there is nothing to narrow")
 
         def quantized(key: Key) -> dict:
             if key in packed:
@@ -120,7 +128,7 @@ def convert(model_dir, out, bits: int = 4, widths: dict[Key, int] | str | Path |
             writer.copy_files(ckpt.path)
             writer.write_dense(ckpt, plan.dense)
             writer.write_experts(keys, quantized, compress, workers or os.cpu_count() or 1,
-                                 lambda done, total: report("writing experts", done, total))
+                                 lambda done, total: report("writing experts", done, total), fallback_bits)
             extra = {"budget": search.to_json()} if search is not None else {}
             manifest = writer.manifest(spec, ckpt.path, method, group_size, extra)
             heldout = _profile_and_confirm(writer.partial, manifest, calib_text, budget, reference, threads, report)
@@ -175,4 +183,5 @@ def _report(out: Path, writer: StoreWriter, widths, start: float, search, heldou
     return ConvertReport(out, len(entries), sum(e.stored_length for e in entries),
                          (out / "dense.safetensors").stat().st_size, params, time.perf_counter() - start,
                          resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, dict(sorted(counts.items())),
-                         search, heldout, profiled)
+                         search, heldout, profiled, len(writer.fallback_entries),
+                         sum(e.stored_length for e in writer.fallback_entries))

@@ -1,8 +1,9 @@
 """Writing a store (docs/store-format.md) so that it never looks complete before it is.
 
 Everything goes into OUT.partial-<pid>: the copied config and tokenizer files, dense.safetensors
-(dense tensors streamed one at a time) and experts-00000.bin (expert blobs appended 4096-aligned,
-each with its CRC-32, in (layer, expert) order). The manifest is written once, last, then the
+(dense tensors streamed one at a time), experts-00000.bin (expert blobs appended 4096-aligned,
+each with its CRC-32, in (layer, expert) order) and, when asked, fallback-00000.bin (the experts'
+narrower copies, laid out the same way). The manifest is written once, last, then the
 directory is renamed into place; a failure or an interrupt removes the partial directory, and an
 existing store (--force) is replaced only once the new one is complete.
 
@@ -20,11 +21,11 @@ from typing import Callable
 
 import edgemoe
 from edgemoe.checkpoint import Checkpoint, write_safetensors
-from edgemoe.quant import QuantizedTensor
+from edgemoe.quant import QuantizedTensor, narrow
 from edgemoe.spec import ModelSpec
 from edgemoe.store.format import (ALIGNMENT, ARRAY_ALIGNMENT, COPIED_FILES, DENSE_FILE, FORMAT_NAME, FORMAT_VERSION,
-                                  MANIFEST, ExpertEntry, Manifest, StoreError, align, crc32, encode_blob,
-                                  parse_manifest, write_json_atomic)
+                                  FALLBACK_FILE, MANIFEST, ExpertEntry, Manifest, StoreError, align, crc32,
+                                  encode_blob, parse_manifest, write_json_atomic)
 
 DATA_FILE = "experts-00000.bin"
 Key = tuple[int, int]
@@ -77,6 +78,8 @@ class StoreWriter:
         self.partial = self.out.with_name(f"{self.out.name}.partial-{os.getpid()}")
         self.partial.mkdir(parents=True)
         self.entries: list[ExpertEntry] = []
+        self.fallback_entries: list[ExpertEntry] = []   # the experts' narrower copies (--fallback-bits)
+        self.fallback_bits: int | None = None
         self._dense: dict | None = None
         self._committed = False
 
@@ -100,36 +103,40 @@ class StoreWriter:
         self._dense = {"file": DENSE_FILE, "size": (self.partial / DENSE_FILE).stat().st_size, "crc32": checksum}
 
     def write_experts(self, keys: list[Key], quantized: Callable[[Key], Quantized], compress: str | None,
-                      workers: int, on_progress: Callable[[int, int], None] | None = None) -> None:
+                      workers: int, on_progress: Callable[[int, int], None] | None = None,
+                      fallback_bits: int | None = None) -> None:
         """Append every expert's blob in `keys` order; `quantized(key)` runs on `workers` threads with
-        at most workers + 1 experts in flight (bounded memory)."""
+        at most workers + 1 experts in flight (bounded memory). fallback_bits: also write, to
+        fallback-00000.bin, each wider expert's copy narrowed to that width (edgemoe.quant.narrow)."""
         compressor = None
         if compress == "zstd":
             import zstandard
             compressor = zstandard.ZstdCompressor(level=3)
-        path, offset = self.partial / DATA_FILE, 0
-        with open(path, "wb") as f, ThreadPoolExecutor(workers) as pool:
-            pending = []
-            for key in keys + [None] * (workers + 1):
-                if key is not None:
-                    pending.append((key, pool.submit(quantized, key)))
-                if len(pending) > workers or (key is None and pending):
-                    done_key, future = pending.pop(0)
-                    offset = self._append(f, offset, done_key, future.result(), compress, compressor)
-                    if on_progress:
-                        on_progress(len(self.entries), len(keys))
-            f.truncate(offset)  # pad the last blob to a page: aligned reads stay inside the file
-            f.flush()
-            os.fsync(f.fileno())
+        self.fallback_bits = fallback_bits
+        files = [DATA_FILE] + ([FALLBACK_FILE] if fallback_bits else [])
+        outputs = {name: _AlignedAppender(self.partial / name, compressor) for name in files}
+        try:
+            with ThreadPoolExecutor(workers) as pool:
+                pending = []
+                for key in keys + [None] * (workers + 1):
+                    if key is not None:
+                        pending.append((key, pool.submit(quantized, key)))
+                    if len(pending) > workers or (key is None and pending):
+                        done_key, future = pending.pop(0)
+                        self._append(outputs, done_key, future.result(), compress)
+                        if on_progress:
+                            on_progress(len(self.entries), len(keys))
+            for output in outputs.values():
+                output.finish()
+        finally:
+            for output in outputs.values():
+                output.close()
 
-    def _append(self, f, offset: int, key: Key, quantized: Quantized, compress, compressor) -> int:
-        tensors, blob = encode_blob(quantized)
-        stored = compressor.compress(blob) if compressor else blob
-        f.seek(offset)
-        f.write(stored)
-        self.entries.append(ExpertEntry(key[0], key[1], quantized["down"].bits, DATA_FILE, offset, len(blob),
-                                        len(stored), compress, crc32(stored), tensors))
-        return align(offset + len(stored), ALIGNMENT)
+    def _append(self, outputs: dict, key: Key, quantized: Quantized, compress) -> None:
+        self.entries.append(outputs[DATA_FILE].append(key, quantized, compress))
+        if self.fallback_bits and quantized["down"].bits > self.fallback_bits:
+            narrowed = {role: narrow(qt, self.fallback_bits) for role, qt in quantized.items()}
+            self.fallback_entries.append(outputs[FALLBACK_FILE].append(key, narrowed, compress))
 
     def manifest(self, spec: ModelSpec, source: Path, method: str, group_size: int | None,
                  extra: dict | None = None) -> Manifest:
@@ -140,8 +147,11 @@ class StoreWriter:
             "source": {"path": str(Path(source).resolve()), "model_type": spec.model_type},
             "spec": spec.to_dict(), "alignment": ALIGNMENT, "checksum": "crc32", "dense": self._dense,
             "quantization": {"method": method, "group_size": group_size, "array_alignment": ARRAY_ALIGNMENT},
-            "data_files": [{"name": DATA_FILE, "size": (self.partial / DATA_FILE).stat().st_size}],
+            "data_files": [{"name": name, "size": (self.partial / name).stat().st_size}
+                           for name in (DATA_FILE, FALLBACK_FILE) if (self.partial / name).exists()],
             "experts": [e.to_json() for e in self.entries],
+            **({"fallback": {"bits": self.fallback_bits, "experts": [e.to_json() for e in self.fallback_entries]}}
+               if self.fallback_bits else {}),
             **(extra or {}),
         }
         return parse_manifest(self.partial, data)
@@ -159,6 +169,33 @@ class StoreWriter:
             os.replace(self.partial, self.out)
         _fsync_path(self.out.parent)
         self._committed = True
+
+
+class _AlignedAppender:
+    """One data file being written: blobs appended 4096-aligned, each with its CRC-32."""
+
+    def __init__(self, path: Path, compressor):
+        self.path, self.compressor = path, compressor
+        self.file = open(path, "wb")
+        self.offset = 0
+
+    def append(self, key: Key, quantized: Quantized, compress) -> ExpertEntry:
+        tensors, blob = encode_blob(quantized)
+        stored = self.compressor.compress(blob) if self.compressor else blob
+        self.file.seek(self.offset)
+        self.file.write(stored)
+        entry = ExpertEntry(key[0], key[1], quantized["down"].bits, self.path.name, self.offset, len(blob),
+                            len(stored), compress, crc32(stored), tensors)
+        self.offset = align(self.offset + len(stored), ALIGNMENT)
+        return entry
+
+    def finish(self) -> None:
+        self.file.truncate(self.offset)  # pad the last blob to a page: aligned reads stay inside the file
+        self.file.flush()
+        os.fsync(self.file.fileno())
+
+    def close(self) -> None:
+        self.file.close()
 
 
 def _fsync_path(path: Path) -> None:

@@ -2,6 +2,7 @@
 
     python -m edgemoe.quant.report CHECKPOINT_DIR [--group-sizes none,64] [--max-experts N]
     python -m edgemoe.quant.report --synthetic       # Mixtral-shaped heavy-tailed random weights
+    python -m edgemoe.quant.report CHECKPOINT_DIR --narrowed   # + 2-bit copies narrowed from 4 and 8 bits
 
 Reads the checkpoint's expert weights one tensor at a time (safetensors, lazily) under either naming
 (Mixtral `...experts.{e}.w1/w2/w3.weight`, Qwen/OLMoE `...experts.{e}.gate/up/down_proj.weight`).
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .tensor import quantize, dequantize_reference
+from .tensor import dequantize_reference, narrow, quantize
 
 EXPERT_NAME = re.compile(r"\.experts\.\d+\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 
@@ -49,7 +50,8 @@ def synthetic_tensors():
 
 
 def measure(tensors, widths, group_sizes, methods):
-    """{(bits, group_size, method): [sq_err, sq_ref, abs_err, abs_ref, seconds]} pooled over tensors."""
+    """{(bits, group_size, method): [sq_err, sq_ref, abs_err, abs_ref, seconds]} pooled over tensors.
+    A width (b, from_bits) is the from_bits quantization narrowed to b bits (edgemoe.quant.narrow)."""
     acc: dict = {}
     n = 0
     for _, w in tensors:
@@ -58,7 +60,7 @@ def measure(tensors, widths, group_sizes, methods):
             for group_size in group_sizes:
                 for method in methods:
                     t0 = time.perf_counter()
-                    back = dequantize_reference(quantize(w, bits, group_size, method))
+                    back = dequantize_reference(_quantized(w, bits, group_size, method))
                     dt = time.perf_counter() - t0
                     err = back - w
                     sums = [float(err.pow(2).sum()), float(w.pow(2).sum()), float(err.abs().sum()),
@@ -68,17 +70,27 @@ def measure(tensors, widths, group_sizes, methods):
     return acc, n
 
 
+def _quantized(w, bits, group_size, method):
+    if isinstance(bits, tuple):
+        return narrow(quantize(w, bits[1], group_size, method), bits[0])
+    return quantize(w, bits, group_size, method)
+
+
+def _width_text(bits) -> str:
+    return f"{bits[0]} (narrowed from {bits[1]})" if isinstance(bits, tuple) else str(bits)
+
+
 def table(acc) -> str:
     lines = ["| bits | group | method | rel. L2 error | rel. L1 error | HQQ gain (L2) | time (s) |",
              "|---:|---:|---|---:|---:|---:|---:|"]
     for (bits, group_size, method), (se, sr, ae, ar, dt) in sorted(acc.items(), key=lambda kv: (
-            kv[0][0], kv[0][1] or 0, kv[0][2] != "rtn")):
+            _width_text(kv[0][0]), kv[0][1] or 0, kv[0][2] != "rtn")):
         l2 = (se / sr) ** 0.5
         gain = ""
         if method == "hqq":
             rtn = acc[(bits, group_size, "rtn")]
             gain = f"{(rtn[0] / rtn[1]) ** 0.5 / l2:.2f}x"
-        lines.append(f"| {bits} | {group_size or 'row'} | {method} | {l2:.4f} | {ae / ar:.4f} | {gain} | {dt:.1f} |")
+        lines.append(f"| {_width_text(bits)} | {group_size or 'row'} | {method} | {l2:.4f} | {ae / ar:.4f} | {gain} | {dt:.1f} |")
     return "\n".join(lines)
 
 
@@ -88,12 +100,14 @@ def main():
     ap.add_argument("--synthetic", action="store_true")
     ap.add_argument("--group-sizes", default="none,64")
     ap.add_argument("--max-experts", type=int, default=None, help="at most this many expert tensors")
+    ap.add_argument("--narrowed", action="store_true", help="also 2-bit copies narrowed from 4 and 8 bits")
     args = ap.parse_args()
     if (args.checkpoint is None) == (not args.synthetic):
         ap.error("give a CHECKPOINT_DIR or --synthetic (one of them)")
     groups = [None if g == "none" else int(g) for g in args.group_sizes.split(",")]
     tensors = synthetic_tensors() if args.synthetic else expert_tensors(args.checkpoint, args.max_experts)
-    acc, n = measure(tensors, (2, 4, 8), groups, ("rtn", "hqq"))
+    widths = (2, 4, 8) + (((2, 4), (2, 8)) if args.narrowed else ())
+    acc, n = measure(tensors, widths, groups, ("rtn", "hqq"))
     print(f"{n} expert tensors from {'synthetic' if args.synthetic else args.checkpoint}\n")
     print(table(acc))
 

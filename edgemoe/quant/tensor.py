@@ -162,6 +162,32 @@ def _hqq(wg: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, qmax: int):
     return codes.to(torch.uint8).reshape(rows, ng, group), scale, zero.reshape(rows, ng, 1)
 
 
+def narrow(qt: QuantizedTensor, bits: int) -> QuantizedTensor:
+    """The high `bits` bit planes of qt's codes, as a QuantizedTensor of that width: a cheap copy of
+    the same weight (the store's fallback copies). A code q becomes q >> s (s = qt.bits - bits) and
+    reads back as the middle of its bucket of 2^s codes: scale' = scale * 2^s, zero' = (zero -
+    (2^s - 1) / 2) / 2^s. The buckets span the group's central range, not its extremes as a min-max
+    grid of 2^bits levels does, and measure closer to the weights (docs/quantization.md). A group
+    whose codes are all equal keeps its exact value (code 0, zero' = zero - its code)."""
+    fmt = get_format(bits)
+    if bits >= qt.bits:
+        raise QuantError(f"bits={bits}: a narrowed copy must be narrower than the tensor's {qt.bits} bits")
+    rows, cols = qt.shape
+    group, ng = group_layout(fmt.bits, qt.group_size, cols)
+    codes = get_format(qt.bits).unpack(torch.from_numpy(qt.packed.copy()), qt.group)
+    codes = codes.reshape(rows, -1)[:, :cols]
+    codes = torch.cat([codes, codes[:, -1:].expand(rows, ng * group - cols)], dim=1).reshape(rows, ng, group)
+    shift = qt.bits - bits
+    scale, zero = torch.from_numpy(qt.scale.copy()), torch.from_numpy(qt.zero.copy())
+    high = codes >> shift
+    constant = codes.amin(-1) == codes.amax(-1)                            # [R, NG]
+    new_scale = torch.where(constant, scale, scale * (1 << shift))
+    new_zero = torch.where(constant, zero - codes[..., 0].float(), (zero - ((1 << shift) - 1) / 2) / (1 << shift))
+    high[constant] = 0
+    return QuantizedTensor(fmt.bits, qt.group_size, qt.shape, fmt.pack(high).numpy(),
+                           new_scale.numpy(), new_zero.numpy())
+
+
 def dequantize_reference(qt: QuantizedTensor) -> torch.Tensor:
     """The reference dequantization in plain torch: float32 [R, C]."""
     arrays = {name: torch.tensor(getattr(qt, name)) for name in ARRAY_DTYPES}   # torch.tensor copies

@@ -191,6 +191,14 @@ class ExpertCache:
             self._tier_of(item.key).policy.touch(item.key)
         return placed
 
+    def discard(self, key: Key) -> None:
+        """Drop `key`'s item (the store replaces a fallback copy by the expert itself): neither an
+        eviction nor a wasted preload."""
+        tier = self._tier_of(key)
+        tier.pop(key)
+        self.preloaded.discard(key)
+        self.urgent.discard(key)
+
     def begin_layer(self, layer: int, needed: dict[Key, int], read_bytes: int = 0) -> None:
         """The model is about to run `layer`, which needs the experts `needed` (key -> bytes): they
         are pinned until the next begin_layer and the policies are told; the guard compares

@@ -42,7 +42,7 @@ class DiskTier:
         self.io = io
         self._fds: dict[str, int] = {}
         self._direct = io == "direct" and hasattr(os, "O_DIRECT")
-        self._verified: set[tuple[int, int]] = set()
+        self._verified: set[tuple[str, int]] = set()    # (file, offset) of the blobs checked
         self._lock = threading.Lock()
         self.reads = 0
         self.read_seconds = 0.0   # wall time of reads, checksum included: the preloader's I/O estimate
@@ -69,7 +69,7 @@ class DiskTier:
             fd = self._fd(entry.file)
             direct = self._direct
         stored = self._read_direct(fd, entry) if direct else self._read_buffered(fd, entry)
-        key = entry.key
+        key = entry.file, entry.offset     # an expert and its fallback copy are two blobs
         if key not in self._verified:
             if crc32(stored) != entry.crc32:
                 raise StoreError(f"{self.manifest.path / entry.file}: checksum mismatch for {entry.where()}: "

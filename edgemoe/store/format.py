@@ -23,6 +23,7 @@ ALIGNMENT = 4096          # every blob starts on a page: one aligned read (O_DIR
 ARRAY_ALIGNMENT = 64      # every array inside a blob starts on a cache line
 MANIFEST = "manifest.json"
 DENSE_FILE = "dense.safetensors"
+FALLBACK_FILE = "fallback-00000.bin"   # the experts' narrower copies (optional)
 PROFILE = "profile.json"
 EXPERT_ROLES = ("gate", "up", "down")   # the order of an expert's matrices in its blob (those it has)
 ARRAY_NAMES = ("packed", "scale", "zero")
@@ -116,6 +117,7 @@ class Manifest:
     data: dict
     spec: ModelSpec
     experts: dict[tuple[int, int], ExpertEntry]
+    fallback: dict[tuple[int, int], ExpertEntry]   # narrower copies of the wider experts; {} if none
 
     @property
     def quantization(self) -> dict:
@@ -125,6 +127,11 @@ class Manifest:
     def expert_bytes(self) -> int:
         """Bytes of every expert as held in RAM (decoded blobs): what a RAM share like 25% is of."""
         return sum(e.length for e in self.experts.values())
+
+    @property
+    def fallback_bits(self) -> int | None:
+        """The width of the experts' narrower copies, None when the store has none."""
+        return self.data["fallback"]["bits"] if "fallback" in self.data else None
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
@@ -167,23 +174,37 @@ def parse_manifest(store: Path, data: dict) -> Manifest:
     try:
         spec = ModelSpec.from_dict(data["spec"])
         experts = {(e["layer"], e["expert"]): ExpertEntry(**e) for e in data["experts"]}
+        fallback = {(e["layer"], e["expert"]): ExpertEntry(**e) for e in data.get("fallback", {}).get("experts", [])}
         sizes = {f["name"]: f["size"] for f in data["data_files"]}
     except (KeyError, TypeError) as e:
         raise StoreError(f"{path}: malformed manifest ({e})") from None
-    _check_files(store, data, sizes, experts)
-    for entry in experts.values():
+    _check_files(store, data, sizes, [*experts.values(), *fallback.values()])
+    for entry in [*experts.values(), *fallback.values()]:
         if tuple(_roles_of(entry.tensors)) != spec.expert_roles or len(entry.tensors) != len(spec.expert_roles):
             raise StoreError(f"{path}: {entry.where()} holds {sorted(entry.tensors)}, a "
                              f"{spec.expert_activation} expert has {list(spec.expert_roles)}")
+    _check_fallback(path, data, experts, fallback)
     expected = {(l, e) for l in spec.moe_layer_ids for e in range(spec.num_experts)}
     if set(experts) != expected:
         missing = sorted(expected - set(experts))[:5]
         raise StoreError(f"{path}: manifest lists {len(experts)} experts, the model has {len(expected)} "
                          f"(missing e.g. {missing})")
-    return Manifest(store, data, spec, experts)
+    return Manifest(store, data, spec, experts, fallback)
 
 
-def _check_files(store: Path, data: dict, sizes: dict[str, int], experts: dict) -> None:
+def _check_fallback(path: Path, data: dict, experts: dict, fallback: dict) -> None:
+    """Every fallback copy is of a listed expert, at the fallback width, narrower than the expert."""
+    if "fallback" not in data:
+        return
+    bits = data["fallback"].get("bits")
+    for key, entry in fallback.items():
+        if key not in experts or entry.bits != bits or bits >= experts[key].bits:
+            width = experts[key].bits if key in experts else "no"
+            raise StoreError(f"{path}: fallback copy of {entry.where()} is {entry.bits} bits for a "
+                             f"{width}-bit expert (fallback width {bits!r})")
+
+
+def _check_files(store: Path, data: dict, sizes: dict[str, int], entries: list[ExpertEntry]) -> None:
     for name, size in list(sizes.items()) + [(data["dense"]["file"], data["dense"]["size"])]:
         file = store / name
         if not file.exists():
@@ -191,6 +212,6 @@ def _check_files(store: Path, data: dict, sizes: dict[str, int], experts: dict) 
         actual = file.stat().st_size
         if actual != size:
             raise StoreError(f"{file}: {actual} bytes, the manifest says {size} (truncated or replaced)")
-    for entry in experts.values():
+    for entry in entries:
         if entry.file not in sizes or entry.offset + entry.stored_length > sizes[entry.file]:
             raise StoreError(f"{store / MANIFEST}: {entry.where()} lies outside its data file")

@@ -31,6 +31,8 @@ def inspect_store(path, ram=None) -> dict:
                   "top_k": spec.top_k, "hidden": spec.hidden_size, "expert_hidden": spec.expert_hidden},
         "quantization": manifest.quantization, "expert_bytes": expert_bytes,
         "bits_per_weight": 8 * expert_bytes / params, "dense_bytes": manifest.data["dense"]["size"],
+        "fallback": {"bits": manifest.fallback_bits, "experts": len(manifest.fallback),
+                     "bytes": sum(e.stored_length for e in manifest.fallback.values())} if manifest.fallback else None,
         "layers": layers,
         "widths": {str(l): [manifest.experts[l, e].bits for e in range(spec.num_experts)] for l in spec.moe_layer_ids},
     }

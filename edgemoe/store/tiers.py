@@ -41,13 +41,15 @@ PRELOAD_QUEUE = 64    # queued background reads at most: loading is best effort,
 @dataclass
 class ResidentExpert:
     """An expert's packed weights: in RAM (`tensors`, numpy, for the CPU kernels) or on a torch device
-    (`device_tensors`, role -> packed/scale/zero; then `tensors` is None: no second copy on the host)."""
+    (`device_tensors`, role -> packed/scale/zero; then `tensors` is None: no second copy on the host).
+    narrowed: this is the store's fallback copy (entry is its fallback entry), not the expert itself."""
 
     entry: ExpertEntry
     tensors: dict[str, QuantizedTensor] | None
     nbytes: int
     device_tensors: dict[str, dict[str, torch.Tensor]] | None = None
     device: torch.device | None = None
+    narrowed: bool = False
 
     @property
     def key(self) -> Key:
@@ -75,6 +77,7 @@ class StoreStats(CacheStats):
         self.preloads_issued = 0
         self.preloads_cancelled = 0   # still queued when the real routing was known
         self.preloads_loaded = 0
+        self.fallback_reads = 0       # reads of a narrower copy (get(..., fallback=True) on a miss)
 
     @property
     def ram(self) -> TierStats:
@@ -90,7 +93,7 @@ class StoreStats(CacheStats):
                 "disk_bytes_read": self.disk_bytes_read, "requested_bytes": self.requested_bytes,
                 "preloads_issued": self.preloads_issued, "preloads_cancelled": self.preloads_cancelled,
                 "preloads_loaded": self.preloads_loaded, "preloads_used": self.preloads_used,
-                "preloads_wasted": self.preloads_wasted}
+                "preloads_wasted": self.preloads_wasted, "fallback_reads": self.fallback_reads}
 
 
 class TieredStore:
@@ -130,6 +133,7 @@ class TieredStore:
             guard=SchemeGuard(ram_capacity, GUARD_WINDOW_TOKENS * len(self.spec.moe_layer_ids)) if guarded else None,
             enter=self._enter, stats=self.stats)
         self._lock = threading.RLock()
+        self._weak: set[Key] = set()     # the running layer's experts a fallback copy will do for
         self._in_flight: dict[Key, threading.Event] = {}
         self._loads = LoadQueue(PRELOAD_QUEUE)
         self._loader_error: BaseException | None = None
@@ -167,8 +171,11 @@ class TieredStore:
         with self._lock:
             return [k for k in keys if not self._present(k)]
 
-    def get(self, layer: int, expert: int) -> ResidentExpert:
-        """The expert, from the fastest tier holding it, else loaded from disk (and cached if it fits)."""
+    def get(self, layer: int, expert: int, fallback: bool = False) -> ResidentExpert:
+        """The expert, from the fastest tier holding it, else loaded from disk (and cached if it fits).
+        fallback: its narrower copy will do (a weakly chosen expert): a resident copy of either width
+        is served, and a miss reads the fallback copy when the store has one. Without it, a resident
+        fallback copy is replaced by the expert read in full."""
         self._raise_loader_error()
         key = (layer, expert)
         if key not in self.manifest.experts:
@@ -177,6 +184,7 @@ class TieredStore:
             self.stats.requested_bytes += self.manifest.experts[key].length
         while True:
             with self._lock:
+                self._drop_narrowed_unless(fallback, key)
                 item = self.cache.request(key)
                 if item is not None:
                     self._loads.arrived(key)
@@ -188,7 +196,7 @@ class TieredStore:
             event.wait()   # another thread (the preloader) is reading it
             self._raise_loader_error()
         try:
-            item = self._read(key)
+            item = self._read(key, narrowed=fallback)
             with self._lock:
                 return self.cache.place(item, kind="demand")
         finally:
@@ -214,10 +222,12 @@ class TieredStore:
             with self._lock:
                 self.stats.preloads_issued += 1
 
-    def begin_layer(self, layer: int, needed=()) -> None:
+    def begin_layer(self, layer: int, needed=(), weak=()) -> None:
         """The model is about to run `layer`, which needs `needed` experts: eviction policies weigh
-        layer distance, and nothing placed until the next begin_layer evicts a needed expert."""
+        layer distance, and nothing placed until the next begin_layer evicts a needed expert. weak:
+        those of them a fallback copy will do for (the loader reads those copies for them)."""
         with self._lock:
+            self._weak = {(int(l), int(e)) for l, e in weak}
             keys = sorted({(int(l), int(e)) for l, e in needed})
             self.cache.begin_layer(layer, {k: self.manifest.experts[k].length for k in keys},
                                    self.stats.disk_bytes_read)
@@ -267,19 +277,31 @@ class TieredStore:
         """Resident, or a read of it is under way (callers hold the lock)."""
         return key in self._in_flight or self.cache.find(key) is not None
 
-    def _read(self, key: Key) -> ResidentExpert:
-        entry = self.manifest.experts[key]
+    def _read(self, key: Key, narrowed: bool = False) -> ResidentExpert:
+        """Read the expert, or its fallback copy when `narrowed` and the store has one."""
+        narrowed = narrowed and key in self.manifest.fallback
+        entry = self.manifest.fallback[key] if narrowed else self.manifest.experts[key]
         blob = self.disk.read(entry)
         with self._lock:
             self.stats.disk_bytes_read += entry.stored_length
-        return ResidentExpert(entry, decode_blob(entry, blob), entry.length)
+            self.stats.fallback_reads += narrowed
+        return ResidentExpert(entry, decode_blob(entry, blob), entry.length, narrowed=narrowed)
+
+    def _drop_narrowed_unless(self, fallback: bool, key: Key) -> None:
+        """A request that needs the expert itself finds its fallback copy resident: drop the copy, so
+        that the request reads the expert in full (callers hold the lock)."""
+        item = self.cache.find(key)
+        if item is not None and item.narrowed and not fallback:
+            self.cache.discard(key)
 
     def _enter(self, item: ResidentExpert, tier: str) -> ResidentExpert:
         """item as the tier holds it: on the device for "vram", in host memory for "ram"."""
         if tier == "vram" and item.device is None:
-            return ResidentExpert(item.entry, None, item.nbytes, to_device(item.tensors, self.device), self.device)
+            return ResidentExpert(item.entry, None, item.nbytes, to_device(item.tensors, self.device), self.device,
+                                  item.narrowed)
         if tier == "ram" and item.device is not None:
-            return ResidentExpert(item.entry, to_host(item.entry.tensors, item.device_tensors), item.nbytes)
+            return ResidentExpert(item.entry, to_host(item.entry.tensors, item.device_tensors), item.nbytes,
+                                  narrowed=item.narrowed)
         return item
 
     def _load_loop(self) -> None:
@@ -294,8 +316,9 @@ class TieredStore:
             if self._present(key):
                 return
             event = self._in_flight[key] = threading.Event()
+            narrowed = urgent and key in self._weak
         try:
-            item = self._read(key)
+            item = self._read(key, narrowed)
             with self._lock:
                 if not urgent:
                     self.stats.preloads_loaded += 1
