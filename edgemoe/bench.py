@@ -53,7 +53,7 @@ class BenchConfig:
     cold: bool = False
     replay: object | None = None               # an edgemoe.replay.RoutingReplay routing every run
     prefill_chunk: int = 512
-    io: str = "buffered"                       # the disk tier's reads (edgemoe.store.disk)
+    io: str = "direct"                         # the disk tier's reads (edgemoe.store.disk)
     dtype: object | None = None                # dense weight matrices (None: as the store keeps them)
     dense_bits: int | None = None              # quantize the dense projections at load (edgemoe.dense)
     seed: int = 0
@@ -257,7 +257,8 @@ def _counters(model) -> dict:
             "disk_reads": store.disk.reads, "requested_bytes": s.requested_bytes,
             "io_wait": model.experts.io_wait_seconds, "attention": t.attention, "experts": t.experts,
             "preloads_loaded": s.preloads_loaded, "preloads_used": s.preloads_used,
-            "skipped": model.experts.skipped, "fallback_uses": model.experts.fallback_uses}
+            "skipped": model.experts.skipped, "fallback_uses": model.experts.fallback_uses,
+            "read_cpu": store.disk.read_cpu_seconds, "loader_cpu": s.loader_cpu_seconds}
 
 
 def _delta(after: dict, before: dict) -> dict:
@@ -316,6 +317,7 @@ def run_once(store_path: Path, mode: str, prompt: list[int], config: BenchConfig
         "decode_preloads_per_token": decode["preloads_loaded"] / n,
         "decode_preloads_used_per_token": decode["preloads_used"] / n,
         "decode_skipped_per_token": decode["skipped"] / n, "decode_fallback_uses_per_token": decode["fallback_uses"] / n,
+        "decode_read_cpu_s_per_token": decode["read_cpu"] / n, "decode_loader_cpu_s_per_token": decode["loader_cpu"] / n,
         "skip_below": config.skip_below if mode == "predictive" else 0.0,
         "fallback_below": config.fallback_below if mode == "predictive" else 0.0,
         "memory_bandwidth": bw.memory, "disk_bandwidth": bw.disk,

@@ -52,8 +52,8 @@ class StoreOptions:
     (edgemoe.scheduling.preload). compute: the experts' path (edgemoe.quantized). skip_below:
     adaptive top-k, a non-resident expert chosen only below this weight is not read. fallback_below:
     an expert chosen only below this weight is served by the store's narrower copy when not resident
-    (a store converted with fallback copies). io: buffered
-    or direct reads. place_popular: start with the most popular experts resident. routing_profile:
+    (a store converted with fallback copies). io: direct (the default:
+    O_DIRECT into recycled buffers, buffered where the file system refuses it) or buffered reads. place_popular: start with the most popular experts resident. routing_profile:
     a RoutingProfile to use instead of the store's profile.json."""
 
     ram: int | str | None = None
@@ -64,7 +64,7 @@ class StoreOptions:
     compute: str = "auto"
     skip_below: float = 0.0
     fallback_below: float = 0.0
-    io: str = "buffered"
+    io: str = "direct"
     place_popular: bool = True
     routing_profile: object = None
     name: Callable[[str], str] = field(default=python_name, repr=False, compare=False)

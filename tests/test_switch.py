@@ -17,7 +17,7 @@ import edgemoe
 from edgemoe.convert import QualityBudget, convert, pipeline
 from edgemoe.loader import StoreOptions
 from edgemoe.store import read_manifest
-from edgemoe.errors import CheckpointError, EdgeMoEError
+from edgemoe.errors import CheckpointError
 from edgemoe.experts import DenseExpert, InMemoryExperts
 from edgemoe.generate import GenerationOptions
 from edgemoe.kernels import qmatmul, qmatmul_int

@@ -97,8 +97,8 @@ def main() -> None:
 
 def print_table(runs: list[dict], budgets, cases) -> None:
     print("\n| RAM | case | decode tok/s | vs first case | disk MiB/token | hit rate | I/O wait ms/token | "
-          "preloads/token (used) | skipped / fallback uses per token |")
-    print("|---|---|---:|---:|---:|---:|---:|---|---|")
+          "preloads/token (used) | skipped / fallback uses per token | CPU in reads / loader CPU, ms/token |")
+    print("|---|---|---:|---:|---:|---:|---:|---|---|---|")
     for share, ram in budgets:
         medians = {}
         for case in cases:
@@ -106,7 +106,7 @@ def print_table(runs: list[dict], budgets, cases) -> None:
             medians[case["label"]] = {key: statistics.median(r[key] for r in mine) for key in (
                 "decode_tok_s", "disk_bytes_per_token", "hit_rate", "decode_io_wait_s_per_token",
                 "decode_preloads_per_token", "decode_preloads_used_per_token", "decode_skipped_per_token",
-                "decode_fallback_uses_per_token")}
+                "decode_fallback_uses_per_token", "decode_read_cpu_s_per_token", "decode_loader_cpu_s_per_token")}
         reference = medians[cases[0]["label"]]["decode_tok_s"]
         for case in cases:
             m = medians[case["label"]]
@@ -114,7 +114,8 @@ def print_table(runs: list[dict], budgets, cases) -> None:
                   f"{m['decode_tok_s'] / reference:.2f}x | {m['disk_bytes_per_token'] / 2**20:.1f} | "
                   f"{m['hit_rate']:.3f} | {1000 * m['decode_io_wait_s_per_token']:.0f} | "
                   f"{m['decode_preloads_per_token']:.1f} ({m['decode_preloads_used_per_token']:.1f}) | "
-                  f"{m['decode_skipped_per_token']:.2f} / {m['decode_fallback_uses_per_token']:.2f} |")
+                  f"{m['decode_skipped_per_token']:.2f} / {m['decode_fallback_uses_per_token']:.2f} | "
+                  f"{1000 * m['decode_read_cpu_s_per_token']:.0f} / {1000 * m['decode_loader_cpu_s_per_token']:.0f} |")
 
 
 if __name__ == "__main__":

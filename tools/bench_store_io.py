@@ -6,9 +6,9 @@ O_DIRECT reads, the checksum's cost, and whether zstd compression of the blobs p
 
 CPU: the reading thread's CPU time (user + system: the kernel's copies, page faults and page-cache
 work are charged to it) per GB read, the cost a background read takes from the compute on a
-machine with few cores. "direct, one reused buffer" reads O_DIRECT into the same aligned buffer
-every time: what a pool of buffers recycled on eviction would cost, against a fresh buffer per
-read (DiskTier's, whose pages the kernel must fault in and zero).
+machine with few cores. Each blob is released right after its read, as an eviction releases it, so
+O_DIRECT reads reuse the disk tier's pooled buffers; "direct, fresh buffers" turns the pool off
+(a new buffer per read, whose pages the kernel must fault in and zero).
 
 Cold: posix_fadvise(DONTNEED) empties the page cache of the data file before each pass (measured:
 it does on Linux). Each pass reads the same experts through DiskTier.read; an
@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
-import os
 import platform
 import time
 from pathlib import Path
@@ -34,7 +32,7 @@ import numpy as np
 
 from edgemoe.store import read_manifest
 from edgemoe.store.disk import DiskTier, drop_page_cache
-from edgemoe.store.format import ALIGNMENT, align, crc32
+from edgemoe.store.format import crc32
 
 
 def read_pass(tier: DiskTier, entries, cold: bool) -> tuple[float, float]:
@@ -45,24 +43,8 @@ def read_pass(tier: DiskTier, entries, cold: bool) -> tuple[float, float]:
             drop_page_cache(tier.manifest.path / name)
     start, cpu = time.perf_counter(), time.thread_time()
     for e in entries:
-        tier.read(e)
+        tier.release(tier.read(e))    # as an eviction would: a pooled buffer is reused by a later read
     return _rates(sum(e.stored_length for e in entries), time.perf_counter() - start, time.thread_time() - cpu)
-
-
-def direct_reused_pass(manifest, entries) -> tuple[float, float]:
-    """O_DIRECT reads, cold, all into one reused page-aligned buffer (no checksum)."""
-    for name in {e.file for e in entries}:
-        drop_page_cache(manifest.path / name)
-    fds = {name: os.open(manifest.path / name, os.O_RDONLY | os.O_DIRECT) for name in {e.file for e in entries}}
-    buffer = mmap.mmap(-1, align(max(e.stored_length for e in entries), ALIGNMENT))
-    try:
-        start, cpu = time.perf_counter(), time.thread_time()
-        for e in entries:
-            os.preadv(fds[e.file], [memoryview(buffer)[:align(e.stored_length, ALIGNMENT)]], e.offset)
-        return _rates(sum(e.stored_length for e in entries), time.perf_counter() - start, time.thread_time() - cpu)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
 
 
 def _rates(nbytes: int, seconds: float, cpu_seconds: float) -> tuple[float, float]:
@@ -94,8 +76,10 @@ def main() -> None:
         for cold in (True, False):
             record(f"{io} {'cold' if cold else 'warm'}", [read_pass(tier, sample, cold) for _ in range(args.repeats)])
         tier.close()
-    if hasattr(os, "O_DIRECT"):
-        record("direct cold, one reused buffer", [direct_reused_pass(manifest, sample) for _ in range(args.repeats)])
+    tier = DiskTier(manifest, io="direct")
+    tier.pool.keep = 0
+    read_pass(tier, sample, cold=True)
+    record("direct cold, fresh buffers", [read_pass(tier, sample, cold=True) for _ in range(args.repeats)])
     tier = DiskTier(manifest)
     blobs = [tier.read(e) for e in sample[:16]]
     start, thread = time.perf_counter(), time.thread_time()

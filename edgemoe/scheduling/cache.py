@@ -16,7 +16,9 @@ keep their residency here, so the rules the simulator replays are the store's ow
 
 Items are any objects with `key` ((layer, expert)) and `nbytes`. `enter(item, tier_name)` adapts an
 item to the tier it enters (the store copies it to the device for a VRAM tier and back to the host
-when it is demoted); the default keeps it as it is. Callers hold their own lock around every call.
+when it is demoted); the default keeps it as it is. `leave(item)` is told of every item that leaves
+the cache or is served without entering it (the store recycles its read buffer). Callers hold their
+own lock around every call.
 """
 
 from __future__ import annotations
@@ -119,7 +121,8 @@ class ExpertCache:
     """Tiers (name, capacity) fastest first, each with a policy from `make_policy()`."""
 
     def __init__(self, tiers: Iterable[tuple[str, int]], make_policy: Callable[[], object], guard=None,
-                 enter: Callable[[object, str], object] | None = None, stats: CacheStats | None = None):
+                 enter: Callable[[object, str], object] | None = None, stats: CacheStats | None = None,
+                 leave: Callable[[object], None] | None = None):
         self.stats = stats or CacheStats()
         self.guard = guard
         self.tiers = []
@@ -129,6 +132,7 @@ class ExpertCache:
         if guard is not None:   # the guard judges the tier experts leave the cache from
             self.tiers[-1].policy = GuardedPolicy(self.tiers[-1].policy, guard)
         self._enter = enter or (lambda item, tier: item)
+        self._leave = leave or (lambda item: None)
         self.pinned: set[Key] = set()        # needed by the running layer (begin_layer)
         self.preloaded: set[Key] = set()     # placed on a prediction, not yet asked for
         self.urgent: set[Key] = set()        # placed for the running layer before it asked: a miss
@@ -182,6 +186,7 @@ class ExpertCache:
                     break
         if placed is None:
             self.stats.streamed += 1
+            self._leave(item)
             return item
         if kind == "preload":
             self.preloaded.add(item.key)
@@ -194,8 +199,7 @@ class ExpertCache:
     def discard(self, key: Key) -> None:
         """Drop `key`'s item (the store replaces a fallback copy by the expert itself): neither an
         eviction nor a wasted preload."""
-        tier = self._tier_of(key)
-        tier.pop(key)
+        self._leave(self._tier_of(key).pop(key))
         self.preloaded.discard(key)
         self.urgent.discard(key)
 
@@ -242,6 +246,7 @@ class ExpertCache:
             if self._put(i, self._enter(item, self.tiers[i].name), protect) is not None:
                 return
         self._forget(item.key)
+        self._leave(item)
 
     def _forget(self, key: Key) -> None:
         """key left the cache."""

@@ -1,23 +1,62 @@
 """The disk tier: one read per expert blob, checksum verified the first time it is read.
 
+io="direct" (the default): O_DIRECT into a page-aligned buffer (blobs are 4096-aligned and padded
+for this), the buffer taken from a BufferPool that recycles the buffers of experts that left the
+cache; falls back to buffered where the file system refuses O_DIRECT (tmpfs, macOS).
 io="buffered": pread through the page cache, then posix_fadvise(DONTNEED) on the range, so that a
 RAM capacity is not silently doubled by cached file pages (Linux; elsewhere the page cache keeps them).
-io="direct": O_DIRECT into a page-aligned buffer (blobs are 4096-aligned and padded for this);
-falls back to buffered where the file system refuses O_DIRECT (tmpfs, macOS).
+Why direct and pooled: per GB read it costs the reading thread 68-94 ms of CPU against 500-800 ms
+for buffered reads and about 1,000 ms for O_DIRECT into a fresh buffer (the kernel's page-cache
+work and the new pages' faults), and it reads fastest (docs/benchmarks.md, "Store I/O").
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import sys
 import threading
 import time
+from collections import deque
 
 import numpy as np
 
 from .format import ALIGNMENT, ExpertEntry, Manifest, StoreError, align, crc32
 
-IO_MODES = ("buffered", "direct")
+IO_MODES = ("direct", "buffered")
+POOL_KEEP = 2    # released buffers kept for reuse: the only memory the pool holds beyond the RAM tier
+
+
+class BufferPool:
+    """Page-aligned read buffers, recycled: a buffer released when its expert left the cache is
+    handed out again only once nothing refers to it (CPython's reference count: every numpy view of
+    an expert's arrays keeps its buffer alive), so a buffer a computation still reads is never
+    overwritten. At most `keep` released buffers wait for reuse; one of the exact size is reused."""
+
+    def __init__(self, keep: int = POOL_KEEP):
+        self.keep = keep
+        self._released: deque[mmap.mmap] = deque()
+        self._lock = threading.Lock()
+        self.reused = 0
+        self.allocated = 0
+
+    def take(self, size: int) -> mmap.mmap:
+        with self._lock:
+            for i in range(len(self._released)):
+                # 2 references: the deque's and getrefcount's argument; any view of it adds one.
+                if len(self._released[i]) == size and sys.getrefcount(self._released[i]) == 2:
+                    buffer = self._released[i]
+                    del self._released[i]
+                    self.reused += 1
+                    return buffer
+            self.allocated += 1
+        return mmap.mmap(-1, size)   # anonymous mappings are page-aligned, as O_DIRECT needs
+
+    def release(self, buffer: mmap.mmap) -> None:
+        with self._lock:
+            self._released.append(buffer)
+            if len(self._released) > self.keep:
+                self._released.popleft()
 
 
 def drop_page_cache(path) -> None:
@@ -35,17 +74,19 @@ def drop_page_cache(path) -> None:
 class DiskTier:
     """Reads of expert blobs, each checked against its CRC-32 the first time it is read."""
 
-    def __init__(self, manifest: Manifest, io: str = "buffered"):
+    def __init__(self, manifest: Manifest, io: str = "direct"):
         if io not in IO_MODES:
             raise StoreError(f"io={io!r}: expected one of {IO_MODES}")
         self.manifest = manifest
         self.io = io
         self._fds: dict[str, int] = {}
         self._direct = io == "direct" and hasattr(os, "O_DIRECT")
+        self.pool = BufferPool()
         self._verified: set[tuple[str, int]] = set()    # (file, offset) of the blobs checked
         self._lock = threading.Lock()
         self.reads = 0
         self.read_seconds = 0.0   # wall time of reads, checksum included: the preloader's I/O estimate
+        self.read_cpu_seconds = 0.0   # CPU time of the reading threads in reads (kernel copies included)
 
     def _fd(self, name: str) -> int:
         fd = self._fds.get(name)
@@ -64,7 +105,7 @@ class DiskTier:
 
     def read(self, entry: ExpertEntry) -> np.ndarray:
         """The expert's blob (decompressed): uint8 [entry.length], owned by the caller."""
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         with self._lock:
             fd = self._fd(entry.file)
             direct = self._direct
@@ -79,11 +120,19 @@ class DiskTier:
         with self._lock:
             self.reads += 1
             self.read_seconds += time.perf_counter() - start
+            self.read_cpu_seconds += time.thread_time() - cpu
         if entry.compression == "zstd":
             import zstandard
             raw = zstandard.ZstdDecompressor().decompress(bytes(stored), max_output_size=entry.length)
+            self.release(stored)
             return np.frombuffer(bytearray(raw), dtype=np.uint8)
         return stored
+
+    def release(self, blob: np.ndarray) -> None:
+        """`blob` (a read's result) is no longer cached: its buffer may be reused once unreferenced."""
+        buffer = getattr(blob.base, "obj", None)    # a pooled read: array -> memoryview -> mmap
+        if isinstance(buffer, mmap.mmap):
+            self.pool.release(buffer)
 
     def _read_buffered(self, fd: int, entry: ExpertEntry) -> np.ndarray:
         buf = np.empty(entry.stored_length, dtype=np.uint8)
@@ -96,13 +145,13 @@ class DiskTier:
         return buf
 
     def _read_direct(self, fd: int, entry: ExpertEntry) -> np.ndarray:
-        size = align(entry.stored_length, ALIGNMENT)
-        page_aligned = mmap.mmap(-1, size)  # anonymous mappings are page-aligned, as O_DIRECT needs
-        got = os.preadv(fd, [page_aligned], entry.offset)
+        buffer = self.pool.take(align(entry.stored_length, ALIGNMENT))
+        got = os.preadv(fd, [buffer], entry.offset)
         if got < entry.stored_length:
+            self.pool.release(buffer)
             raise StoreError(f"{self.manifest.path / entry.file}: short read for {entry.where()} "
                              f"({got} of {entry.stored_length} bytes): truncated file")
-        return np.frombuffer(page_aligned, dtype=np.uint8, count=entry.stored_length)
+        return np.frombuffer(buffer, dtype=np.uint8, count=entry.stored_length)
 
     def close(self) -> None:
         with self._lock:

@@ -16,9 +16,11 @@ flight is shared by every thread that asks for the same expert.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from edgemoe.kernels.device import dequantize_on_device, to_device, to_host
@@ -42,7 +44,8 @@ PRELOAD_QUEUE = 64    # queued background reads at most: loading is best effort,
 class ResidentExpert:
     """An expert's packed weights: in RAM (`tensors`, numpy, for the CPU kernels) or on a torch device
     (`device_tensors`, role -> packed/scale/zero; then `tensors` is None: no second copy on the host).
-    narrowed: this is the store's fallback copy (entry is its fallback entry), not the expert itself."""
+    narrowed: this is the store's fallback copy (entry is its fallback entry), not the expert itself.
+    blob: the read buffer `tensors` view, recycled by the disk tier once the expert leaves the cache."""
 
     entry: ExpertEntry
     tensors: dict[str, QuantizedTensor] | None
@@ -50,6 +53,7 @@ class ResidentExpert:
     device_tensors: dict[str, dict[str, torch.Tensor]] | None = None
     device: torch.device | None = None
     narrowed: bool = False
+    blob: np.ndarray | None = None
 
     @property
     def key(self) -> Key:
@@ -78,6 +82,7 @@ class StoreStats(CacheStats):
         self.preloads_cancelled = 0   # still queued when the real routing was known
         self.preloads_loaded = 0
         self.fallback_reads = 0       # reads of a narrower copy (get(..., fallback=True) on a miss)
+        self.loader_cpu_seconds = 0.0  # the background loader thread's CPU time, its reads included
 
     @property
     def ram(self) -> TierStats:
@@ -93,14 +98,15 @@ class StoreStats(CacheStats):
                 "disk_bytes_read": self.disk_bytes_read, "requested_bytes": self.requested_bytes,
                 "preloads_issued": self.preloads_issued, "preloads_cancelled": self.preloads_cancelled,
                 "preloads_loaded": self.preloads_loaded, "preloads_used": self.preloads_used,
-                "preloads_wasted": self.preloads_wasted, "fallback_reads": self.fallback_reads}
+                "preloads_wasted": self.preloads_wasted, "fallback_reads": self.fallback_reads,
+                "loader_cpu_seconds": self.loader_cpu_seconds}
 
 
 class TieredStore:
     """A store opened with tier capacities. Use as a context manager, or call close()."""
 
     def __init__(self, path, ram: int | str | None = None, vram: int | str | None = 0,
-                 device: str | torch.device | None = None, policy: str = "lru", io: str = "buffered",
+                 device: str | torch.device | None = None, policy: str = "lru", io: str = "direct",
                  place_popular: bool = True, routing_profile: RoutingProfile | None = None, guard: bool = True,
                  manifest: Manifest | None = None):
         """ram, vram: bytes, sizes like "512MiB", or shares of the store's expert bytes like "25%"
@@ -131,7 +137,7 @@ class TieredStore:
         self.cache = ExpertCache(
             tiers, lambda: make_policy(policy, self.spec.num_layers, self.popularity, self.routing_profile),
             guard=SchemeGuard(ram_capacity, GUARD_WINDOW_TOKENS * len(self.spec.moe_layer_ids)) if guarded else None,
-            enter=self._enter, stats=self.stats)
+            enter=self._enter, stats=self.stats, leave=self._leave)
         self._lock = threading.RLock()
         self._weak: set[Key] = set()     # the running layer's experts a fallback copy will do for
         self._in_flight: dict[Key, threading.Event] = {}
@@ -285,7 +291,12 @@ class TieredStore:
         with self._lock:
             self.stats.disk_bytes_read += entry.stored_length
             self.stats.fallback_reads += narrowed
-        return ResidentExpert(entry, decode_blob(entry, blob), entry.length, narrowed=narrowed)
+        return ResidentExpert(entry, decode_blob(entry, blob), entry.length, narrowed=narrowed, blob=blob)
+
+    def _leave(self, item: ResidentExpert) -> None:
+        """item left the cache (or was served without entering it): its read buffer may be reused."""
+        if item.blob is not None:
+            self.disk.release(item.blob)
 
     def _drop_narrowed_unless(self, fallback: bool, key: Key) -> None:
         """A request that needs the expert itself finds its fallback copy resident: drop the copy, so
@@ -306,9 +317,11 @@ class TieredStore:
 
     def _load_loop(self) -> None:
         while (work := self._loads.get()) is not None:
+            cpu = time.thread_time()
             try:
                 self._load_one(*work)
             finally:
+                self.stats.loader_cpu_seconds += time.thread_time() - cpu
                 self._loads.task_done()
 
     def _load_one(self, key: Key, urgent: bool) -> None:
