@@ -34,12 +34,13 @@ def test_a_released_buffer_is_reused_only_once_nothing_views_it():
     assert pool.reused == 1 and len(pool.take(8192)) == 8192   # sizes must match: a fresh one
 
 
-def test_the_pool_keeps_at_most_keep_released_buffers():
+def test_the_pool_keeps_at_most_keep_released_buffers_of_each_size():
     pool = BufferPool(keep=2)
-    buffers = [pool.take(4096) for _ in range(3)]
+    buffers = [pool.take(4096) for _ in range(3)] + [pool.take(8192)]
     for b in buffers:
         pool.release(b)
-    assert len(pool._released) == 2 and buffers[0] not in pool._released
+    assert len(pool._released[4096]) == 2 and buffers[0] not in pool._released[4096]
+    assert list(pool._released[8192]) == [buffers[3]]
 
 
 def decode(model, ids):

@@ -70,6 +70,8 @@ def test_a_miss_reads_the_copy_and_a_strong_use_replaces_it(store):
         weak = s.get(0, 1, fallback=True)
         assert weak.narrowed and weak.bits == 2
         assert s.stats.disk_bytes_read == manifest.fallback[0, 1].stored_length and s.stats.fallback_reads == 1
+        # the guard weighs the scheme, not the fallback: it counts the read as the expert's
+        assert s.stats.full_width_bytes_read == manifest.experts[0, 1].stored_length
         assert s.get(0, 1, fallback=True) is weak                  # a resident copy serves weak uses
         strong = s.get(0, 1)                                        # the expert itself, read in full
         assert not strong.narrowed and strong.bits == 4 and s.cache.find((0, 1)) is strong

@@ -6,7 +6,8 @@
         [--prefill 256] [--decode-tokens 16] [--repeats 3] [--json OUT]
 
 A case is MODE:STORE[:OPTIONS]: MODE one of edgemoe bench's modes (lru is on-demand-lru), STORE a
-label given by --store, OPTIONS the predictive mode's trade-offs (skip=W, fallback=W). Every RAM
+label given by --store, OPTIONS comma-separated: the predictive mode's trade-offs (skip=W,
+fallback=W) and, for any mode, the disk tier's reads (io=direct|buffered; default direct). Every RAM
 budget is a share of the FIRST store's expert bytes, so that a store of narrower experts (a --budget
 store) gets the same bytes of RAM as the uniform store it is held against. Each run is cold (the
 store's files dropped from the page cache), routed by generated Mixtral-like routing (the same trace
@@ -30,7 +31,7 @@ from edgemoe.bench import (BenchConfig, generated_routing, machine_summary, meas
 from edgemoe.store import read_manifest
 
 MODE_NAMES = {"lru": "on-demand-lru", "predictive": "predictive", "all-in-ram": "all-in-ram"}
-TRADE_OFFS = {"skip": "skip_below", "fallback": "fallback_below"}
+TRADE_OFFS = {"skip": "skip_below", "fallback": "fallback_below"}   # predictive mode only
 
 
 def parse_case(text: str, stores: dict[str, Path]) -> dict:
@@ -41,10 +42,13 @@ def parse_case(text: str, stores: dict[str, Path]) -> dict:
     options = {}
     for item in filter(None, (parts[2] if len(parts) == 3 else "").split(",")):
         name, _, value = item.partition("=")
-        if name not in TRADE_OFFS:
-            raise SystemExit(f"--case {text!r}: unknown option {name!r} (expected skip= or fallback=)")
-        options[TRADE_OFFS[name]] = float(value)
-    if options and parts[0] != "predictive":
+        if name == "io":
+            options["io"] = value
+        elif name in TRADE_OFFS:
+            options[TRADE_OFFS[name]] = float(value)
+        else:
+            raise SystemExit(f"--case {text!r}: unknown option {name!r} (expected skip=, fallback= or io=)")
+    if set(options) - {"io"} and parts[0] != "predictive":
         raise SystemExit(f"--case {text!r}: the trade-offs apply to the predictive mode only")
     return {"label": text, "mode": MODE_NAMES[parts[0]], "store": stores[parts[1]], "options": options}
 

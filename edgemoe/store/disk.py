@@ -24,29 +24,31 @@ import numpy as np
 from .format import ALIGNMENT, ExpertEntry, Manifest, StoreError, align, crc32
 
 IO_MODES = ("direct", "buffered")
-POOL_KEEP = 2    # released buffers kept for reuse: the only memory the pool holds beyond the RAM tier
+POOL_KEEP = 2    # released buffers kept per size: the only memory the pool holds beyond the RAM tier
 
 
 class BufferPool:
     """Page-aligned read buffers, recycled: a buffer released when its expert left the cache is
     handed out again only once nothing refers to it (CPython's reference count: every numpy view of
     an expert's arrays keeps its buffer alive), so a buffer a computation still reads is never
-    overwritten. At most `keep` released buffers wait for reuse; one of the exact size is reused."""
+    overwritten. Buffers are reused at their exact size; at most `keep` released buffers of each
+    size wait for reuse (a store's blobs come in a few sizes: one per width, and the fallback copies')."""
 
     def __init__(self, keep: int = POOL_KEEP):
         self.keep = keep
-        self._released: deque[mmap.mmap] = deque()
+        self._released: dict[int, deque[mmap.mmap]] = {}
         self._lock = threading.Lock()
         self.reused = 0
         self.allocated = 0
 
     def take(self, size: int) -> mmap.mmap:
         with self._lock:
-            for i in range(len(self._released)):
+            released = self._released.get(size, ())
+            for i in range(len(released)):
                 # 2 references: the deque's and getrefcount's argument; any view of it adds one.
-                if len(self._released[i]) == size and sys.getrefcount(self._released[i]) == 2:
-                    buffer = self._released[i]
-                    del self._released[i]
+                if sys.getrefcount(released[i]) == 2:
+                    buffer = released[i]
+                    del released[i]
                     self.reused += 1
                     return buffer
             self.allocated += 1
@@ -54,9 +56,10 @@ class BufferPool:
 
     def release(self, buffer: mmap.mmap) -> None:
         with self._lock:
-            self._released.append(buffer)
-            if len(self._released) > self.keep:
-                self._released.popleft()
+            released = self._released.setdefault(len(buffer), deque())
+            released.append(buffer)
+            if len(released) > self.keep:
+                released.popleft()
 
 
 def drop_page_cache(path) -> None:

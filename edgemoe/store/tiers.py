@@ -77,6 +77,8 @@ class StoreStats(CacheStats):
     def __init__(self):
         super().__init__()
         self.disk_bytes_read = 0
+        self.full_width_bytes_read = 0  # the same, a fallback copy's read counted as its expert's: what
+                                        # the guard holds against its ghost (fallback savings are not the scheme's)
         self.requested_bytes = 0      # bytes of the experts asked for (get), wherever they were served from
         self.preloads_issued = 0
         self.preloads_cancelled = 0   # still queued when the real routing was known
@@ -236,7 +238,7 @@ class TieredStore:
             self._weak = {(int(l), int(e)) for l, e in weak}
             keys = sorted({(int(l), int(e)) for l, e in needed})
             self.cache.begin_layer(layer, {k: self.manifest.experts[k].length for k in keys},
-                                   self.stats.disk_bytes_read)
+                                   self.stats.full_width_bytes_read)
             self._loads.await_layer(k for k in keys if self.cache.find(k) is None)
 
     def cancel_preloads(self, layer: int) -> None:
@@ -290,6 +292,7 @@ class TieredStore:
         blob = self.disk.read(entry)
         with self._lock:
             self.stats.disk_bytes_read += entry.stored_length
+            self.stats.full_width_bytes_read += self.manifest.experts[key].stored_length
             self.stats.fallback_reads += narrowed
         return ResidentExpert(entry, decode_blob(entry, blob), entry.length, narrowed=narrowed, blob=blob)
 
