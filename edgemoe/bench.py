@@ -317,6 +317,7 @@ def run_once(store_path: Path, mode: str, prompt: list[int], config: BenchConfig
         "decode_preloads_per_token": decode["preloads_loaded"] / n,
         "decode_preloads_used_per_token": decode["preloads_used"] / n,
         "decode_skipped_per_token": decode["skipped"] / n, "decode_fallback_uses_per_token": decode["fallback_uses"] / n,
+        "decode_disk_reads_per_token": decode["disk_reads"] / n,
         "decode_read_cpu_s_per_token": decode["read_cpu"] / n, "decode_loader_cpu_s_per_token": decode["loader_cpu"] / n,
         "skip_below": config.skip_below if mode == "predictive" else 0.0,
         "fallback_below": config.fallback_below if mode == "predictive" else 0.0,

@@ -17,7 +17,7 @@ from edgemoe.scheduling.policies import POLICIES
 from edgemoe.scheduling.preload import PREDICTORS
 from edgemoe.store import TieredStore
 from edgemoe.store.disk import IO_MODES, drop_page_cache
-from edgemoe.store.format import DENSE_FILE, MANIFEST, StoreError, crc32
+from edgemoe.store.format import DENSE_FILE, MANIFEST, StoreError, file_crc32
 
 from .checkpoint import Checkpoint, read_json
 from .errors import CheckpointError, EdgeMoEError
@@ -174,11 +174,11 @@ def load_store(path: str | os.PathLike, options: StoreOptions | None = None, dty
                           f"(convert it with --fallback-bits)")
     dense_info = store.manifest.data["dense"]
     dense_path = store.path / dense_info["file"]
-    if crc32(dense_path.read_bytes()) != dense_info["crc32"]:
+    if file_crc32(dense_path) != dense_info["crc32"]:
         store.close()
         raise StoreError(f"{dense_path}: checksum mismatch: the store is corrupt")
-    with safe_open(str(dense_path), framework="pt") as f:
-        dense = weights_in({name: f.get_tensor(name) for name in f.keys()}, dtype)
+    with safe_open(str(dense_path), framework="pt") as f:   # one tensor at a time: no second copy of all
+        dense = {name: weights_in({name: f.get_tensor(name)}, dtype)[name] for name in f.keys()}
     drop_page_cache(dense_path)   # the tensors are copied out: the file's pages would only double them
     missing = sorted(set(store.spec.dense_shapes()) - set(dense))
     if missing:

@@ -38,6 +38,15 @@ def crc32(data) -> int:
     return zlib.crc32(data) & 0xFFFFFFFF
 
 
+def file_crc32(path: Path, chunk: int = 8 << 20) -> int:
+    """CRC-32 of a whole file, read `chunk` bytes at a time (never the whole file in memory)."""
+    value = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            value = zlib.crc32(block, value)
+    return value & 0xFFFFFFFF
+
+
 def align(n: int, to: int) -> int:
     return -(-n // to) * to
 
