@@ -35,3 +35,19 @@ def run_cli(monkeypatch, capsys, *args):
     with pytest.raises(SystemExit) as exit_info:
         main()
     return exit_info.value.code, capsys.readouterr().err.strip()
+
+
+def decode(model, ids):
+    """The logits of feeding `ids` one token per step through one cache: [len(ids), V]."""
+    cache = model.new_cache()
+    return torch.cat([model.logits([t], cache) for t in ids])
+
+
+def decode_all_resident(store, ids, **options):
+    """(logits of decode, the model) with every expert of `store` resident before the first token."""
+    import edgemoe
+
+    model = edgemoe.load(store, torch.float32, preload="none", **options)
+    for entry in model.store.experts():
+        model.store.get(*entry.key)
+    return decode(model, ids), model

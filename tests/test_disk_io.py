@@ -9,6 +9,7 @@ import edgemoe
 from edgemoe.convert import convert
 from edgemoe.store import open_store
 from edgemoe.store.disk import BufferPool
+from helpers import decode
 
 
 @pytest.fixture(scope="module")
@@ -41,11 +42,6 @@ def test_the_pool_keeps_at_most_keep_released_buffers_of_each_size():
         pool.release(b)
     assert len(pool._released[4096]) == 2 and buffers[0] not in pool._released[4096]
     assert list(pool._released[8192]) == [buffers[3]]
-
-
-def decode(model, ids):
-    cache = model.new_cache()
-    return torch.cat([model.logits([t], cache) for t in ids])
 
 
 def test_direct_and_buffered_reads_decode_alike_and_direct_recycles(store):

@@ -16,6 +16,7 @@ from edgemoe.quant import dequantize_reference, narrow
 from edgemoe.quantized import StoreExperts
 from edgemoe.store import StoreError, open_store, read_manifest
 from edgemoe.store.format import MANIFEST
+from helpers import decode, decode_all_resident
 
 
 @pytest.fixture(scope="module")
@@ -98,11 +99,6 @@ def test_a_layer_computes_weak_misses_from_their_copies(store):
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
-def decode(model, ids):
-    cache = model.new_cache()
-    return torch.cat([model.logits([t], cache) for t in ids])
-
-
 def test_decoding_with_fallback_reads_less(store):
     ids = list(range(3, 40))
     runs = {}
@@ -118,10 +114,8 @@ def test_decoding_with_fallback_reads_less(store):
 def test_resident_experts_are_never_replaced_by_copies(store):
     ids = [5, 17, 33, 2, 90, 41, 7, 64]
     full = decode(edgemoe.load(store, torch.float32, preload="none"), ids)
-    everything = edgemoe.load(store, torch.float32, preload="none", fallback_below=0.9)
-    for entry in everything.store.experts():       # all resident before the first token
-        everything.store.get(*entry.key)
-    assert torch.equal(decode(everything, ids), full) and everything.experts.fallback_uses == 0
+    logits, everything = decode_all_resident(store, ids, fallback_below=0.9)
+    assert torch.equal(logits, full) and everything.experts.fallback_uses == 0
 
 
 def corrupt_copy(store, tmp_path, change):

@@ -7,6 +7,7 @@ import torch
 
 import edgemoe
 from edgemoe.convert import convert
+from helpers import decode, decode_all_resident
 
 
 @pytest.fixture(scope="module")
@@ -29,11 +30,6 @@ def dropping_weak(model, threshold):
     return route
 
 
-def decode(model, ids):
-    cache = model.new_cache()
-    return torch.cat([model.logits([t], cache) for t in ids])
-
-
 def test_with_nothing_resident_weak_choices_are_dropped_and_the_rest_rescaled(store):
     ids = [5, 17, 33, 2, 90, 41, 7, 64]
     skipping = edgemoe.load(store, torch.float32, preload="none", ram=0, skip_below=0.4, compute="fused-float")
@@ -48,10 +44,8 @@ def test_with_nothing_resident_weak_choices_are_dropped_and_the_rest_rescaled(st
 def test_resident_experts_are_never_skipped(store):
     ids = [5, 17, 33, 2, 90, 41, 7, 64]
     full = decode(edgemoe.load(store, torch.float32, preload="none"), ids)
-    everything = edgemoe.load(store, torch.float32, preload="none", skip_below=0.9)
-    for entry in everything.store.experts():       # all resident before the first token
-        everything.store.get(*entry.key)
-    assert torch.equal(decode(everything, ids), full) and everything.experts.skipped == 0
+    logits, everything = decode_all_resident(store, ids, skip_below=0.9)
+    assert torch.equal(logits, full) and everything.experts.skipped == 0
 
 
 def test_skipping_reads_less(store):
