@@ -80,6 +80,20 @@ def test_a_miss_reads_the_copy_and_a_strong_use_replaces_it(store):
         assert s.stats.disk_bytes_read == manifest.fallback[0, 1].stored_length + manifest.experts[0, 1].stored_length
 
 
+def test_an_urgent_read_replaces_a_copy_the_running_layer_needs_in_full(store):
+    with open_store(store) as s:
+        s.get(0, 1, fallback=True)                      # the copy is resident
+        s.begin_layer(0, needed=[(0, 1)], weak=[(0, 1)])
+        s.prefetch([(0, 1)], urgent=True)               # the copy will do: nothing to read
+        s.drain()
+        assert s.cache.find((0, 1)).narrowed and s.stats.disk_bytes_read == read_manifest(store).fallback[0, 1].stored_length
+        s.begin_layer(0, needed=[(0, 1)])               # needed in full now: read in the background
+        s.prefetch([(0, 1)], urgent=True)
+        s.drain()
+        full = s.cache.find((0, 1))
+        assert not full.narrowed and s.get(0, 1) is full
+
+
 def test_a_layer_computes_weak_misses_from_their_copies(store):
     """x through one MoE layer with token 0 choosing experts 2 (0.8) and 3 (0.2): the weakly chosen
     expert 3 computes from its narrowed copy, in plain torch on the dequantized weights."""

@@ -224,7 +224,9 @@ class TieredStore:
         urgent: needed by the layer running now (served before predictions, which wait until the
         running layer has every expert it began without: edgemoe/store/loads.py)."""
         self._raise_loader_error()
-        for key in self.missing((int(l), int(e)) for l, e in keys):
+        with self._lock:   # an urgent read also replaces a fallback copy the running layer cannot use
+            wanted = [k for k in ((int(l), int(e)) for l, e in keys) if not self._present(k, full=urgent)]
+        for key in wanted:
             if not self._loads.put(key, urgent):
                 return  # preloading is best effort: never stall the compute
             with self._lock:
@@ -239,7 +241,7 @@ class TieredStore:
             keys = sorted({(int(l), int(e)) for l, e in needed})
             self.cache.begin_layer(layer, {k: self.manifest.experts[k].length for k in keys},
                                    self.stats.full_width_bytes_read)
-            self._loads.await_layer(k for k in keys if self.cache.find(k) is None)
+            self._loads.await_layer(k for k in keys if not self._serves(k))
 
     def cancel_preloads(self, layer: int) -> None:
         """Drop the queued predictions for `layer` (not reads under way): its real routing is known now."""
@@ -281,9 +283,18 @@ class TieredStore:
             with self._lock:
                 self.cache.place(self._read(key), kind="placement")
 
-    def _present(self, key: Key) -> bool:
-        """Resident, or a read of it is under way (callers hold the lock)."""
-        return key in self._in_flight or self.cache.find(key) is not None
+    def _present(self, key: Key, full: bool = False) -> bool:
+        """Resident, or a read of it is under way (callers hold the lock). full: a fallback copy
+        counts only for a key the running layer takes weakly."""
+        if key in self._in_flight:
+            return True
+        return self._serves(key) if full else self.cache.find(key) is not None
+
+    def _serves(self, key: Key) -> bool:
+        """What is resident of `key` will do for the running layer: the expert, or its fallback copy
+        for a weakly chosen one (callers hold the lock)."""
+        item = self.cache.find(key)
+        return item is not None and (not item.narrowed or key in self._weak)
 
     def _read(self, key: Key, narrowed: bool = False) -> ResidentExpert:
         """Read the expert, or its fallback copy when `narrowed` and the store has one."""
@@ -329,7 +340,7 @@ class TieredStore:
 
     def _load_one(self, key: Key, urgent: bool) -> None:
         with self._lock:
-            if self._present(key):
+            if self._present(key, full=urgent):
                 return
             event = self._in_flight[key] = threading.Event()
             narrowed = urgent and key in self._weak
@@ -338,6 +349,7 @@ class TieredStore:
             with self._lock:
                 if not urgent:
                     self.stats.preloads_loaded += 1
+                self._drop_narrowed_unless(narrowed, key)   # the expert replaces its fallback copy
                 self.cache.place(item, kind="urgent" if urgent else "preload")
         except BaseException as exc:  # surfaced in the caller's thread by the next get/prefetch
             self._loader_error = exc
