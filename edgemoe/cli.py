@@ -67,12 +67,6 @@ def _unit_interval(value: float, flag: str) -> float:
     return value
 
 
-def _routing_weight(value: float, flag: str) -> float:
-    if not 0 <= value < 1:
-        raise options.OptionError(flag, value, "expected a routing weight in [0, 1)")
-    return value
-
-
 def _port(value: int, flag: str) -> int:
     if not 0 <= value <= 65535:
         raise options.OptionError(flag, value, "expected a TCP port in 0..65535")
@@ -560,9 +554,9 @@ def bench(
     threads: Optional[int] = _threads_option(),
     quiet: bool = _quiet_option(),
     compute: str = STORE_FLAGS["compute"][1](),
-    skip_below: float = typer.Option(0.0, "--skip-below", callback=_checked(_routing_weight),
+    skip_below: float = typer.Option(0.0, "--skip-below", callback=_checked(options.routing_weight),
                                      help="The predictive mode also skips weakly chosen misses (as run --skip-below)."),
-    fallback_below: float = typer.Option(0.0, "--fallback-below", callback=_checked(_routing_weight),
+    fallback_below: float = typer.Option(0.0, "--fallback-below", callback=_checked(options.routing_weight),
                                          help="The predictive mode also reads weakly chosen misses as their fallback "
                                          "copies (as run --fallback-below)."),
 ):

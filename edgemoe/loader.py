@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 from safetensors import safe_open
 
-from edgemoe.options import OptionError, check_device, one_of, parse_bytes
+from edgemoe.options import OptionError, check_device, one_of, parse_bytes, routing_weight
 from edgemoe.scheduling.policies import POLICIES
 from edgemoe.scheduling.preload import PREDICTORS
 from edgemoe.store import TieredStore
@@ -78,10 +78,8 @@ class StoreOptions:
         one_of(self.preload, n("preload"), PREDICTORS)
         one_of(self.compute, n("compute"), COMPUTE_CHOICES)
         one_of(self.io, n("io"), IO_MODES)
-        if not 0 <= self.skip_below < 1:
-            raise OptionError(n("skip_below"), self.skip_below, "expected a routing weight in [0, 1)")
-        if not 0 <= self.fallback_below < 1:
-            raise OptionError(n("fallback_below"), self.fallback_below, "expected a routing weight in [0, 1)")
+        routing_weight(self.skip_below, n("skip_below"))
+        routing_weight(self.fallback_below, n("fallback_below"))
 
     def given(self) -> list[str]:
         """The options set to something other than their defaults, as `name` spells them."""
@@ -116,11 +114,15 @@ def read_text_config(directory: Path) -> tuple[Tokenizer | None, dict]:
     return tokenizer, read_json(gen_path) if gen_path.exists() else {}
 
 
-def weights_in(dense: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """Weights as the model keeps them: matrices in `dtype` (None: auto, the stored type where the CPU
-    computes it natively, else float32: edgemoe.precision), vectors (norms, biases: a few KB, added to
+def weight_in(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A weight as the model keeps it: a matrix in `dtype` (None: auto, the stored type where the CPU
+    computes it natively, else float32: edgemoe.precision), a vector (norm, bias: a few KB, added to
     float32 activations) in float32."""
-    return {name: t.float() if t.dim() < 2 else t.to(compute_dtype(t.dtype, dtype)) for name, t in dense.items()}
+    return t.float() if t.dim() < 2 else t.to(compute_dtype(t.dtype, dtype))
+
+
+def weights_in(dense: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    return {name: weight_in(t, dtype) for name, t in dense.items()}
 
 
 def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype | None = None, threads: int | None = None) -> MoEModel:
@@ -178,7 +180,7 @@ def load_store(path: str | os.PathLike, options: StoreOptions | None = None, dty
         store.close()
         raise StoreError(f"{dense_path}: checksum mismatch: the store is corrupt")
     with safe_open(str(dense_path), framework="pt") as f:   # one tensor at a time: no second copy of all
-        dense = {name: weights_in({name: f.get_tensor(name)}, dtype)[name] for name in f.keys()}
+        dense = {name: weight_in(f.get_tensor(name), dtype) for name in f.keys()}
     drop_page_cache(dense_path)   # the tensors are copied out: the file's pages would only double them
     missing = sorted(set(store.spec.dense_shapes()) - set(dense))
     if missing:

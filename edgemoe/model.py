@@ -64,6 +64,16 @@ class StoreOwner:
     store = None
     preloader = None
 
+    def _hold(self, spec: ModelSpec, experts, store, tokenizer, generation_config: dict | None, name: str) -> None:
+        """The parts every model keeps as given; activations, residual stream and KV cache are float32."""
+        self.spec = spec
+        self.experts = experts
+        self.store = store
+        self.tokenizer = tokenizer
+        self.generation_config = generation_config or {}
+        self.name = name
+        self.dtype = torch.float32
+
     def __enter__(self):
         return self
 
@@ -86,13 +96,7 @@ class MoEModel(StoreOwner):
                  threads: int | None = None, store=None, preload: str = "none"):
         """store: the TieredStore the experts come from, owned by the model from now on (close());
         preload: its predictor (edgemoe.scheduling.preload.PREDICTORS), "none" without a store."""
-        self.spec = spec
-        self.experts = experts
-        self.store = store
-        self.tokenizer = tokenizer
-        self.generation_config = generation_config or {}
-        self.name = name
-        self.dtype = torch.float32   # activations, residual stream, KV cache; weights keep their own
+        self._hold(spec, experts, store, tokenizer, generation_config, name)   # weights keep their own dtypes
         self.embed = dense["embed"]
         self.final_norm = dense["norm"]
         self.final_norm_bias = dense.get("norm_bias")

@@ -50,6 +50,13 @@ def probability(value: float | None, option: str) -> float | None:
     return float(value)
 
 
+def routing_weight(value: float, option: str) -> float:
+    """A threshold on routing weights, in [0, 1) (0: off): --skip-below, --fallback-below."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < 1:
+        raise OptionError(option, value, "expected a routing weight in [0, 1)")
+    return float(value)
+
+
 def integer_at_least(value: int | None, option: str, low: int) -> int | None:
     if value is None:
         return None

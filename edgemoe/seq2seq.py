@@ -112,13 +112,7 @@ class Seq2SeqModel(StoreOwner):
         """As MoEModel's: store is owned by the model from now on (close()); preload: its predictor."""
         if not spec.is_encoder_decoder:
             raise EdgeMoEError(f"{name or spec.model_type}: Seq2SeqModel needs an encoder-decoder spec")
-        self.spec = spec
-        self.experts = experts
-        self.store = store
-        self.tokenizer = tokenizer
-        self.generation_config = generation_config or {}
-        self.name = name
-        self.dtype = torch.float32
+        self._hold(spec, experts, store, tokenizer, generation_config, name)
         self.embed = dense["embed"]
         self.enc_embed = dense.get("enc_embed", self.embed)
         self.lm_head = dense["embed"] if spec.tie_word_embeddings else dense["lm_head"]

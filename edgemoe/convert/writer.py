@@ -108,13 +108,9 @@ class StoreWriter:
         """Append every expert's blob in `keys` order; `quantized(key)` runs on `workers` threads with
         at most workers + 1 experts in flight (bounded memory). fallback_bits: also write, to
         fallback-00000.bin, each wider expert's copy narrowed to that width (edgemoe.quant.narrow)."""
-        compressor = None
-        if compress == "zstd":
-            import zstandard
-            compressor = zstandard.ZstdCompressor(level=3)
         self.fallback_bits = fallback_bits
         files = [DATA_FILE] + ([FALLBACK_FILE] if fallback_bits else [])
-        outputs = {name: _AlignedAppender(self.partial / name, compressor) for name in files}
+        outputs = {name: _AlignedAppender(self.partial / name, compress) for name in files}
         try:
             with ThreadPoolExecutor(workers) as pool:
                 pending = []
@@ -123,7 +119,7 @@ class StoreWriter:
                         pending.append((key, pool.submit(quantized, key)))
                     if len(pending) > workers or (key is None and pending):
                         done_key, future = pending.pop(0)
-                        self._append(outputs, done_key, future.result(), compress)
+                        self._append(outputs, done_key, future.result())
                         if on_progress:
                             on_progress(len(self.entries), len(keys))
             for output in outputs.values():
@@ -132,11 +128,11 @@ class StoreWriter:
             for output in outputs.values():
                 output.close()
 
-    def _append(self, outputs: dict, key: Key, quantized: Quantized, compress) -> None:
-        self.entries.append(outputs[DATA_FILE].append(key, quantized, compress))
+    def _append(self, outputs: dict, key: Key, quantized: Quantized) -> None:
+        self.entries.append(outputs[DATA_FILE].append(key, quantized))
         if self.fallback_bits and quantized["down"].bits > self.fallback_bits:
             narrowed = {role: narrow(qt, self.fallback_bits) for role, qt in quantized.items()}
-            self.fallback_entries.append(outputs[FALLBACK_FILE].append(key, narrowed, compress))
+            self.fallback_entries.append(outputs[FALLBACK_FILE].append(key, narrowed))
 
     def manifest(self, spec: ModelSpec, source: Path, method: str, group_size: int | None,
                  extra: dict | None = None) -> Manifest:
@@ -172,20 +168,25 @@ class StoreWriter:
 
 
 class _AlignedAppender:
-    """One data file being written: blobs appended 4096-aligned, each with its CRC-32."""
+    """One data file being written: blobs appended 4096-aligned, each with its CRC-32, compressed
+    when `compress` is "zstd"."""
 
-    def __init__(self, path: Path, compressor):
-        self.path, self.compressor = path, compressor
+    def __init__(self, path: Path, compress: str | None):
+        self.path, self.compress = path, compress
+        self.compressor = None
+        if compress == "zstd":
+            import zstandard
+            self.compressor = zstandard.ZstdCompressor(level=3)
         self.file = open(path, "wb")
         self.offset = 0
 
-    def append(self, key: Key, quantized: Quantized, compress) -> ExpertEntry:
+    def append(self, key: Key, quantized: Quantized) -> ExpertEntry:
         tensors, blob = encode_blob(quantized)
         stored = self.compressor.compress(blob) if self.compressor else blob
         self.file.seek(self.offset)
         self.file.write(stored)
         entry = ExpertEntry(key[0], key[1], quantized["down"].bits, self.path.name, self.offset, len(blob),
-                            len(stored), compress, crc32(stored), tensors)
+                            len(stored), self.compress, crc32(stored), tensors)
         self.offset = align(self.offset + len(stored), ALIGNMENT)
         return entry
 
