@@ -5,9 +5,9 @@ for this), the buffer taken from a BufferPool that recycles the buffers of exper
 cache; falls back to buffered where the file system refuses O_DIRECT (tmpfs, macOS).
 io="buffered": pread through the page cache, then posix_fadvise(DONTNEED) on the range, so that a
 RAM capacity is not silently doubled by cached file pages (Linux; elsewhere the page cache keeps them).
-Why direct and pooled: per GB read it costs the reading thread 68-94 ms of CPU against 500-800 ms
-for buffered reads and about 1,000 ms for O_DIRECT into a fresh buffer (the kernel's page-cache
-work and the new pages' faults), and it reads fastest (docs/benchmarks.md, "Store I/O").
+Why direct and pooled: per GB read it cost the reading thread 69 ms of CPU against 593 ms for
+buffered reads and 1,053 ms for O_DIRECT into a fresh buffer (the kernel's page-cache work and
+copy; the new pages' faults), and it read fastest (docs/benchmarks.md, "Store I/O").
 """
 
 from __future__ import annotations
