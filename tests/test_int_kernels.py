@@ -43,8 +43,10 @@ def int_rounding_bound(x: np.ndarray, qt) -> np.ndarray:
 
 
 def test_this_cpu_offers_its_paths():
+    features = llvm.get_host_cpu_features()
     assert PATHS[-1] == "portable"
-    assert ("avx2" in PATHS) == bool(llvm.get_host_cpu_features().get("avx2"))
+    assert ("avx2" in PATHS) == bool(features.get("avx2"))
+    assert ("avx512vnni" in PATHS) == bool(features.get("avx512vnni") and features.get("avx2"))
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -86,11 +88,15 @@ def test_int8_codes_at_the_extremes_do_not_saturate():
         assert np.allclose(y, qmatmul_reference(x, qt), rtol=1e-5, atol=1e-4)  # exact activations here
 
 
-def test_paths_agree_bit_for_bit():
-    qt = quantize(weights(50, 1000), 4, 64)
-    x = acts(3, 1000)
+@pytest.mark.parametrize("bits", WIDTHS)
+@pytest.mark.parametrize("cols, group_size", [(1000, 64), (2 * 232, None), (4 * 232, None), (232, None)])
+def test_paths_agree_bit_for_bit(bits, cols, group_size):
+    """Planes of 232 bytes: three 64-byte VNNI blocks, one 32-byte AVX2 block, 8 bytes on the portable loop."""
+    qt = quantize(weights(50, cols), bits, group_size)
+    x = acts(3, cols)
     results = [qmatmul_int(x, qt, p) for p in PATHS]
     assert all(np.array_equal(results[0], r) for r in results)
+    assert np.array_equal(results[0], qmatmul_int_twin(x, qt))
 
 
 def swiglu_rounding_bound(x, gate, up, down):
@@ -163,3 +169,49 @@ def test_invalid_input_names_the_argument(call, needle):
     with pytest.raises(ValueError) as info:
         call(qt)
     assert needle in str(info.value)
+
+
+def layer_of_experts(dim=64, inner=90):
+    """Four experts of one layer at mixed widths and groups, as a budget store mixes them."""
+    kinds = [(4, None, 4, None), (2, None, 8, 32), (8, 32, 2, None), (4, 16, 4, 32)]
+    return [(quantize(weights(inner, dim, 10 * i + 1), gb, gg), quantize(weights(inner, dim, 10 * i + 2), gb, gg),
+             quantize(weights(dim, inner, 10 * i + 3), db, dg)) for i, (gb, gg, db, dg) in enumerate(kinds)]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_swiglu_experts_int_is_each_expert_bit_for_bit(path):
+    experts = layer_of_experts()
+    x = acts(5, 64) * 4
+    tokens = [[0, 2], [1], [0, 1, 3, 4], [4]]   # the pairs of each expert, grouped by expert
+    starts = np.cumsum([0] + [len(t) for t in tokens]).astype(np.int64)
+    layouts = np.stack([ops.expert_layout(*e) for e in experts])
+    y = ops.swiglu_experts_int(np.concatenate([x[t] for t in tokens]), layouts, starts, path)
+    alone = np.concatenate([swiglu_expert_int(x[t], *e, path=path) for t, e in zip(tokens, experts)])
+    assert np.array_equal(y, alone)
+    assert np.array_equal(y, np.concatenate([swiglu_int_twin(x[t], *e) for t, e in zip(tokens, experts)]))
+
+
+def test_swiglu_experts_int_does_not_depend_on_threads():
+    experts = layer_of_experts()
+    x = acts(4, 64)
+    layouts, starts = np.stack([ops.expert_layout(*e) for e in experts]), np.arange(5, dtype=np.int64)
+    try:
+        set_threads(1)
+        one = ops.swiglu_experts_int(x, layouts, starts)
+    finally:
+        set_threads()
+    assert np.array_equal(one, ops.swiglu_experts_int(x, layouts, starts))
+
+
+@pytest.mark.parametrize("change, needle", [
+    (lambda x, layouts, starts: (x, layouts, starts[:-1]), "starts:"),
+    (lambda x, layouts, starts: (x, layouts, starts[::-1].copy()), "starts:"),
+    (lambda x, layouts, starts: (x[:, :10].copy(), layouts, starts), "x:"),
+    (lambda x, layouts, starts: (x, np.stack([layouts[0], ops.expert_layout(*layer_of_experts(inner=30)[0])]),
+                                 starts[:3]), "share their shape"),
+])
+def test_swiglu_experts_int_refuses_inconsistent_arguments(change, needle):
+    experts = layer_of_experts()
+    args = acts(4, 64), np.stack([ops.expert_layout(*e) for e in experts]), np.arange(5, dtype=np.int64)
+    with pytest.raises(ValueError, match=needle):
+        ops.swiglu_experts_int(*change(*args))

@@ -59,6 +59,9 @@ FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 SERIAL = dict(fastmath=FASTMATH, cache=True, nogil=True)
 PARALLEL = dict(SERIAL, parallel=True)
 EXACT = dict(cache=True, nogil=True)  # elementwise, bit-exact vs torch: no fastmath
+# Small helpers called once per row: inlined into their caller, numba passes no array structs by
+# value per call (the integer kernels' small rows ran 1.5x faster inlined, docs/benchmarks.md).
+EXACT_INLINE = dict(EXACT, inline="always")
 
 
 def njit_serial(fn):
@@ -71,6 +74,10 @@ def njit_parallel(fn):
 
 def njit_exact(fn):
     return numba.njit(**EXACT)(fn)
+
+
+def njit_exact_inline(fn):
+    return numba.njit(**EXACT_INLINE)(fn)
 
 
 def njit_exact_parallel(fn):

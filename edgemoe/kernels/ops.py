@@ -4,8 +4,8 @@ Shapes: T tokens, R rows, C columns, NG groups, G padded group size, Cp = NG * G
 I expert hidden. Activations are numpy float32 [T, C], C-contiguous; outputs are new arrays.
 
 Float path: qmatmul, swiglu_expert (edgemoe/kernels/cpu.py). Integer path: qmatmul_int, swiglu_expert_int
-(edgemoe/kernels/cpu_int.py), on one of int_paths(): "avx2" where numba compiles for an AVX2 CPU, "portable"
-everywhere. A call's path is its `path` argument, else $EDGEMOE_INT_PATH, else the fastest available.
+(edgemoe/kernels/cpu_int.py), on one of int_paths(): "avx512vnni" where numba compiles for a CPU with AVX-512
+VNNI, "avx2" for an AVX2 CPU, "portable" everywhere. A call's path is its `path` argument, else $EDGEMOE_INT_PATH, else the fastest available.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from edgemoe.quant import QuantizedTensor
 
 from . import cpu, cpu_int
 from ._jit import target_has
+from .views import address
 
-INT_PATHS = {"avx2": cpu_int.AVX2, "portable": cpu_int.PORTABLE}  # fastest first
+INT_PATHS = {"avx512vnni": cpu_int.VNNI, "avx2": cpu_int.AVX2, "portable": cpu_int.PORTABLE}  # fastest first
+PATH_FEATURES = {"avx512vnni": ("avx512vnni", "avx2"), "avx2": ("avx2",), "portable": ()}  # LLVM features each needs
 INT_PATH_ENV = "EDGEMOE_INT_PATH"
 MAX_INT_SUM = 2**31 - 1  # integer sums are int32 in the AVX2 lanes
 
@@ -108,7 +110,7 @@ def swiglu_expert(x: np.ndarray, gate: QuantizedTensor, up: QuantizedTensor,
 
 def int_paths() -> tuple[str, ...]:
     """The integer paths numba can run on this CPU, fastest first."""
-    return tuple(p for p in INT_PATHS if p == "portable" or target_has(p))
+    return tuple(p for p in INT_PATHS if all(target_has(f) for f in PATH_FEATURES[p]))
 
 
 def default_int_path() -> str:
@@ -177,3 +179,35 @@ def swiglu_expert_int(x: np.ndarray, gate: QuantizedTensor, up: QuantizedTensor,
                               down.bits, down.group, down.packed.reshape(-1), down.scale, down.zero,
                               hg, hu, h, hq, hs, hqs, out, cpu.row_blocks())
     return out
+
+
+def expert_layout(gate: QuantizedTensor, up: QuantizedTensor, down: QuantizedTensor) -> np.ndarray:
+    """A SwiGLU expert's row of swiglu_experts_int's layout table (int64 [LAYOUT_COLUMNS]): its arrays'
+    addresses, widths and groups, checked once here. The row is valid while the tensors live."""
+    inner, dim = _check_expert(gate, up, down)
+    for name, qt in (("gate", gate), ("down", down)):
+        _check_int_sums(name, qt)
+    row = np.empty(cpu_int.LAYOUT_COLUMNS, np.int64)
+    row[:9] = [address(a) for qt in (gate, up, down) for a in (qt.packed, qt.scale, qt.zero)]
+    row[9:] = (gate.bits, gate.group, gate.ngroups, down.bits, down.group, down.ngroups, inner, dim)
+    return row
+
+
+def swiglu_experts_int(x: np.ndarray, layouts: np.ndarray, starts: np.ndarray,
+                       path: str | None = None) -> np.ndarray:
+    """Several experts of one layer in one kernel call, on the integer path: x float32 [P, D], the
+    token of each (token, expert) pair, pairs grouped by expert; layouts int64 [A, LAYOUT_COLUMNS]
+    (expert_layout, one row per expert, all of one shape); starts int64 [A + 1], expert a's pairs
+    being starts[a] <= p < starts[a + 1]. Returns float32 [P, D], each pair's row bit-identical to
+    swiglu_expert_int of its expert on its token. The caller keeps the experts' tensors alive."""
+    code = _int_path(path)
+    shapes = layouts[:, cpu_int.INNER:]
+    if len(layouts) and (shapes != shapes[0]).any():
+        raise ValueError(f"layouts: experts of one call must share their shape, got (I, D) {np.unique(shapes, axis=0).tolist()}")
+    if len(starts) != len(layouts) + 1 or starts[0] != 0 or starts[-1] != x.shape[0] or (np.diff(starts) < 0).any():
+        raise ValueError(f"starts: expected {len(layouts) + 1} ascending offsets from 0 to {x.shape[0]}, got {starts.tolist()}")
+    y = np.empty(x.shape, np.float32)
+    if len(layouts):
+        _check_x("x", x, int(shapes[0, 1]))
+        cpu_int.swiglu_experts_int_kernel(code, layouts, starts, x, int(shapes[0, 0]), y, cpu.row_blocks())
+    return y

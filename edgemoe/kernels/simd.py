@@ -33,6 +33,7 @@ from ._jit import target_has
 
 I8, I16, I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 BLOCK = 32  # bytes per 256-bit vector
+VNNI_BLOCK = 64  # bytes per 512-bit vector
 
 
 def _vec(t, n):
@@ -115,3 +116,54 @@ def _make_avx2_dot(bits: int):
 
 
 avx2_dot2, avx2_dot4, avx2_dot8 = (_make_avx2_dot(b) for b in (2, 4, 8))
+
+
+def _block_vnni(builder, bits, pbase, xbase, poff, xoff, plane, accs):
+    """The accumulators (one int32x16 per plane) plus one 64-byte block's products (vpdpbusd: u8 code
+    x s8 activation, four adjacent products summed into each int32 lane, no saturation). One
+    accumulator per plane keeps the planes' vpdpbusd independent (its latency would chain them)."""
+    raw = _load(builder, pbase, poff, _vec(I8, VNNI_BLOCK))
+    mask = _splat(I8, VNNI_BLOCK, (1 << bits) - 1)
+    lanes = _vec(I32, VNNI_BLOCK // 4)
+    out = []
+    for j, acc in enumerate(accs):
+        codes = raw if bits == 8 else builder.and_(
+            builder.lshr(raw, _splat(I8, VNNI_BLOCK, j * bits)) if j else raw, mask)
+        xoff_j = builder.add(xoff, builder.mul(plane, ir.Constant(plane.type, j)))
+        x = _load(builder, xbase, xoff_j, _vec(I8, VNNI_BLOCK))
+        out.append(_call(builder, "llvm.x86.avx512.vpdpbusd.512", lanes,
+                         [acc, builder.bitcast(codes, lanes), builder.bitcast(x, lanes)]))
+    return out
+
+
+def _make_vnni_dot(bits: int):
+    @intrinsic
+    def vnni_dot(typingctx, packed, b0, xq, x0, plane, nblocks):
+        sig = types.int32(packed, b0, xq, x0, plane, nblocks)
+
+        def codegen(context, builder, sig, args):
+            if not target_has("avx512vnni"):
+                with builder.if_then(cgutils.true_bit):
+                    context.call_conv.return_user_exc(builder, RuntimeError, ("AVX-512 VNNI code on a CPU without it",))
+                return ir.Constant(I32, 0)
+            packed_a, b0_v, xq_a, x0_v, plane_v, nblocks_v = args
+            pbase = cgutils.create_struct_proxy(sig.args[0])(context, builder, value=packed_a).data
+            xbase = cgutils.create_struct_proxy(sig.args[2])(context, builder, value=xq_a).data
+            accs = [cgutils.alloca_once_value(builder, _splat(I32, VNNI_BLOCK // 4, 0)) for _ in range(8 // bits)]
+            with cgutils.for_range(builder, nblocks_v) as loop:
+                step = builder.mul(loop.index, ir.Constant(loop.index.type, VNNI_BLOCK))
+                sums = _block_vnni(builder, bits, pbase, xbase, builder.add(b0_v, step),
+                                   builder.add(x0_v, step), plane_v, [builder.load(a) for a in accs])
+                for acc, total in zip(accs, sums):
+                    builder.store(total, acc)
+            total = builder.load(accs[0])
+            for acc in accs[1:]:
+                total = builder.add(total, builder.load(acc))
+            return _call(builder, "llvm.vector.reduce.add.v16i32", I32, [total])
+
+        return sig, codegen
+
+    return vnni_dot
+
+
+vnni_dot2, vnni_dot4, vnni_dot8 = (_make_vnni_dot(b) for b in (2, 4, 8))
