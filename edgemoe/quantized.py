@@ -21,9 +21,11 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+import numpy as np
 import torch
 
 from edgemoe import kernels
+from edgemoe.kernels.ops import swiglu_experts_int, weighted_sum
 from edgemoe.store import ResidentExpert, TieredStore
 from edgemoe.kernels.device import swiglu_on_device, to_device, weights_on_device
 
@@ -88,9 +90,12 @@ class StoreExperts(ExpertProvider):
     """The ExpertProvider of a model loaded from a store."""
 
     def __init__(self, store: TieredStore, compute: str = "auto", overlap: bool = True, skip_below: float = 0.0,
-                 activations: Callable[[int, int], Activation] | None = None, fallback_below: float = 0.0):
+                 activations: Callable[[int, int], Activation] | None = None, fallback_below: float = 0.0,
+                 layer_kernel: bool = True):
         """activations: (layer, expert) -> the expert's Activation (edgemoe.experts.expert_activations),
-        None for SwiGLU experts. skip_below, fallback_below: see edgemoe.loader.StoreOptions."""
+        None for SwiGLU experts. skip_below, fallback_below: see edgemoe.loader.StoreOptions.
+        layer_kernel: the experts of a layer that compute on "fused-int" go through one kernel call
+        (swiglu_experts_int) rather than one call each; results are the same bits either way."""
         if compute == "device" and store.device is None:
             raise ValueError("compute='device' needs a VRAM tier: give vram= and device=")
         self.store = store
@@ -109,6 +114,7 @@ class StoreExperts(ExpertProvider):
         # several positions of one sequence gives plain decoding's bits (speculative verification):
         # the float kernels' per-token sums depend on the step's token count.
         self.token_by_token = False
+        self.layer_kernel = layer_kernel
 
     @property
     def latency(self):
@@ -143,7 +149,49 @@ class StoreExperts(ExpertProvider):
         self._kept = None
         if self.overlap:
             self.store.prefetch(((layer, e) for e in batches.experts[1:]), urgent=True)
-        return super().run(layer, x, batches)
+        if not self.layer_kernel or x.dtype != torch.float32:
+            return super().run(layer, x, batches)
+        return self._run_by_pairs(layer, x, batches)
+
+    def _run_by_pairs(self, layer: int, x: torch.Tensor, batches: ExpertBatches) -> torch.Tensor:
+        """ExpertProvider.run's result, bit for bit: each (token, expert) pair's output into y [P, D],
+        then their weighted sum in expert order. The resident experts compute first, those on
+        "fused-int" in one kernel call, while the missing ones load; then the missing ones."""
+        starts = np.cumsum([0] + [len(t) for t in batches.tokens])
+        pair_tokens = torch.cat(batches.tokens)                                     # [P]
+        y = np.empty((len(pair_tokens), x.shape[1]), np.float32)
+        missing = set(self.store.missing((layer, e) for e in batches.experts))
+        ready = [i for i, e in enumerate(batches.experts) if (layer, e) not in missing]
+        for group in (ready, [i for i, e in enumerate(batches.experts) if (layer, e) in missing]):
+            self._compute_pairs(layer, x, batches, group, starts, y)
+        out = torch.zeros_like(x)
+        weighted_sum(y, pair_tokens.numpy(), torch.cat(batches.weights).numpy(), out.numpy())
+        return out
+
+    def _compute_pairs(self, layer: int, x: torch.Tensor, batches: ExpertBatches, group: list[int],
+                       starts: np.ndarray, y: np.ndarray) -> None:
+        """y's rows of the pairs of the experts batches.experts[i], i in group."""
+        fused = []
+        for i in group:
+            expert, tokens = self.expert(layer, batches.experts[i]), batches.tokens[i]
+            if self._on_layer_kernel(expert, len(tokens)):
+                fused.append((i, expert.resident))
+            else:
+                y[starts[i]:starts[i + 1]] = expert(x[tokens]).numpy()
+        if not fused:
+            return
+        rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i, _ in fused])
+        tokens = torch.cat([batches.tokens[i] for i, _ in fused])
+        sizes = np.cumsum([0] + [starts[i + 1] - starts[i] for i, _ in fused])
+        layouts = np.stack([resident.layout for _, resident in fused])
+        y[rows] = swiglu_experts_int(x[tokens].numpy(), layouts, sizes)
+
+    def _on_layer_kernel(self, expert: QuantizedExpert, tokens: int) -> bool:
+        """Whether this expert computes on "fused-int" on the host, where the layer kernel gives its bits."""
+        r = expert.resident
+        count = 1 if self.token_by_token else tokens   # token by token: each token's own choice
+        return (expert.activation is None and r.device is None
+                and self.choose(r.bits, count, r.nbytes) == "fused-int")
 
     def _skip_weak_misses(self, layer: int, batches: ExpertBatches) -> ExpertBatches:
         """Adaptive top-k: an expert that is not resident and that every one of its tokens chose with

@@ -211,3 +211,14 @@ def swiglu_experts_int(x: np.ndarray, layouts: np.ndarray, starts: np.ndarray,
         _check_x("x", x, int(shapes[0, 1]))
         cpu_int.swiglu_experts_int_kernel(code, layouts, starts, x, int(shapes[0, 0]), y, cpu.row_blocks())
     return y
+
+
+def weighted_sum(y: np.ndarray, tokens: np.ndarray, weights: np.ndarray, out: np.ndarray) -> None:
+    """out[tokens[p]] += y[p] * weights[p] for every pair p, in order (float32 y [P, D], out [T, D],
+    int64 tokens [P], float32 weights [P]): the sum a scatter-add of each expert's weighted
+    outputs, expert after expert, makes, product and addition rounded alike."""
+    if not (y.dtype == out.dtype == weights.dtype == np.float32 and y.shape[1:] == out.shape[1:]
+            and len(tokens) == len(weights) == len(y)):
+        raise ValueError(f"y {y.dtype}{y.shape}, tokens {tokens.shape}, weights {weights.dtype}{weights.shape}, "
+                         f"out {out.dtype}{out.shape}: expected float32 [P, D], [P], [P] and [T, D]")
+    cpu_int.weighted_sum_kernel(y, tokens, weights, out)

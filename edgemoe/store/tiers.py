@@ -18,12 +18,14 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from edgemoe.kernels.device import dequantize_on_device, to_device, to_host
+from edgemoe.kernels.ops import expert_layout
 from edgemoe.options import check_device, parse_bytes
 from edgemoe.quant import QuantizedTensor, dequantize_reference
 from edgemoe.scheduling.cache import CacheStats, ExpertCache, TierStats
@@ -62,6 +64,12 @@ class ResidentExpert:
     @property
     def bits(self) -> int:
         return self.entry.bits
+
+    @cached_property
+    def layout(self) -> np.ndarray:
+        """This SwiGLU expert's row of the layer kernel's layout table (edgemoe.kernels.ops.expert_layout),
+        made once per residency: valid while this object (which holds the arrays) lives."""
+        return expert_layout(self.tensors["gate"], self.tensors["up"], self.tensors["down"])
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
         """gate [I, D], up [I, D], down [D, I] as dense tensors (on the device when resident there)."""
