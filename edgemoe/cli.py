@@ -101,6 +101,16 @@ def _threads_option():
                         "followed as the load changes).")
 
 
+def _force_option(what: str):
+    return typer.Option(False, "--force", help=f"Replace an existing {what}; never an input of the command.")
+
+
+def _refuse_overwrite(path: Path, inputs, force: bool) -> None:
+    """Before any work: never write over an input, nor over an existing file without --force."""
+    from .files import refuse_overwrite
+    refuse_overwrite(path, [p for p in inputs if p is not None], force, "--force")
+
+
 def _quiet_option():
     return typer.Option(False, "--quiet", "-q", help="No progress bars (they are shown only on a terminal).")
 
@@ -318,7 +328,7 @@ def convert(
     fallback_bits: Optional[int] = typer.Option(None, "--fallback-bits", callback=_checked(options.one_of, (2, 4)),
                                                 help="Also store each wider expert narrowed to 2 or 4 bits: the copy "
                                                 "read for a weakly chosen miss (run --fallback-below)."),
-    force: bool = typer.Option(False, "--force", help="Replace an existing store (never anything else)."),
+    force: bool = _force_option("store (only a store)"),
     workers: Optional[int] = typer.Option(None, "--workers", callback=_checked(options.integer_at_least, 1),
                                           help="Quantization threads (default: as --threads)."),
     calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration text: profile the store's routing "
@@ -405,6 +415,7 @@ def inspect(
     plot: Optional[Path] = typer.Option(None, "--plot", help="Draw the width map (layer x expert) to this PNG "
                                         "(needs matplotlib: pip install 'edgemoe[plot]')."),
     as_json: bool = typer.Option(False, "--json"),
+    force: bool = _force_option("--plot file"),
 ):
     """Summarise a store: model, sizes per layer and width, bits per weight, the width map, placement."""
     import json
@@ -412,6 +423,8 @@ def inspect(
     from edgemoe.store import inspect_store, parse_bytes
 
     parse_bytes(ram, "--ram", allow_share=True)
+    if plot is not None:
+        _refuse_overwrite(plot, [store], force)
     summary = inspect_store(store, ram=ram)
     if plot is not None:
         from .plots import plot_width_map
@@ -474,6 +487,7 @@ def trace(
                                           help="Window length in tokens (default: as edgemoe eval)."),
     threads: Optional[int] = _threads_option(),
     quiet: bool = _quiet_option(),
+    force: bool = _force_option("trace file"),
 ):
     """Record the routers' choices over a text as a trace."""
     import edgemoe
@@ -482,6 +496,7 @@ def trace(
     from .tracing import trace_text
     from .progress import progress_bar
 
+    _refuse_overwrite(out, [model, text], force)
     content = _read_text(text)
     m = edgemoe.load(model, threads=threads, **({"preload": "none"} if is_store(model) else {}))
     options.window_length(context, "--context", m.context_length)
@@ -502,9 +517,11 @@ def profile(
                                   help="Back off from a correlation key seen fewer times."),
     threads: Optional[int] = _threads_option(),
     quiet: bool = _quiet_option(),
+    force: bool = _force_option("profile.json (convert --calib writes one)"),
 ):
     """Store the routing profile (popularity, correlation table) used for placement and preload."""
     from edgemoe.store import read_manifest
+    from edgemoe.store.format import PROFILE
     from .loader import is_store
     from .tracing import profile_store
     from .progress import progress_bar
@@ -514,13 +531,14 @@ def profile(
     if not is_store(store):
         raise EdgeMoEError(f"{store}: not a store; a routing profile belongs to a store (make one with "
                            f"edgemoe convert, which profiles it when given --calib)")
+    _refuse_overwrite(store / PROFILE, [text, trace_file], force)
     spec = read_manifest(store).spec
     options.window_length(context, "--context", spec.max_position_embeddings)
     content = _read_text(text) if text else None
     with progress_bar("profiling routing", quiet) as report:
         result = profile_store(store, content, trace_file, context, min_count, threads, report)
     print(f"profiled {store}: {sum(result.counts[result.moe_layers[0]]) // result.top_k} tokens, "
-          f"{sum(len(t) for t in result.given_prev2.values())} correlation keys; saved to {store}/profile.json")
+          f"{sum(len(t) for t in result.given_prev2.values())} correlation keys; saved to {store / PROFILE}")
 
 
 @app.command()
