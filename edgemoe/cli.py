@@ -248,15 +248,12 @@ def run(
     if draft is not None:
         from .speculative import speculator_for
         speculator = speculator_for(m, draft, speculate or 4, draft_ram, _dtype(dtype), threads)
-    # The chat template writes its own special tokens: encoded without adding them again.
-    text = m.tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat else prompt
+    seen = _prompt_seen(m, prompt, chat, max_new_tokens, truncate)
     sampling = {k: v for k, v in dict(temperature=temperature, top_k=top_k, top_p=top_p).items() if v is not None}
-    if not chat:
-        sys.stdout.write(prompt)
     if beams is not None:
-        sys.stdout.write(_best_beam_text(m, text, beams, max_new_tokens, length_penalty, early_stopping, truncate))
+        sys.stdout.write(_best_beam_text(m, seen, beams, max_new_tokens, length_penalty, early_stopping, truncate))
     else:
-        m.generate(text, on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()),
+        m.generate(seen, on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()),
                    on_warning=_warn, max_new_tokens=max_new_tokens, seed=seed, stop_strings=tuple(stop),
                    truncate=truncate, **({"token_stream": speculator.stream} if speculator else {}), **sampling)
     sys.stdout.write("\n")
@@ -264,6 +261,20 @@ def run(
         _print_run_stats(m, speculator.stats if speculator else None)
     if speculator is not None:
         speculator.close()
+
+
+def _prompt_seen(model, prompt: str, chat: bool, max_new_tokens: int, truncate: bool) -> list[int]:
+    """The prompt's token ids as the model will see them, echoed (not with --chat) only once they are:
+    a prompt past the context is refused before anything is printed, and a truncated one is shown
+    as its kept tokens, not as it was given."""
+    from .generate import GenerationOptions, fit_context
+
+    # The chat template writes its own special tokens: encoded without adding them again.
+    ids = model.tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat else model.tokenizer.encode(prompt)
+    seen = fit_context(model, ids, GenerationOptions(max_new_tokens=max_new_tokens, truncate=truncate), _warn)
+    if not chat:
+        sys.stdout.write(prompt if len(seen) == len(ids) else model.tokenizer.decode(seen))
+    return seen
 
 
 def _check_draft_flags(draft, speculate, draft_ram, beams, replay) -> None:
@@ -283,13 +294,12 @@ def _check_beam_flags(beams, length_penalty, early_stopping, sampling_given: dic
     options.only_with(True if early_stopping else None, "--early-stopping", "--beams", beams is not None)
 
 
-def _best_beam_text(model, prompt, beams: int, max_new_tokens: int, length_penalty, early_stopping: bool,
-                    truncate: bool) -> str:
+def _best_beam_text(model, prompt_ids: list[int], beams: int, max_new_tokens: int, length_penalty,
+                    early_stopping: bool, truncate: bool) -> str:
     from .beam import beam_search
     from .generate import StopStringStream
 
-    ids = model.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    hypotheses = beam_search(model, ids, beams, max_new_tokens, 1.0 if length_penalty is None else length_penalty,
+    hypotheses = beam_search(model, prompt_ids, beams, max_new_tokens, 1.0 if length_penalty is None else length_penalty,
                              early_stopping, truncate=truncate, warn=_warn)
     stream = StopStringStream(model.tokenizer)     # decoded as generate decodes its tokens
     for token in hypotheses[0][0] if hypotheses else []:
