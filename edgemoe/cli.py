@@ -356,6 +356,9 @@ def convert(
     confidence: float = typer.Option(0.95, "--confidence", callback=_checked(_confidence),
                                      help="--budget must hold for this one-sided upper confidence bound of the "
                                      "calibration loss, in [0.5, 1) (0.5: the estimate)."),
+    allow_no_tokenizer: bool = typer.Option(False, "--allow-no-tokenizer", help="Convert a checkpoint without "
+                                            "tokenizer.json: a store for token ids only (bench, the Python API); "
+                                            "run, eval and chat refuse it (default: refused here)."),
     threads: Optional[int] = _threads_option(),
     quiet: bool = _quiet_option(),
 ):
@@ -381,7 +384,7 @@ def convert(
         result = convert_store(model, out, bits=bits, widths=widths, group_size=group_size, method=method,
                                compress=compress, force=force, workers=workers, budget=quality,
                                calib_text=calib_text, threads=threads, progress=report, inputs=inputs,
-                               fallback_bits=fallback_bits)
+                               fallback_bits=fallback_bits, allow_no_tokenizer=allow_no_tokenizer)
     widths_text = ", ".join(f"INT{b}: {n}" for b, n in result.widths.items())
     print(f"wrote {result.store}: {result.experts} experts ({widths_text}), expert bytes "
           f"{_size(result.expert_bytes)} ({result.bits_per_weight:.3f} bits/weight), dense "

@@ -1,8 +1,10 @@
 """What `edgemoe run` prints: a prompt past the context is refused before anything is echoed, a
 truncated one is echoed as the tokens the model saw; --stats counts a prompt fed in several chunks as
-one prefill (time to first token) and decodes only the generated tokens."""
+one prefill (time to first token) and decodes only the generated tokens. And `edgemoe convert` says,
+before any work, that a checkpoint without tokenizer.json would make a store run cannot use."""
 
 import re
+import shutil
 import sys
 
 import pytest
@@ -89,3 +91,36 @@ def test_run_stats_with_a_prompt_longer_than_the_prefill_chunk(monkeypatch, caps
     assert code == 0, err
     line = re.search(r"\[stats\] prefill (\d+) tokens.*decode (\d+) tokens", err)
     assert line and int(line[1]) == prompt_tokens and int(line[2]) <= 3, err
+
+
+@pytest.fixture
+def without_tokenizer(short_context, tmp_path):
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(short_context, checkpoint)
+    (checkpoint / "tokenizer.json").unlink()
+    return checkpoint
+
+
+def test_convert_refuses_a_checkpoint_without_tokenizer_json_unless_allowed(monkeypatch, capsys, without_tokenizer,
+                                                                            tmp_path):
+    out = tmp_path / "store"
+    code, out_text, err = run(monkeypatch, capsys, "convert", str(without_tokenizer), "-o", str(out))
+    assert code == 2 and err.count("\n") == 1, err
+    assert str(without_tokenizer / "tokenizer.json") in err and "--allow-no-tokenizer" in err
+    assert not out.exists() and list(tmp_path.iterdir()) == [without_tokenizer]
+    code, out_text, err = run(monkeypatch, capsys, "convert", str(without_tokenizer), "-o", str(out),
+                              "--allow-no-tokenizer")
+    assert code == 0, err
+    assert edgemoe.load(out).logits([1, 2, 3]).shape[0] == 3          # token ids run
+    code, out_text, err = run(monkeypatch, capsys, "run", str(out), "-p", "x")
+    assert code == 2 and "no tokenizer.json" in err
+
+
+def test_calibration_text_needs_the_tokenizer_even_when_allowed_without(monkeypatch, capsys, without_tokenizer,
+                                                                         tmp_path):
+    calib = tmp_path / "calib.txt"
+    calib.write_text(FILLER)
+    code, _, err = run(monkeypatch, capsys, "convert", str(without_tokenizer), "-o", str(tmp_path / "store"),
+                       "--allow-no-tokenizer", "--calib", str(calib))
+    assert code == 2 and "tokenizer.json" in err and "--calib" in err, err
+    assert not (tmp_path / "store").exists()
