@@ -299,8 +299,9 @@ def _best_beam_text(model, prompt_ids: list[int], beams: int, max_new_tokens: in
     from .beam import beam_search
     from .generate import StopStringStream
 
-    hypotheses = beam_search(model, prompt_ids, beams, max_new_tokens, 1.0 if length_penalty is None else length_penalty,
-                             early_stopping, truncate=truncate, warn=_warn)
+    penalty = 1.0 if length_penalty is None else length_penalty
+    hypotheses = beam_search(model, prompt_ids, beams, max_new_tokens, penalty, early_stopping, truncate=truncate,
+                             warn=_warn)
     stream = StopStringStream(model.tokenizer)     # decoded as generate decodes its tokens
     for token in hypotheses[0][0] if hypotheses else []:
         stream.push(token)
