@@ -55,6 +55,7 @@ def beam_search(model: MoEModel, prompt_ids: Sequence[int], num_beams: int, max_
     stops = set(stop_token_ids if stop_token_ids is not None else eos_token_ids(model))
     search = _Search(num_beams, limit, length_penalty, early_stopping, stops)
     beams, logits = _prefill(model, prompt, opts.prefill_chunk)
+    model.timings.first_token_chosen()
     while True:
         beams = search.step(beams, logits)
         if search.done(beams):

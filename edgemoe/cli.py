@@ -101,6 +101,16 @@ def _threads_option():
                         "followed as the load changes).")
 
 
+def _force_option(what: str):
+    return typer.Option(False, "--force", help=f"Replace an existing {what}; never an input of the command.")
+
+
+def _refuse_overwrite(path: Path, inputs, force: bool) -> None:
+    """Before any work: never write over an input, nor over an existing file without --force."""
+    from .files import refuse_overwrite
+    refuse_overwrite(path, [p for p in inputs if p is not None], force, "--force")
+
+
 def _quiet_option():
     return typer.Option(False, "--quiet", "-q", help="No progress bars (they are shown only on a terminal).")
 
@@ -238,15 +248,12 @@ def run(
     if draft is not None:
         from .speculative import speculator_for
         speculator = speculator_for(m, draft, speculate or 4, draft_ram, _dtype(dtype), threads)
-    # The chat template writes its own special tokens: encoded without adding them again.
-    text = m.tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat else prompt
+    seen = _prompt_seen(m, prompt, chat, max_new_tokens, truncate)
     sampling = {k: v for k, v in dict(temperature=temperature, top_k=top_k, top_p=top_p).items() if v is not None}
-    if not chat:
-        sys.stdout.write(prompt)
     if beams is not None:
-        sys.stdout.write(_best_beam_text(m, text, beams, max_new_tokens, length_penalty, early_stopping, truncate))
+        sys.stdout.write(_best_beam_text(m, seen, beams, max_new_tokens, length_penalty, early_stopping, truncate))
     else:
-        m.generate(text, on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()),
+        m.generate(seen, on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()),
                    on_warning=_warn, max_new_tokens=max_new_tokens, seed=seed, stop_strings=tuple(stop),
                    truncate=truncate, **({"token_stream": speculator.stream} if speculator else {}), **sampling)
     sys.stdout.write("\n")
@@ -254,6 +261,20 @@ def run(
         _print_run_stats(m, speculator.stats if speculator else None)
     if speculator is not None:
         speculator.close()
+
+
+def _prompt_seen(model, prompt: str, chat: bool, max_new_tokens: int, truncate: bool) -> list[int]:
+    """The prompt's token ids as the model will see them, echoed (not with --chat) only once they are:
+    a prompt past the context is refused before anything is printed, and a truncated one is shown
+    as its kept tokens, not as it was given."""
+    from .generate import GenerationOptions, fit_context
+
+    # The chat template writes its own special tokens: encoded without adding them again.
+    ids = model.tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat else model.tokenizer.encode(prompt)
+    seen = fit_context(model, ids, GenerationOptions(max_new_tokens=max_new_tokens, truncate=truncate), _warn)
+    if not chat:
+        sys.stdout.write(prompt if len(seen) == len(ids) else model.tokenizer.decode(seen))
+    return seen
 
 
 def _check_draft_flags(draft, speculate, draft_ram, beams, replay) -> None:
@@ -273,14 +294,14 @@ def _check_beam_flags(beams, length_penalty, early_stopping, sampling_given: dic
     options.only_with(True if early_stopping else None, "--early-stopping", "--beams", beams is not None)
 
 
-def _best_beam_text(model, prompt, beams: int, max_new_tokens: int, length_penalty, early_stopping: bool,
-                    truncate: bool) -> str:
+def _best_beam_text(model, prompt_ids: list[int], beams: int, max_new_tokens: int, length_penalty,
+                    early_stopping: bool, truncate: bool) -> str:
     from .beam import beam_search
     from .generate import StopStringStream
 
-    ids = model.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    hypotheses = beam_search(model, ids, beams, max_new_tokens, 1.0 if length_penalty is None else length_penalty,
-                             early_stopping, truncate=truncate, warn=_warn)
+    penalty = 1.0 if length_penalty is None else length_penalty
+    hypotheses = beam_search(model, prompt_ids, beams, max_new_tokens, penalty, early_stopping, truncate=truncate,
+                             warn=_warn)
     stream = StopStringStream(model.tokenizer)     # decoded as generate decodes its tokens
     for token in hypotheses[0][0] if hypotheses else []:
         stream.push(token)
@@ -318,7 +339,7 @@ def convert(
     fallback_bits: Optional[int] = typer.Option(None, "--fallback-bits", callback=_checked(options.one_of, (2, 4)),
                                                 help="Also store each wider expert narrowed to 2 or 4 bits: the copy "
                                                 "read for a weakly chosen miss (run --fallback-below)."),
-    force: bool = typer.Option(False, "--force", help="Replace an existing store (never anything else)."),
+    force: bool = _force_option("store (only a store)"),
     workers: Optional[int] = typer.Option(None, "--workers", callback=_checked(options.integer_at_least, 1),
                                           help="Quantization threads (default: as --threads)."),
     calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration text: profile the store's routing "
@@ -336,6 +357,9 @@ def convert(
     confidence: float = typer.Option(0.95, "--confidence", callback=_checked(_confidence),
                                      help="--budget must hold for this one-sided upper confidence bound of the "
                                      "calibration loss, in [0.5, 1) (0.5: the estimate)."),
+    allow_no_tokenizer: bool = typer.Option(False, "--allow-no-tokenizer", help="Convert a checkpoint without "
+                                            "tokenizer.json: a store for token ids only (bench, the Python API); "
+                                            "run, eval and chat refuse it (default: refused here)."),
     threads: Optional[int] = _threads_option(),
     quiet: bool = _quiet_option(),
 ):
@@ -361,7 +385,7 @@ def convert(
         result = convert_store(model, out, bits=bits, widths=widths, group_size=group_size, method=method,
                                compress=compress, force=force, workers=workers, budget=quality,
                                calib_text=calib_text, threads=threads, progress=report, inputs=inputs,
-                               fallback_bits=fallback_bits)
+                               fallback_bits=fallback_bits, allow_no_tokenizer=allow_no_tokenizer)
     widths_text = ", ".join(f"INT{b}: {n}" for b, n in result.widths.items())
     print(f"wrote {result.store}: {result.experts} experts ({widths_text}), expert bytes "
           f"{_size(result.expert_bytes)} ({result.bits_per_weight:.3f} bits/weight), dense "
@@ -405,6 +429,7 @@ def inspect(
     plot: Optional[Path] = typer.Option(None, "--plot", help="Draw the width map (layer x expert) to this PNG "
                                         "(needs matplotlib: pip install 'edgemoe[plot]')."),
     as_json: bool = typer.Option(False, "--json"),
+    force: bool = _force_option("--plot file"),
 ):
     """Summarise a store: model, sizes per layer and width, bits per weight, the width map, placement."""
     import json
@@ -412,6 +437,8 @@ def inspect(
     from edgemoe.store import inspect_store, parse_bytes
 
     parse_bytes(ram, "--ram", allow_share=True)
+    if plot is not None:
+        _refuse_overwrite(plot, [store], force)
     summary = inspect_store(store, ram=ram)
     if plot is not None:
         from .plots import plot_width_map
@@ -474,6 +501,7 @@ def trace(
                                           help="Window length in tokens (default: as edgemoe eval)."),
     threads: Optional[int] = _threads_option(),
     quiet: bool = _quiet_option(),
+    force: bool = _force_option("trace file"),
 ):
     """Record the routers' choices over a text as a trace."""
     import edgemoe
@@ -482,6 +510,7 @@ def trace(
     from .tracing import trace_text
     from .progress import progress_bar
 
+    _refuse_overwrite(out, [model, text], force)
     content = _read_text(text)
     m = edgemoe.load(model, threads=threads, **({"preload": "none"} if is_store(model) else {}))
     options.window_length(context, "--context", m.context_length)
@@ -502,9 +531,11 @@ def profile(
                                   help="Back off from a correlation key seen fewer times."),
     threads: Optional[int] = _threads_option(),
     quiet: bool = _quiet_option(),
+    force: bool = _force_option("profile.json (convert --calib writes one)"),
 ):
     """Store the routing profile (popularity, correlation table) used for placement and preload."""
     from edgemoe.store import read_manifest
+    from edgemoe.store.format import PROFILE
     from .loader import is_store
     from .tracing import profile_store
     from .progress import progress_bar
@@ -514,13 +545,14 @@ def profile(
     if not is_store(store):
         raise EdgeMoEError(f"{store}: not a store; a routing profile belongs to a store (make one with "
                            f"edgemoe convert, which profiles it when given --calib)")
+    _refuse_overwrite(store / PROFILE, [text, trace_file], force)
     spec = read_manifest(store).spec
     options.window_length(context, "--context", spec.max_position_embeddings)
     content = _read_text(text) if text else None
     with progress_bar("profiling routing", quiet) as report:
         result = profile_store(store, content, trace_file, context, min_count, threads, report)
     print(f"profiled {store}: {sum(result.counts[result.moe_layers[0]]) // result.top_k} tokens, "
-          f"{sum(len(t) for t in result.given_prev2.values())} correlation keys; saved to {store}/profile.json")
+          f"{sum(len(t) for t in result.given_prev2.values())} correlation keys; saved to {store / PROFILE}")
 
 
 @app.command()

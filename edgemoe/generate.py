@@ -204,11 +204,13 @@ def generate(model: MoEModel, prompt: str | Sequence[int], on_text: Callable[[st
     tokens = (token_stream(prompt_ids, opts, on_warning) if token_stream is not None
               else stream_tokens(model, prompt_ids, opts, on_warning))
     for token in tokens:
+        model.timings.first_token_chosen()
         piece = stream.push(token)
         if piece:
             emit(piece)
         if stream.stopped:
             break
+    model.timings.first_token_chosen()   # no token came (a stop token first): every step was prefill
     piece = stream.finish()
     if piece:
         emit(piece)

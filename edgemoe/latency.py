@@ -29,6 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .files import atomic_write
+
 CALIBRATION_TOKENS = (1, 4, 16, 64)
 PATHS = ("fused-int", "fused-float", "dequant")
 
@@ -181,9 +183,7 @@ def load_or_calibrate(shape: tuple[int, int], widths, path: Path | None = None,
     cached[key] = model.to_json()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cached, indent=1))
-        os.replace(tmp, path)
+        atomic_write(path, json.dumps(cached, indent=1))
     except OSError:
         pass  # a read-only home: calibrate again next time, results unchanged
     return model

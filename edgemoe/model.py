@@ -48,10 +48,17 @@ class Timings:
     steps: int = 0
     tokens: int = 0
     per_step: list = field(default_factory=list)   # (tokens, seconds) of each forward step
+    prefill_steps: int | None = None    # the steps run when the first new token was chosen
 
     @property
     def other(self) -> float:
         return self.total - self.attention - self.experts
+
+    def first_token_chosen(self) -> None:
+        """The steps so far chose the first new token: they are the prefill, however many chunks the
+        prompt took (the time to first token); later ones decode. Only the first call counts."""
+        if self.prefill_steps is None:
+            self.prefill_steps = len(self.per_step)
 
     def reset(self) -> None:
         self.__init__()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .errors import EdgeMoEError
+from .files import atomic_write
 
 
 def plot_width_map(summary: dict, path: Path) -> None:
@@ -29,5 +30,7 @@ def plot_width_map(summary: dict, path: Path) -> None:
     ax.set_title(f"{summary['model']['model_type']}: {summary['bits_per_weight']:.2f} bits/weight")
     fig.colorbar(image, ax=ax, label="bits", ticks=[2, 4, 8])
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:   # the format the name says (png, svg, pdf...), written atomically (edgemoe.files)
+        atomic_write(path, lambda f: fig.savefig(f, format=Path(path).suffix[1:] or None, dpi=100), binary=True)
+    finally:
+        plt.close(fig)

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 
 def run_stats(model, speculation=None) -> dict:
-    """From the model's step timings (first step = prefill) and, for a store, its tier counters.
-    speculation: a speculative run's SpeculationStats (edgemoe.speculative); then decode counts
-    output tokens and the draft's time too, and the speculation's figures are added."""
+    """From the model's step timings and, for a store, its tier counters. The prefill is every step
+    until the first new token was chosen (Timings.first_token_chosen; all of them when none was),
+    each later step decodes one token. speculation: a speculative run's SpeculationStats
+    (edgemoe.speculative); then decode counts output tokens and the draft's time too, and the
+    speculation's figures are added."""
     t = model.timings
     steps = t.per_step
     stats: dict = {}
     if steps:
-        prefill_tokens, ttft = steps[0]
-        decode = steps[1:]
+        first = len(steps) if t.prefill_steps is None else t.prefill_steps
+        prefill, decode = steps[:first], steps[first:]
+        prefill_tokens, ttft = sum(n for n, _ in prefill), sum(s for _, s in prefill)
         decode_tokens, decode_seconds = len(decode), sum(s for _, s in decode)
         if speculation is not None:
             decode_tokens = max(0, speculation.emitted - 1)

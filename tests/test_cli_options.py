@@ -76,7 +76,7 @@ BAD = [
     (["convert", "CKPT", "-o", "OUT", "--workers", "0"], "--workers"),
     (["convert", "CKPT", "-o", "OUT", "--confidence", "1.5"], "--confidence"),
     (["convert", "CKPT", "-o", "OUT", "--calib-tokens", "1"], "--calib-tokens"),
-    (["convert", "CKPT", "-o", "CKPT", "--force"], "is or contains the input"),
+    (["convert", "CKPT", "-o", "CKPT", "--force"], "is the input"),
     (["convert", "CKPT", "-o", "OUT", "--calib", "NOWHERE"], "nowhere.txt"),   # read before any work
     # eval
     (["eval", "CKPT", "--text", "TEXT", "--context", "0"], "--context"),

@@ -11,7 +11,7 @@ PACKAGE = REPO / "edgemoe"
 
 # Lowest first. A module may import modules of its own layer and of the layers below it, never above.
 LAYERS = [
-    ("vocabulary", {"edgemoe.errors", "edgemoe.spec", "edgemoe.options"}),
+    ("vocabulary", {"edgemoe.errors", "edgemoe.spec", "edgemoe.options", "edgemoe.files"}),
     ("quant", {"edgemoe.quant"}),
     ("kernels", {"edgemoe.kernels"}),
     ("scheduling", {"edgemoe.scheduling"}),

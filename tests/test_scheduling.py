@@ -137,7 +137,7 @@ def test_trace_and_profile_commands(store, tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as info:
         main()
     assert info.value.code == 0 and len(read_trace(trace)) > 0
-    monkeypatch.setattr(sys, "argv", ["edgemoe", "profile", str(store), "--trace", str(trace)])
+    monkeypatch.setattr(sys, "argv", ["edgemoe", "profile", str(store), "--trace", str(trace), "--force"])
     with pytest.raises(SystemExit) as info:
         main()
     assert info.value.code == 0 and "profiled" in capsys.readouterr().out

@@ -13,6 +13,7 @@ import torch
 
 import edgemoe
 from edgemoe.experts import DenseExpert, InMemoryExperts
+from edgemoe.files import OutputError
 from edgemoe.generate import GenerationOptions, generate_batch
 from edgemoe.quant import dequantize_reference, quantize
 from edgemoe.store import StoreError, inspect_store, open_store, read_manifest
@@ -272,7 +273,7 @@ def test_force_never_replaces_an_input(checkpoint, tmp_path, where):
     shutil.copytree(checkpoint, source)
     out = source if where == "the checkpoint" else tmp_path
     before = snapshot(source)
-    with pytest.raises(StoreError, match="is or contains the input"):
+    with pytest.raises(OutputError, match="(is|contains) the input"):
         convert(source, out, bits=4, force=True)
     assert snapshot(source) == before
 

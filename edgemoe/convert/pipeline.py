@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 
 from edgemoe.checkpoint import Checkpoint
+from edgemoe.errors import CheckpointError
 from edgemoe.evaluate import evaluate
 from edgemoe.loader import StoreOptions, load_store, model_from_checkpoint, plan_checkpoint
 from edgemoe.options import OptionError, one_of
@@ -86,12 +87,14 @@ class ConvertReport:
 def convert(model_dir, out, bits: int = 4, widths: dict[Key, int] | str | Path | None = None, group_size: int | None = None,
             method: str = "rtn", compress: str | None = None, force: bool = False, workers: int | None = None,
             budget: QualityBudget | None = None, calib_text: str | None = None, threads: int | None = None,
-            progress: Progress | None = None, inputs=(), fallback_bits: int | None = None) -> ConvertReport:
+            progress: Progress | None = None, inputs=(), fallback_bits: int | None = None,
+            allow_no_tokenizer: bool = False) -> ConvertReport:
     """Convert the checkpoint at `model_dir` into a store at `out`. widths: per-expert bits overriding
     `bits` ({(layer, expert): bits}, or a width file: read_widths); budget: search them instead (needs calib_text); calib_text: also profile the store's
     routing on it. inputs: other files the command reads (never overwritten, see check_destination).
     fallback_bits: also store each wider expert narrowed to this width (edgemoe.quant.narrow), the
-    copy a runtime reads for a weakly chosen miss (StoreOptions.fallback_below)."""
+    copy a runtime reads for a weakly chosen miss (StoreOptions.fallback_below).
+    allow_no_tokenizer: convert a checkpoint without tokenizer.json (see check_tokenizer)."""
     start = time.perf_counter()
     one_of(bits, "bits=", (2, 4, 8))
     one_of(compress, "compress=", (None, "zstd"))
@@ -100,6 +103,7 @@ def convert(model_dir, out, bits: int = 4, widths: dict[Key, int] | str | Path |
         raise OptionError("budget=", budget.limit, "needs calibration text (calib_text) and no fixed widths")
     out = Path(out)
     check_destination(out, force, [Path(model_dir), *map(Path, inputs)])
+    check_tokenizer(Path(model_dir), allow_no_tokenizer, calib_text is not None)
     report = progress or (lambda stage, done, total: None)
     ckpt = Checkpoint(model_dir)
     try:
@@ -138,6 +142,21 @@ def convert(model_dir, out, bits: int = 4, widths: dict[Key, int] | str | Path |
     finally:
         ckpt.close()
     return _report(out, writer, widths, start, search, heldout, calib_text is not None)
+
+
+def check_tokenizer(model_dir: Path, allow_missing: bool, reads_text: bool) -> None:
+    """Refuse, before any work, a checkpoint without tokenizer.json unless `allow_missing`: its store
+    would run token ids only (edgemoe bench, the Python API), and every command given text (run,
+    eval, chat, serve, trace, profile --text) would refuse it. Calibration text needs it always."""
+    path = model_dir / "tokenizer.json"
+    if path.exists():
+        return
+    if reads_text:
+        raise CheckpointError(f"{path}: not found, and the calibration text (--calib, --budget) is read with it")
+    if not allow_missing:
+        raise CheckpointError(f"{path}: not found, so the store could not run text (edgemoe run, eval and chat "
+                              f"would refuse it); copy the checkpoint's tokenizer.json there, or convert anyway "
+                              f"for token ids only (--allow-no-tokenizer, allow_no_tokenizer=True)")
 
 
 def _search_widths(reference, budget: QualityBudget, calib_text: str, group_size, method,

@@ -7,6 +7,11 @@ narrower copies, laid out the same way). The manifest is written once, last, the
 directory is renamed into place; a failure or an interrupt removes the partial directory, and an
 existing store (--force) is replaced only once the new one is complete.
 
+An existing empty directory (a fresh mount point) is filled in place instead: the partial
+directory is OUT/.partial-<pid> (on OUT's file system, where a rename beside it could not reach),
+and its files are moved into OUT with the manifest last, so OUT holds no manifest, and opens as no
+store, until it is complete; a failure takes the moved files out again, leaving OUT empty.
+
 Shapes: see edgemoe.quant for the packed arrays.
 """
 
@@ -21,6 +26,7 @@ from typing import Callable
 
 import edgemoe
 from edgemoe.checkpoint import Checkpoint, write_safetensors
+from edgemoe.files import fsync_directory, refuse_input
 from edgemoe.quant import QuantizedTensor, narrow
 from edgemoe.spec import ModelSpec
 from edgemoe.store.format import (ALIGNMENT, ARRAY_ALIGNMENT, COPIED_FILES, DENSE_FILE, FORMAT_NAME, FORMAT_VERSION,
@@ -49,16 +55,13 @@ def read_widths(path: str | os.PathLike, spec: ModelSpec) -> dict[Key, int]:
 
 
 def check_destination(out: Path, force: bool, inputs: list[Path]) -> None:
-    """Refuse, before any work, a destination whose replacement could lose data: `out` may exist only
-    with `force` and only as a store (a directory with a manifest); it may not be, hold or lie inside
-    an input of the command (the checkpoint, a calibration text...). Nothing is touched here."""
+    """Refuse, before any work, a destination whose replacement could lose data: `out` may not be or
+    hold an input of the command (the checkpoint, a calibration text...) or be an existing file of
+    one (edgemoe.files.refuse_input); it may be new or an empty directory, and otherwise exist only
+    with `force` and only as a store (a directory with a manifest). Nothing is touched here."""
     out = Path(out)
-    target = out.resolve()
-    for source in inputs:
-        src = Path(source).resolve()
-        if src == target or target in src.parents:
-            raise StoreError(f"{out}: is or contains the input {source}; choose another output directory")
-    if not out.exists() and not out.is_symlink():
+    refuse_input(out, inputs)
+    if (not out.exists() and not out.is_symlink()) or is_empty_directory(out):
         return
     if not force:
         raise StoreError(f"{out}: already exists (use --force to replace a store)")
@@ -67,15 +70,27 @@ def check_destination(out: Path, force: bool, inputs: list[Path]) -> None:
                          f"so it was left untouched")
 
 
+PARTIAL_INSIDE = ".partial-"    # the partial store's name inside an empty destination directory
+
+
+def is_empty_directory(out: Path) -> bool:
+    """An existing directory holding nothing, or only a killed convert's partial store: a destination
+    filled in place, without --force."""
+    return out.is_dir() and all(p.name.startswith(PARTIAL_INSIDE) for p in out.iterdir())
+
+
 class StoreWriter:
     """A store being written at `out`; a context manager that removes the partial directory unless
-    commit() ran. `partial` is where the files are until then."""
+    commit() ran. `partial` is where the files are until then: beside `out`, or inside it when `out`
+    is an empty directory (in_place)."""
 
     def __init__(self, out: Path):
         self.out = Path(out)
-        for stale in self.out.parent.glob(self.out.name + ".partial-*"):
+        self.in_place = is_empty_directory(self.out)
+        where, prefix = (self.out, PARTIAL_INSIDE) if self.in_place else (self.out.parent, self.out.name + ".partial-")
+        for stale in where.glob(prefix + "*"):
             shutil.rmtree(stale, ignore_errors=True)
-        self.partial = self.out.with_name(f"{self.out.name}.partial-{os.getpid()}")
+        self.partial = where / f"{prefix}{os.getpid()}"
         self.partial.mkdir(parents=True)
         self.entries: list[ExpertEntry] = []
         self.fallback_entries: list[ExpertEntry] = []   # the experts' narrower copies (--fallback-bits)
@@ -155,16 +170,32 @@ class StoreWriter:
     def commit(self, manifest: Manifest) -> None:
         """Write the manifest, then move the store into place (replacing an old store only now)."""
         write_json_atomic(self.partial / MANIFEST, manifest.data)
-        _fsync_path(self.partial)
-        if self.out.exists():
+        fsync_directory(self.partial)
+        if self.in_place:
+            self._fill_in_place()
+        elif self.out.exists():
             trash = self.out.with_name(f"{self.out.name}.old-{os.getpid()}")
             os.replace(self.out, trash)
             os.replace(self.partial, self.out)
             shutil.rmtree(trash)
         else:
             os.replace(self.partial, self.out)
-        _fsync_path(self.out.parent)
+        fsync_directory(self.out.parent)
         self._committed = True
+
+    def _fill_in_place(self) -> None:
+        """Move the finished files into the empty `out`, the manifest last: until it arrives `out` is
+        no store. A failure removes what was moved (the manifest first): `out` was empty before."""
+        names = sorted((p.name for p in self.partial.iterdir()), key=lambda name: name == MANIFEST)
+        try:
+            for name in names:
+                os.replace(self.partial / name, self.out / name)
+        except BaseException:
+            for name in reversed(names):
+                (self.out / name).unlink(missing_ok=True)
+            raise
+        self.partial.rmdir()
+        fsync_directory(self.out)
 
 
 class _AlignedAppender:
@@ -197,11 +228,3 @@ class _AlignedAppender:
 
     def close(self) -> None:
         self.file.close()
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -34,6 +34,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from edgemoe.files import atomic_write
 
 Routing = dict[int, tuple[int, ...]]   # one token: MoE layer -> experts (router's top-k order)
 PROFILE_VERSION = 1
@@ -94,9 +95,11 @@ def read_trace(path) -> list[TraceRecord]:
 
 
 def write_trace(path, records) -> None:
-    with open(path, "w", encoding="utf-8") as f:
+    """Write a JSON-lines trace, atomically (edgemoe.files: an interrupted write keeps the old file)."""
+    def write(f):
         for r in records:
             f.write(json.dumps(asdict(r), separators=(",", ":")) + "\n")
+    atomic_write(path, write)
 
 
 def tokens_from_trace(records) -> list[Routing]:

@@ -6,7 +6,6 @@ Shapes: I expert hidden, D hidden; see edgemoe.quant for the packed arrays.
 from __future__ import annotations
 
 import json
-import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from edgemoe.errors import EdgeMoEError
+from edgemoe.files import atomic_write
 from edgemoe.spec import ModelSpec
 from edgemoe.quant import QuantizedTensor
 
@@ -144,12 +144,7 @@ class Manifest:
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: json.dump(data, f, indent=1))
 
 
 def read_manifest(store: Path) -> Manifest:

@@ -9,10 +9,9 @@ atomic; a corrupt file is a StoreError naming it.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
+from edgemoe.files import atomic_write
 from edgemoe.scheduling.profile import RoutingProfile
 
 from .format import PROFILE, StoreError
@@ -40,16 +39,7 @@ def save_routing_profile(store_dir, profile: RoutingProfile) -> Path:
     data = read_profile_file(store_dir)
     data["routing"] = profile.to_json()
     data["popularity"] = {str(l): row for l, row in profile.popularity.items()}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".profile-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    atomic_write(path, lambda f: json.dump(data, f))
     return path
 
 
