@@ -162,14 +162,15 @@ class StoreExperts(ExpertProvider):
         y = np.empty((len(pair_tokens), x.shape[1]), np.float32)
         missing = set(self.store.missing((layer, e) for e in batches.experts))
         ready = [i for i, e in enumerate(batches.experts) if (layer, e) not in missing]
-        for group in (ready, [i for i, e in enumerate(batches.experts) if (layer, e) in missing]):
-            self._compute_pairs(layer, x, batches, group, starts, y)
+        waiting = [i for i, e in enumerate(batches.experts) if (layer, e) in missing]
+        for group in (ready, waiting) if waiting else (ready,):
+            self._compute_pairs(layer, x, batches, group, starts, pair_tokens, y)
         out = torch.zeros_like(x)
         weighted_sum(y, pair_tokens.numpy(), torch.cat(batches.weights).numpy(), out.numpy())
         return out
 
     def _compute_pairs(self, layer: int, x: torch.Tensor, batches: ExpertBatches, group: list[int],
-                       starts: np.ndarray, y: np.ndarray) -> None:
+                       starts: np.ndarray, pair_tokens: torch.Tensor, y: np.ndarray) -> None:
         """y's rows of the pairs of the experts batches.experts[i], i in group."""
         fused = []
         for i in group:
@@ -178,13 +179,12 @@ class StoreExperts(ExpertProvider):
                 fused.append((i, expert.resident))
             else:
                 y[starts[i]:starts[i + 1]] = expert(x[tokens]).numpy()
-        if not fused:
-            return
-        rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i, _ in fused])
-        tokens = torch.cat([batches.tokens[i] for i, _ in fused])
-        sizes = np.cumsum([0] + [starts[i + 1] - starts[i] for i, _ in fused])
-        layouts = np.stack([resident.layout for _, resident in fused])
-        y[rows] = swiglu_experts_int(x[tokens].numpy(), layouts, sizes)
+        if len(fused) == len(starts) - 1:   # the whole layer (the usual case): every pair, in order
+            y[:] = swiglu_experts_int(x[pair_tokens].numpy(), np.stack([r.layout for _, r in fused]), starts)
+        elif fused:
+            rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i, _ in fused])
+            sizes = np.cumsum([0] + [starts[i + 1] - starts[i] for i, _ in fused])
+            y[rows] = swiglu_experts_int(x[pair_tokens[rows]].numpy(), np.stack([r.layout for _, r in fused]), sizes)
 
     def _on_layer_kernel(self, expert: QuantizedExpert, tokens: int) -> bool:
         """Whether this expert computes on "fused-int" on the host, where the layer kernel gives its bits."""

@@ -5,6 +5,10 @@ Loads STORE with every expert in RAM, prefills a prompt, then times decode steps
 around each kernel entry point (a few hundred calls a token; the timers cost well under 1%).
 
     python tools/profile_decode.py STORE [--prefill 512] [--tokens 32] [--dense-bits 8] [--threads N] [--cpu-time]
+                                         [--per-expert]
+
+--per-expert computes each expert in its own kernel call (StoreExperts.layer_kernel off), to set
+beside the default of one call per layer.
 
 --cpu-time counts this thread's CPU time instead of wall time: with --threads 1 every kernel runs on
 the calling thread, so the split holds even on a busy machine (where wall time also counts the
@@ -50,6 +54,8 @@ def instrument() -> None:
     kernels.dequantize = timed("dense matmul", kernels.dequantize)
     for path, fn in list(quantized.FUSED.items()):
         quantized.FUSED[path] = timed("experts", fn)
+    quantized.swiglu_experts_int = timed("experts", quantized.swiglu_experts_int)
+    quantized.weighted_sum = timed("experts", quantized.weighted_sum)
 
 
 def main() -> None:
@@ -60,11 +66,13 @@ def main() -> None:
     parser.add_argument("--dense-bits", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--cpu-time", action="store_true")
+    parser.add_argument("--per-expert", action="store_true")
     args = parser.parse_args()
     global CLOCK
     CLOCK = time.thread_time if args.cpu_time else time.perf_counter
     quantize = {"dense_bits": args.dense_bits} if args.dense_bits else {}   # (runs on older versions without)
     model = edgemoe.load(args.store, threads=args.threads, **quantize)
+    model.experts.layer_kernel = not args.per_expert
     for entry in model.store.experts():          # every expert resident before the timing
         model.store.get(*entry.key)
     cache = model.new_cache()
@@ -79,6 +87,7 @@ def main() -> None:
     total = (CLOCK() - start) / args.tokens
     model.close()
     print(f"{args.store}: dense bits {args.dense_bits or 'as loaded'}, threads {args.threads or 'auto'}, "
+          f"{'one kernel call per expert' if args.per_expert else 'one kernel call per layer'}, "
           f"prefill {args.prefill}, {args.tokens} tokens, {'CPU' if args.cpu_time else 'wall'} time; load average {os.getloadavg()[0]:.2f}")
     print(f"{'part':>14} {'ms/token':>9} {'share':>6} {'calls/token':>11}")
     inside = 0.0
