@@ -1,0 +1,82 @@
+"""The decode step's call counts, counted (not timed, so a noisy machine cannot fool it): numba
+kernel dispatches and torch calls per MoE layer of one decode step, every expert resident. A bound
+that fails is overhead creeping back into the hot path (DESIGN: a few kernel calls per layer cost
+well under a millisecond a token; the Python around the calls is what costs).
+
+Bounds: the experts' part (StoreExperts.prepare and run) makes 2 numba dispatches a layer (the
+layer kernel and the ordered weighted sum) and under 30 torch calls; the whole step, dense part
+included, under 200 torch calls a layer (today's level: the one-token dense path in a few calls a
+layer is what lowers it)."""
+
+import numba
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+import edgemoe
+from edgemoe.convert import convert
+from edgemoe.kernels import cpu, cpu_int
+from edgemoe.model import Segment
+
+EXPERT_DISPATCHES_PER_LAYER = 2
+EXPERT_TORCH_CALLS_PER_LAYER = 30
+STEP_TORCH_CALLS_PER_LAYER = 200
+
+
+class TorchCalls(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def numba_dispatches(monkeypatch):
+    """Counts every call into a numba kernel from Python (the kernels' modules' dispatchers)."""
+    counter = {"calls": 0}
+    for module in (cpu, cpu_int):
+        for name, kernel in list(vars(module).items()):
+            if isinstance(kernel, numba.core.registry.CPUDispatcher):
+                def counted(*args, _kernel=kernel, **kwargs):
+                    counter["calls"] += 1
+                    return _kernel(*args, **kwargs)
+                monkeypatch.setattr(module, name, counted)
+    return counter
+
+
+def count_experts_part(model, counter):
+    """Wrap the expert provider's prepare and run to count their torch calls and dispatches."""
+    counts = {"torch": 0, "numba": 0}
+    for name in ("prepare", "run"):
+        method = getattr(model.experts, name)
+
+        def counted(*args, _method=method, **kwargs):
+            before = counter["calls"]
+            with TorchCalls() as calls:
+                result = _method(*args, **kwargs)
+            counts["torch"] += calls.count
+            counts["numba"] += counter["calls"] - before
+            return result
+        setattr(model.experts, name, counted)
+    return counts
+
+
+@pytest.mark.parametrize("arch, overrides", [("qwen3_moe", {"num_experts": 16, "num_experts_per_tok": 8}),
+                                             ("mixtral", {})])
+def test_one_decode_step_stays_within_its_call_counts(tiny_model, tmp_path, numba_dispatches, arch, overrides):
+    convert(tiny_model(arch, **overrides), tmp_path / "s", bits=4)
+    with edgemoe.load(tmp_path / "s", compute="fused-int") as model:
+        layers = len(model.spec.moe_layer_ids)
+        cache = model.new_cache()
+        token = int(model.forward(torch.arange(6), [Segment(cache, 6)], last_only=True)[-1].argmax())
+        for _ in range(2):   # every expert path warmed
+            token = int(model.forward(torch.tensor([token]), [Segment(cache, 1)], last_only=True)[-1].argmax())
+        experts = count_experts_part(model, numba_dispatches)
+        with TorchCalls() as step:
+            model.forward(torch.tensor([token]), [Segment(cache, 1)], last_only=True)
+    assert experts["numba"] == EXPERT_DISPATCHES_PER_LAYER * layers
+    assert experts["torch"] <= EXPERT_TORCH_CALLS_PER_LAYER * layers, experts
+    assert step.count <= STEP_TORCH_CALLS_PER_LAYER * layers, step.count
