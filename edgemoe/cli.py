@@ -90,9 +90,10 @@ def _dtype_option():
 
 
 def _dense_bits_option():
-    return typer.Option(None, "--dense-bits", callback=_checked(options.one_of, (8, 4)),
-                        help="Quantize the dense projections and the LM head to 8 or 4 bits at load (fewer bytes "
-                        "per token; the embedding and routers stay as --dtype says).")
+    return typer.Option("auto", "--dense-bits", callback=_checked(options.dense_bits),
+                        help="The dense projections and the LM head at load: auto (8 bits for a store of a "
+                        "decoder-only model, else as loaded), none (as loaded: --dtype), 8 or 4 bits (fewer "
+                        "bytes per token; the embedding and routers stay as --dtype says).")
 
 
 def _threads_option():
@@ -221,7 +222,7 @@ def run(
                                             help="With --draft self: RAM for the INT2 copy of the experts, bytes "
                                             "like 64MiB (default: unlimited; least recently used dropped first)."),
     dtype: str = _dtype_option(),
-    dense_bits: Optional[int] = _dense_bits_option(),
+    dense_bits: str = _dense_bits_option(),
     threads: Optional[int] = _threads_option(),
     store=None,
 ):
@@ -582,7 +583,7 @@ def bench(
                                                "included (Linux, root)."),
     as_json: bool = typer.Option(False, "--json", help="Print the records as JSON."),
     dtype: str = _dtype_option(),
-    dense_bits: Optional[int] = _dense_bits_option(),
+    dense_bits: str = _dense_bits_option(),
     threads: Optional[int] = _threads_option(),
     quiet: bool = _quiet_option(),
     compute: str = STORE_FLAGS["compute"][1](),
@@ -725,7 +726,7 @@ def eval_(
                                 "--ram)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     dtype: str = _dtype_option(),
-    dense_bits: Optional[int] = _dense_bits_option(),
+    dense_bits: str = _dense_bits_option(),
     threads: Optional[int] = _threads_option(),
     quiet: bool = _quiet_option(),
     store=None,
@@ -783,7 +784,7 @@ def _read_text(path: Path) -> str:
         raise EdgeMoEError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
-def _load_served(model: Optional[Path], dtype: str, dense_bits: Optional[int], threads, store):
+def _load_served(model: Optional[Path], dtype: str, dense_bits: str, threads, store):
     """The model for serve and chat, with run's store options (refused for a checkpoint directory)."""
     import edgemoe
 
@@ -808,7 +809,7 @@ def serve(
     max_batch: int = typer.Option(16, "--max-batch", callback=_checked(options.integer_at_least, 1),
                                   help="Requests sharing one forward step at most."),
     dtype: str = _dtype_option(),
-    dense_bits: Optional[int] = _dense_bits_option(),
+    dense_bits: str = _dense_bits_option(),
     threads: Optional[int] = _threads_option(),
     store=None,
 ):
@@ -835,7 +836,7 @@ def chat(
     seed: Optional[int] = typer.Option(None, help="Seed for sampling."),
     system: Optional[str] = typer.Option(None, "--system", help="A system message before the conversation."),
     dtype: str = _dtype_option(),
-    dense_bits: Optional[int] = _dense_bits_option(),
+    dense_bits: str = _dense_bits_option(),
     threads: Optional[int] = _threads_option(),
     store=None,
 ):

@@ -61,3 +61,14 @@ def quantize_matrix(weight: torch.Tensor, bits: int) -> QuantizedLinear:
 def quantize_layer(weights: dict, bits: int) -> dict:
     """One decoder layer's weights (canonical names) with its QUANTIZED_ROLES quantized."""
     return {name: quantize_matrix(w, bits) if name in QUANTIZED_ROLES else w for name, w in weights.items()}
+
+
+def dense_bits_for(choice: int | str | None, from_store: bool, spec) -> int | None:
+    """The width of the dense matrices for a load: 8, 4 or None (as loaded). choice "auto" (the
+    commands' default): 8 for a store of a decoder-only model, whose experts are quantized already
+    (INT8 per channel moves the bundled model's perplexity by +0.011%, and a token reads a quarter
+    of float32's or half of bfloat16's dense bytes: docs/benchmarks.md), as loaded for a checkpoint
+    directory (the model as published) and for an encoder-decoder model (not supported here)."""
+    if choice == "auto":
+        return 8 if from_store and not spec.is_encoder_decoder else None
+    return None if choice in (None, "none") else int(choice)

@@ -21,7 +21,7 @@ from edgemoe.store.format import DENSE_FILE, MANIFEST, StoreError, file_crc32
 
 from .checkpoint import Checkpoint, read_json
 from .errors import CheckpointError, EdgeMoEError
-from .dense import DENSE_BITS
+from .dense import DENSE_BITS, dense_bits_for
 from .experts import DenseExpert, InMemoryExperts, expert_activations
 from .model import MoEModel
 from .seq2seq import Seq2SeqModel
@@ -202,11 +202,12 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None, threads: int
     Dense weight matrices in `dtype`, by default as the checkpoint stores them where the CPU
     computes that type natively, else float32; activations float32. threads: the kernels' thread
     count (None: the cores other processes leave free, followed as the machine's load changes).
-    dense_bits: 8 or 4 quantizes the dense projections and the LM head at load (edgemoe.dense)."""
+    dense_bits: 8 or 4 quantizes the dense projections and the LM head at load (edgemoe.dense);
+    "auto" (the commands' default) is 8 for a store of a decoder-only model, else as loaded."""
     if store is not None and options:
         raise TypeError("load: give store=StoreOptions(...) or option keywords, not both")
-    if dense_bits is not None and dense_bits not in DENSE_BITS:
-        raise OptionError("dense_bits=", dense_bits, f"expected one of {DENSE_BITS} (or None: as loaded)")
+    if dense_bits not in (None, "auto", "none", *DENSE_BITS):
+        raise OptionError("dense_bits=", dense_bits, f"expected one of {DENSE_BITS}, 'auto' or None (as loaded)")
     store = store if store is not None else StoreOptions(**options)
     if is_store(path):
         model = load_store(path, store, dtype, threads)
@@ -217,6 +218,7 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None, threads: int
             raise EdgeMoEError(f"{path}: {', '.join(given)} {verb} to stores, and this is a checkpoint directory "
                                f"(make a store with edgemoe convert)")
         model = load_checkpoint(path, dtype, threads)
+    dense_bits = dense_bits_for(dense_bits, is_store(path), model.spec)
     if dense_bits is not None:
         if model.spec.is_encoder_decoder:
             model.close()

@@ -98,6 +98,8 @@ class StoreOwner:
 
 
 class MoEModel(StoreOwner):
+    dense_bits: int | None = None   # the dense projections' width once quantized (quantize_dense)
+
     def __init__(self, spec: ModelSpec, dense: dict[str, torch.Tensor], experts: ExpertProvider,
                  tokenizer=None, generation_config: dict | None = None, name: str = "",
                  threads: int | None = None, store=None, preload: str = "none"):
@@ -131,6 +133,7 @@ class MoEModel(StoreOwner):
         embedding stays as loaded (a tied LM head gets a quantized copy of it)."""
         self.layers = [quantize_layer(w, bits) for w in self.layers]
         self.lm_head = quantize_matrix(self.lm_head, bits)
+        self.dense_bits = bits
 
     def new_cache(self) -> KVCache:
         s = self.spec

@@ -164,3 +164,9 @@ def check_device(value, option: str):
     if device.index is not None and device.index >= module.device_count():
         raise OptionError(option, value, f"there are {module.device_count()} {device.type} devices")
     return value
+
+
+def dense_bits(value: str, option: str) -> int | str | None:
+    """--dense-bits: "auto" as it is, "none" as None (as loaded), "8" or "4" as the width."""
+    one_of(value, option, ("auto", "none", "8", "4"))
+    return {"auto": "auto", "none": None}[value] if value in ("auto", "none") else int(value)

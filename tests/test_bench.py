@@ -48,7 +48,7 @@ def test_every_mode_gives_a_record_with_its_limit(store):
     records, bandwidths = bench(store, config, bandwidths=FIXED)
     assert bandwidths is FIXED
     assert [r["mode"] for r in records] == ["all-in-ram", "on-demand-lru", "predictive"]
-    dense = dense_bytes_per_token(edgemoe.load(store, preload="none"))
+    dense = dense_bytes_per_token(edgemoe.load(store, preload="none", dense_bits=config.dense_bits))
     for r in records:
         assert set(RECORD_FIELDS) <= set(r) and r["repeats"] == 2 and r["prefill_tokens"] == 20
         assert r["ttft_s"] > 0 and r["decode_tok_s"] > 0

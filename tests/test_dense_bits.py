@@ -108,6 +108,24 @@ def test_dense_bits_reach_a_store_model_and_the_forward_step(tiny_model, tmp_pat
         assert logits.shape == (1, model.spec.vocab_size) and torch.isfinite(logits).all()
 
 
+def test_auto_quantizes_a_stores_dense_matrices_to_8_bits_and_keeps_a_checkpoints(tiny_model, tmp_path,
+                                                                                  monkeypatch, capsys):
+    from edgemoe.convert import convert
+    checkpoint = tiny_model("mixtral")
+    convert(checkpoint, tmp_path / "store", bits=4)
+    with edgemoe.load(tmp_path / "store", dense_bits="auto") as model:
+        assert model.dense_bits == 8 and isinstance(model.layers[0]["q"], QuantizedLinear)
+    for path, choice in ((checkpoint, "auto"), (tmp_path / "store", "none"), (tmp_path / "store", None)):
+        with edgemoe.load(path, dense_bits=choice) as model:
+            assert model.dense_bits is None and isinstance(model.layers[0]["q"], torch.Tensor)
+    seen = []
+    monkeypatch.setattr(MoEModel, "quantize_dense", lambda self, bits: seen.append(bits))
+    for flags, expected in (([], [8]), (["--dense-bits", "none"], []), (["--dense-bits", "4"], [4])):
+        seen.clear()
+        status, err = run_cli(monkeypatch, capsys, "run", str(tmp_path / "store"), "-p", "a", "-n", "1", *flags)
+        assert status == 0 and seen == expected, (flags, err)
+
+
 def test_bad_dense_bits_are_refused_by_name(tiny_model, monkeypatch, capsys):
     with pytest.raises(OptionError, match="dense_bits="):
         edgemoe.load(tiny_model("mixtral"), dense_bits=2)
