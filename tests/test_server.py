@@ -3,11 +3,13 @@ answer; concurrent and streaming clients get what the model generates alone; a c
 mid-stream is dropped while another goes on; bad requests get 4xx errors in OpenAI's shape."""
 
 import http.client
+import gc
 import json
 import select
 import socket
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -451,3 +453,48 @@ def test_a_refused_request_with_an_unread_body_closes_the_connection(server):
     status, headers, _ = exchange(server, b"PUT /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 8\r\n\r\n"
                                   b"GET / HT")
     assert status == 405 and headers["Connection"] == "close"
+
+
+# ---- a bounded load: 64 streaming clients, 3 rounds, stalled clients among them ---------------------------
+def stream_completion(address, prompt, max_tokens) -> list[dict]:
+    """One streamed completion over a fresh connection: its chunks; raises unless it ends with [DONE]."""
+    conn = http.client.HTTPConnection(*address, timeout=120)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": max_tokens,
+                                                        "temperature": 0, "stream": True}))
+    response = conn.getresponse()
+    assert response.status == 200, response.read()
+    lines = [line.rstrip(b"\r\n") for line in response if line.strip()]
+    conn.close()
+    assert lines[-1] == b"data: [DONE]", lines[-3:]
+    return [json.loads(line[len(b"data: "):]) for line in lines[:-1]]
+
+
+def test_64_streaming_clients_in_3_rounds_lose_nothing_and_leave_nothing(model, start_server, monkeypatch):
+    srv = start_server(max_batch=16, request_timeout=SHORT, keep_alive_timeout=SHORT)
+    submitted, waiting = [], []
+    submit, admit = srv.engine.submit, srv.engine._admit
+
+    def submit_and_remember(*args, **kwargs):
+        request = submit(*args, **kwargs)
+        submitted.append(weakref.ref(request))
+        return request
+
+    monkeypatch.setattr(srv.engine, "submit", submit_and_remember)
+    monkeypatch.setattr(srv.engine, "_admit", lambda: (waiting.append(srv.engine._waiting.qsize()), admit()))
+    prompts = ["ROMEO:", "JULIET:\nO", "To be, or not to be", "KING.\nWhat"]
+    expected = {p: greedy(model, p, 6) for p in prompts}
+    baseline = handler_threads()
+    for _ in range(3):
+        stalled = [socket.create_connection(srv.server_address[:2], timeout=30) for _ in range(4)]
+        for sock in stalled:                 # slow clients among the streams: headers begun, then silence
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        with ThreadPoolExecutor(64) as pool:
+            streams = list(pool.map(lambda i: stream_completion(srv.server_address[:2], prompts[i % 4], 6), range(64)))
+        for i, chunks in enumerate(streams):
+            assert "".join(c["choices"][0]["text"] for c in chunks) == expected[prompts[i % 4]]
+            assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+        assert all(read_until_closed(sock).startswith(b"HTTP/1.1 408") for sock in stalled)
+        assert wait_for(lambda: handler_threads() == baseline)
+        gc.collect()                         # no request (hence no KV cache) outlives its round
+        assert srv.engine.active == [] and srv.engine._waiting.empty() and all(r() is None for r in submitted)
+    assert len(submitted) == 3 * 64 and max(waiting) > 0    # some waited for a place in the batch
