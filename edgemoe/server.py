@@ -415,7 +415,8 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args) -> None:
         log.info("%s %s", self.address_string(), format % args)
 
-    def do_GET(self) -> None:
+    def _answer(self) -> None:
+        """Every method's entry: _route answers, refuses (APIError) or fails (one request, not the server)."""
         try:
             self._route()
         except APIError as e:
@@ -428,7 +429,7 @@ class Handler(BaseHTTPRequestHandler):
             log.exception("request failed")
             self._json(500, APIError(500, f"internal error: {type(e).__name__}: {e}").body())
 
-    do_HEAD = do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_GET
+    do_GET = do_HEAD = do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _answer
 
     def _route(self) -> None:
         self.body_pending = "Transfer-Encoding" in self.headers or self.headers.get("Content-Length", "0") != "0"

@@ -5,8 +5,10 @@ mid-stream is dropped while another goes on; bad requests get 4xx errors in Open
 import http.client
 import gc
 import json
+import logging
 import select
 import socket
+import struct
 import threading
 import time
 import weakref
@@ -498,3 +500,14 @@ def test_64_streaming_clients_in_3_rounds_lose_nothing_and_leave_nothing(model, 
         gc.collect()                         # no request (hence no KV cache) outlives its round
         assert srv.engine.active == [] and srv.engine._waiting.empty() and all(r() is None for r in submitted)
     assert len(submitted) == 3 * 64 and max(waiting) > 0    # some waited for a place in the batch
+
+
+def test_a_client_resetting_mid_request_costs_one_log_line_not_a_traceback(start_server, capfd, caplog):
+    caplog.set_level(logging.INFO, logger="edgemoe.server")
+    srv = start_server()
+    sock = socket.create_connection(srv.server_address[:2], timeout=30)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))   # close with a reset
+    sock.close()
+    assert wait_for(lambda: any("connection ended" in r.getMessage() for r in caplog.records))
+    assert "Traceback" not in capfd.readouterr().err
