@@ -432,6 +432,7 @@ def test_options_lists_the_methods_and_head_answers_headers_only(server):
     (b"BREW /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n", 501, "not_implemented"),
     (b"GARBAGE\r\n\r\n", 400, "bad_request"),
     (b"GET /health HTTP/1.1\r\n" + b"X-Long: " + b"a" * 70000 + b"\r\n\r\n", 431, "request_header_fields_too_large"),
+    (b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\n\r\n", 414, "request_uri_too_long"),
     (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n", 411, "length_required"),
     (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 411,
      "length_required"),
@@ -442,7 +443,8 @@ def test_options_lists_the_methods_and_head_answers_headers_only(server):
     (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 9\r\n\r\n{}", 408, "request_timeout"),
     (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\n{", 400, "invalid_json"),
     (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 70000\r\n\r\n", 413, "request_too_large"),
-], ids=["unknown path", "unknown method", "malformed request line", "header too long", "no Content-Length",
+], ids=["unknown path", "unknown method", "malformed request line", "header too long", "request line too long",
+        "no Content-Length",
         "chunked", "negative Content-Length", "Content-Length not an integer", "two Content-Lengths",
         "Content-Length longer than the body", "body not JSON", "body too large"])
 def test_every_http_level_refusal_is_openai_shaped_json(start_server, request_bytes, status, code):
