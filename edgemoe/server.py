@@ -224,7 +224,7 @@ READERS = {"number": _read_number, "integer": _read_integer, "boolean": _read_bo
 class Job:
     """A parsed request: what to generate and how to answer."""
 
-    kind: str                     # "text_completion" | "chat.completion"
+    kind: str                     # COMPLETION or CHAT
     prompt_ids: list[int]
     opts: GenerationOptions
     stream: bool
@@ -420,8 +420,8 @@ class Handler(BaseHTTPRequestHandler):
         try:
             self._route()
         except APIError as e:
-            if self.body_pending:   # unread, it would be taken for the next request
-                self.close_connection = True
+            if self.body_pending:
+                self._discard_body()
             self._json(e.status, e.body(), e.headers)
         except (BrokenPipeError, ConnectionResetError, TimeoutError):
             self.close_connection = True
@@ -494,9 +494,20 @@ class Handler(BaseHTTPRequestHandler):
                            code="invalid_content_length")
         return int(lengths[0])
 
+    def _discard_body(self) -> None:
+        """The body of a refused request, unread, would be taken for the next request: read it away and
+        close the connection."""
+        try:
+            length = self._content_length()
+        except APIError:       # no length to read by: closing is all there is
+            length = 0
+        self._drop_body(length)
+
     def _drop_body(self, length: int) -> None:
-        """Read an oversize body away (up to a bound) so that the client, still sending, gets the 413."""
+        """Read a body away (up to a bound) so that the client, still sending, gets the error answer: a
+        socket closed with unread data resets the connection, and the client may lose the answer."""
         self.close_connection = True
+        self.body_pending = False
         left = min(length, DRAIN_LIMIT_BYTES)
         while left > 0:
             try:
