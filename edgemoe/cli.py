@@ -778,11 +778,11 @@ def serve(
     max_connections: int = typer.Option(256, "--max-connections", callback=_checked(options.integer_at_least, 1),
                                         help="Connections served at once (a thread each); more wait to be "
                                              "accepted."),
-    request_timeout: float = typer.Option(10.0, "--request-timeout", callback=_checked(options.finite_at_least, 0.01),
+    request_timeout: float = typer.Option(10.0, "--request-timeout", callback=_checked(options.timeout_seconds),
                                           help="Seconds for a request's line, headers and body to arrive from "
                                                "its first byte (and for each write to a client to go out)."),
     keep_alive_timeout: float = typer.Option(5.0, "--keep-alive-timeout",
-                                             callback=_checked(options.finite_at_least, 0.01),
+                                             callback=_checked(options.timeout_seconds),
                                              help="Seconds a connection may sit idle waiting for a request."),
     dtype: str = _dtype_option(),
     dense_bits: Optional[int] = _dense_bits_option(),

@@ -38,6 +38,7 @@ from .errors import ContextLengthError
 from .errors import EdgeMoEError
 from .generate import GenerationOptions, defaults_from
 from .model import MoEModel
+from .options import integer_at_least, timeout_seconds
 
 log = logging.getLogger("edgemoe.server")
 
@@ -243,6 +244,9 @@ class OpenAIServer(ThreadingHTTPServer):
                  request_timeout: float = REQUEST_TIMEOUT, keep_alive_timeout: float = KEEP_ALIVE_TIMEOUT):
         if model.tokenizer is None:
             raise EdgeMoEError(f"{model.name}: no tokenizer.json, so the model cannot serve text")
+        integer_at_least(max_connections, "max_connections=", 1)      # the checks of serve's options
+        timeout_seconds(request_timeout, "request_timeout=")
+        timeout_seconds(keep_alive_timeout, "keep_alive_timeout=")
         self.model = model
         self.model_name = model_name or model.name or "edgemoe"
         self.max_body_bytes = max_body_bytes

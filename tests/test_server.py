@@ -22,6 +22,7 @@ import pytest
 
 import edgemoe
 from edgemoe.bundled import bundled_model_path
+from edgemoe.options import OptionError
 from edgemoe.server import CHAT, COMPLETION, CONTEXT, FIELDS, OpenAIServer
 
 NAME = "shakespeare-moe"
@@ -523,3 +524,10 @@ def test_a_refused_request_s_large_body_is_read_away_so_the_client_gets_the_answ
     conn.request("PUT", "/v1/completions", b"x" * (4 << 20), {"Content-Type": "application/json"})
     response = conn.getresponse()
     assert response.status == 405 and json.loads(response.read())["error"]["code"] == "method_not_allowed"
+
+
+@pytest.mark.parametrize("option, value", [("max_connections", 0), ("request_timeout", 0), ("keep_alive_timeout", -1),
+                                           ("request_timeout", float("nan"))])
+def test_limits_that_would_hang_or_cut_off_every_client_are_refused(model, option, value):
+    with pytest.raises(OptionError, match=f"{option}="):
+        OpenAIServer(model, "127.0.0.1", 0, **{option: value})
