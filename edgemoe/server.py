@@ -366,7 +366,7 @@ class DeadlineReader(io.RawIOBase):
             self.sock.settimeout(self.write_timeout)
 
 
-ALLOW = {"GET": "GET, HEAD, OPTIONS", "POST": "POST, OPTIONS"}   # by an endpoint's method
+ALLOWED = {"GET": ("GET", "HEAD", "OPTIONS"), "POST": ("POST", "OPTIONS")}   # by an endpoint's method
 ENDPOINTS = {"/health": "GET", "/v1/models": "GET", "/v1/completions": "POST", "/v1/chat/completions": "POST"}
 CONTENT_LENGTH = re.compile(r"[0-9]{1,15}")
 
@@ -441,11 +441,11 @@ class Handler(BaseHTTPRequestHandler):
         method = ENDPOINTS.get(path)
         if method is None:
             raise APIError(404, f"{path}: no such endpoint", code="not_found")
+        allow = {"Allow": ", ".join(ALLOWED[method])}
         if self.command == "OPTIONS":
-            self._no_content({"Allow": ALLOW[method]})
-        elif self.command not in ALLOW[method]:
-            raise APIError(405, f"{self.command} {path}: use {method}", code="method_not_allowed",
-                           headers={"Allow": ALLOW[method]})
+            self._no_content(allow)
+        elif self.command not in ALLOWED[method]:
+            raise APIError(405, f"{self.command} {path}: use {method}", code="method_not_allowed", headers=allow)
         elif path == "/health":
             self._json(200, {"status": "ok"})
         elif path == "/v1/models":
