@@ -233,6 +233,10 @@ def start_server(model):
 
     def start(serve=True, **options):
         srv = OpenAIServer(model, "127.0.0.1", 0, **options)
+        srv.handler_threads = []             # this server's connection threads (other servers' are not counted)
+        run_connection = srv.process_request_thread
+        srv.process_request_thread = lambda *args: (srv.handler_threads.append(threading.current_thread()),
+                                                    run_connection(*args))
         thread = threading.Thread(target=srv.serve_forever, daemon=True)
         if serve:
             thread.start()
@@ -259,8 +263,8 @@ def read_until_closed(sock) -> bytes:
     return received
 
 
-def handler_threads() -> int:
-    return sum(1 for t in threading.enumerate() if "process_request_thread" in t.name)
+def live_handlers(srv) -> int:
+    return sum(t.is_alive() for t in srv.handler_threads)
 
 
 def wait_for(condition, seconds=10.0):
@@ -285,7 +289,6 @@ def test_a_burst_of_connections_before_the_first_accept_is_served_whole(start_se
                          ids=["nothing", "part of the headers", "part of the body"])
 def test_a_stalled_client_is_cut_off_and_its_thread_freed(start_server, partial):
     srv = start_server(request_timeout=SHORT, keep_alive_timeout=SHORT)
-    baseline = handler_threads()
     sock = socket.create_connection(srv.server_address[:2], timeout=30)
     sock.sendall(partial)
     answer = read_until_closed(sock)         # returns once the server closes the connection
@@ -294,7 +297,7 @@ def test_a_stalled_client_is_cut_off_and_its_thread_freed(start_server, partial)
         assert head.startswith(b"HTTP/1.1 408") and json.loads(body)["error"]["code"] == "request_timeout"
     else:
         assert answer == b""                 # idle: closed without a word
-    assert wait_for(lambda: handler_threads() == baseline)
+    assert len(srv.handler_threads) == 1 and wait_for(lambda: live_handlers(srv) == 0)
 
 
 def test_a_trickling_client_is_cut_off_at_the_request_timeout_in_total(start_server):
@@ -327,7 +330,7 @@ def test_past_max_connections_a_connection_waits_to_be_accepted_and_is_then_serv
     srv = start_server(max_connections=1, request_timeout=SHORT, keep_alive_timeout=SHORT)
     stalled = socket.create_connection(srv.server_address[:2], timeout=30)
     stalled.sendall(b"POST /v1/completions HTTP/1.1\r\n")
-    assert wait_for(lambda: handler_threads() >= 1)
+    assert wait_for(lambda: live_handlers(srv) == 1)
     status, body = post(srv, "/v1/completions", {"prompt": "ROMEO:", "max_tokens": 2})
     assert status == 200 and body["usage"]["completion_tokens"] == 2
     stalled.setblocking(False)               # the only worker went to the stalled client: it was cut off first
@@ -490,7 +493,6 @@ def test_64_streaming_clients_in_3_rounds_lose_nothing_and_leave_nothing(model, 
     monkeypatch.setattr(srv.engine, "_admit", lambda: (waiting.append(srv.engine._waiting.qsize()), admit()))
     prompts = ["ROMEO:", "JULIET:\nO", "To be, or not to be", "KING.\nWhat"]
     expected = {p: greedy(model, p, 4) for p in prompts}
-    baseline = handler_threads()
     for _ in range(3):
         stalled = [socket.create_connection(srv.server_address[:2], timeout=30) for _ in range(4)]
         for sock in stalled:                 # slow clients among the streams: headers begun, then silence
@@ -501,10 +503,11 @@ def test_64_streaming_clients_in_3_rounds_lose_nothing_and_leave_nothing(model, 
             assert "".join(c["choices"][0]["text"] for c in chunks) == expected[prompts[i % 4]]
             assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
         assert all(read_until_closed(sock).startswith(b"HTTP/1.1 408") for sock in stalled)
-        assert wait_for(lambda: handler_threads() == baseline)
+        assert wait_for(lambda: live_handlers(srv) == 0)
         gc.collect()                         # no request (hence no KV cache) outlives its round
         assert srv.engine.active == [] and srv.engine._waiting.empty() and all(r() is None for r in submitted)
     assert len(submitted) == 3 * 64 and max(waiting) > 0    # some waited for a place in the batch
+    assert len(srv.handler_threads) == 3 * (64 + 4)          # a thread per connection, each ended
 
 
 def test_a_client_resetting_mid_request_costs_one_log_line_not_a_traceback(start_server, capfd, caplog):
