@@ -808,6 +808,15 @@ def serve(
                                              "(default: the directory's name)."),
     max_batch: int = typer.Option(16, "--max-batch", callback=_checked(options.integer_at_least, 1),
                                   help="Requests sharing one forward step at most."),
+    max_connections: int = typer.Option(256, "--max-connections", callback=_checked(options.integer_at_least, 1),
+                                        help="Connections served at once (a thread each); more wait to be "
+                                             "accepted."),
+    request_timeout: float = typer.Option(10.0, "--request-timeout", callback=_checked(options.timeout_seconds),
+                                          help="Seconds for a request's line, headers and body to arrive from "
+                                               "its first byte (and for each write to a client to go out)."),
+    keep_alive_timeout: float = typer.Option(5.0, "--keep-alive-timeout",
+                                             callback=_checked(options.timeout_seconds),
+                                             help="Seconds a connection may sit idle waiting for a request."),
     dtype: str = _dtype_option(),
     dense_bits: str = _dense_bits_option(),
     threads: Optional[int] = _threads_option(),
@@ -820,7 +829,8 @@ def serve(
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     m = _load_served(model, dtype, dense_bits, threads, store)
-    serve_http(m, host, port, model_name=model_name, max_batch=max_batch)
+    serve_http(m, host, port, model_name=model_name, max_batch=max_batch, max_connections=max_connections,
+               request_timeout=request_timeout, keep_alive_timeout=keep_alive_timeout)
 
 
 @app.command()

@@ -32,6 +32,11 @@ def finite_at_least(value: float | None, option: str, low: float = 0.0) -> float
     return float(value)
 
 
+def timeout_seconds(value: float | None, option: str) -> float | None:
+    """A timeout: a finite number of seconds, at least 0.01 (a shorter one would cut off any client)."""
+    return finite_at_least(value, option, 0.01)
+
+
 def finite_number(value: float | None, option: str) -> float | None:
     """Any finite number (a length penalty may be negative)."""
     if value is None:

@@ -98,6 +98,9 @@ BAD = [
     # serve, chat
     (["serve", "CKPT", "--port", "70000"], "--port"),
     (["serve", "CKPT", "--max-batch", "0"], "--max-batch"),
+    (["serve", "CKPT", "--max-connections", "0"], "--max-connections"),
+    (["serve", "CKPT", "--request-timeout", "0"], "--request-timeout"),
+    (["serve", "CKPT", "--keep-alive-timeout", "nan"], "--keep-alive-timeout"),
     (["serve", "CKPT", "--ram", "1GiB"], "--ram"),
     (["chat", "CKPT", "--temperature", "nan"], "--temperature"),
     (["chat", "CKPT", "-n", "0"], "--max-new-tokens"),

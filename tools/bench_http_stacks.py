@@ -1,9 +1,10 @@
 """Latency of a short JSON request on loopback for the two HTTP stacks edgemoe serve could use: the
 standard library's ThreadingHTTPServer and uvicorn + starlette (ASGI). Each stack runs in its own
-process with a handler that reads a small JSON body and answers a completion-sized JSON; the client
-(http.client, one keep-alive connection, or a new connection per request) times round trips.
+process with a handler that reads a small JSON body and answers a completion-sized JSON; C client
+threads (http.client, each on one keep-alive connection or a new connection per request) send the
+requests between them and time round trips: requests per second of wall time, median and p99.
 
-    python tools/bench_http_stacks.py [--requests 2000] [--json]
+    python tools/bench_http_stacks.py [--requests 2000] [--clients 1,16,64] [--json]
 
 The ASGI stack needs `pip install uvicorn starlette` (or PYTHONPATH pointing at them); it is
 skipped, with a note, if they cannot be imported.
@@ -19,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 ANSWER = json.dumps({"id": "cmpl-0", "object": "text_completion", "created": 0, "model": "m",
                      "choices": [{"index": 0, "text": "x" * 64, "logprobs": None, "finish_reason": "length"}],
@@ -47,7 +49,10 @@ def serve_stdlib(port: int) -> None:
         def log_message(self, *args):
             pass
 
-    ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+    class Server(ThreadingHTTPServer):
+        request_queue_size = 2048   # as edgemoe/server.py: the default 5 resets connections of a burst
+
+    Server(("127.0.0.1", port), Handler).serve_forever()
 
 
 def serve_asgi(port: int) -> None:
@@ -81,11 +86,11 @@ def wait_for(port: int, timeout: float = 30.0) -> None:
     raise RuntimeError(f"no server on port {port} after {timeout} s")
 
 
-def time_requests(port: int, n: int, keep_alive: bool) -> list[float]:
-    """Round-trip seconds of n POSTs (after 50 unmeasured ones)."""
+def time_requests(port: int, n: int, keep_alive: bool, warmup: int = 0) -> list[float]:
+    """Round-trip seconds of n POSTs from one client (after `warmup` unmeasured ones)."""
     conn = http.client.HTTPConnection("127.0.0.1", port)
     times = []
-    for i in range(n + 50):
+    for i in range(n + warmup):
         if not keep_alive:
             conn.close()
             conn = http.client.HTTPConnection("127.0.0.1", port)
@@ -93,23 +98,37 @@ def time_requests(port: int, n: int, keep_alive: bool) -> list[float]:
         conn.request("POST", "/v1/completions", BODY, {"Content-Type": "application/json"})
         response = conn.getresponse()
         response.read()
-        if i >= 50:
+        if i >= warmup:
             times.append(time.perf_counter() - start)
     conn.close()
     return times
 
 
-def bench(stack: str, n: int) -> list[dict]:
+def time_clients(port: int, n: int, keep_alive: bool, clients: int) -> tuple[list[float], float]:
+    """(round-trip seconds, wall seconds) of n POSTs shared by `clients` concurrent clients, after 50
+    unmeasured ones from one."""
+    time_requests(port, 0, keep_alive, warmup=50)
+    with ThreadPoolExecutor(clients) as pool:
+        start = time.perf_counter()
+        per_client = list(pool.map(lambda _: time_requests(port, n // clients, keep_alive), range(clients)))
+        wall = time.perf_counter() - start
+    return [t for times in per_client for t in times], wall
+
+
+def bench(stack: str, n: int, clients: list[int]) -> list[dict]:
     port = free_port()
     server = subprocess.Popen([sys.executable, __file__, "--serve", stack, "--port", str(port)])
     try:
         wait_for(port)
         rows = []
-        for keep_alive in (True, False):
-            times = sorted(time_requests(port, n, keep_alive))
-            rows.append({"stack": stack, "connection": "keep-alive" if keep_alive else "new per request",
-                         "requests": n, "median_ms": 1e3 * statistics.median(times),
-                         "p99_ms": 1e3 * times[int(0.99 * (len(times) - 1))]})
+        for c in clients:
+            for keep_alive in (True, False):
+                times, wall = time_clients(port, n, keep_alive, c)
+                times.sort()
+                rows.append({"stack": stack, "connection": "keep-alive" if keep_alive else "new per request",
+                             "clients": c, "requests": len(times), "requests_per_s": len(times) / wall,
+                             "median_ms": 1e3 * statistics.median(times),
+                             "p99_ms": 1e3 * times[int(0.99 * (len(times) - 1))]})
         return rows
     finally:
         server.terminate()
@@ -127,7 +146,8 @@ def asgi_available() -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--requests", type=int, default=2000, help="measured requests per row, all clients together")
+    parser.add_argument("--clients", default="1", help="comma-separated numbers of concurrent clients")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--serve", choices=["stdlib", "asgi"], help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -135,17 +155,19 @@ def main() -> None:
     if args.serve:
         (serve_stdlib if args.serve == "stdlib" else serve_asgi)(args.port)
         return
-    rows = bench("stdlib", args.requests)
+    clients = [int(c) for c in args.clients.split(",")]
+    rows = bench("stdlib", args.requests, clients)
     if asgi_available():
-        rows += bench("asgi", args.requests)
+        rows += bench("asgi", args.requests, clients)
     else:
         print("uvicorn/starlette not importable: ASGI stack skipped", file=sys.stderr)
     if args.json:
         print(json.dumps(rows, indent=1))
         return
-    print(f"{'stack':8} {'connection':18} {'requests':>8} {'median ms':>10} {'p99 ms':>8}")
+    print(f"{'stack':8} {'connection':18} {'clients':>7} {'requests':>8} {'req/s':>8} {'median ms':>10} {'p99 ms':>8}")
     for r in rows:
-        print(f"{r['stack']:8} {r['connection']:18} {r['requests']:>8} {r['median_ms']:>10.3f} {r['p99_ms']:>8.3f}")
+        print(f"{r['stack']:8} {r['connection']:18} {r['clients']:>7} {r['requests']:>8} {r['requests_per_s']:>8.0f} "
+              f"{r['median_ms']:>10.3f} {r['p99_ms']:>8.3f}")
 
 
 if __name__ == "__main__":

@@ -3,10 +3,12 @@
 Each of C clients sends --requests streamed /v1/completions requests one after the other (greedy,
 --max-tokens each, prompts taken in turn from a few Shakespeare openings); the server batches whatever
 requests are in flight. For each C: total completion tokens per second of wall time, and per request
-the time to first token (TTFT) and the whole latency.
+the time to first token (TTFT) and the whole latency; and the requests lost: refused, reset, or a
+stream that did not end with a finish_reason and `data: [DONE]` (the command exits 1 if any was).
 
     edgemoe serve --port 8000 &
     python tools/bench_serve.py --url http://127.0.0.1:8000 [--concurrency 1,2,4,8] [--json]
+    python tools/bench_serve.py --concurrency 64 --requests 1 --max-tokens 16    # a burst: is anything lost?
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import http.client
 import json
 import statistics
+import sys
 import threading
 import time
 from urllib.parse import urlparse
@@ -33,19 +36,25 @@ def one_request(host: str, port: int, prompt: str, max_tokens: int) -> dict:
     response = conn.getresponse()
     if response.status != 200:
         raise RuntimeError(f"HTTP {response.status}: {response.read()[:300]!r}")
-    ttft, tokens = None, None
+    ttft, tokens, finish_reason, done = None, None, None, False
     for line in response:
-        if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+        if line.strip() == b"data: [DONE]":
+            done = True
+        if not line.startswith(b"data: ") or done:
             continue
         event = json.loads(line[6:])
         if "error" in event:
             raise RuntimeError(f"server error: {event['error']}")
         if ttft is None and event["choices"] and event["choices"][0]["text"]:
             ttft = time.perf_counter() - start
+        if event["choices"]:
+            finish_reason = event["choices"][0]["finish_reason"] or finish_reason
         if event.get("usage"):
             tokens = event["usage"]["completion_tokens"]
     latency = time.perf_counter() - start
     conn.close()
+    if not done or finish_reason is None:
+        raise RuntimeError(f"stream cut short (finish_reason {finish_reason}, [DONE] {'seen' if done else 'missing'})")
     return {"ttft_s": ttft if ttft is not None else latency, "latency_s": latency, "tokens": tokens or 0}
 
 
@@ -60,7 +69,7 @@ def run_level(host: str, port: int, clients: int, requests: int, max_tokens: int
                 result = one_request(host, port, PROMPTS[(index + r) % len(PROMPTS)], max_tokens)
                 with lock:
                     results.append(result)
-        except BaseException as e:   # reported after the run: one failing client must not hang the rest
+        except Exception as e:   # counted as lost, reported after the run: one failing client must not stop the rest
             errors.append(e)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
@@ -70,11 +79,12 @@ def run_level(host: str, port: int, clients: int, requests: int, max_tokens: int
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
-    if errors:
-        raise errors[0]
+    if not results:
+        raise RuntimeError(f"every request of {clients} clients failed, the first with: {errors[0]!r}")
     latencies = sorted(r["latency_s"] for r in results)
     tokens = sum(r["tokens"] for r in results)
-    return {"clients": clients, "requests": len(results), "completion_tokens": tokens, "wall_s": wall,
+    return {"clients": clients, "requests": len(results), "lost": len(errors),
+            "first_error": repr(errors[0]) if errors else None, "completion_tokens": tokens, "wall_s": wall,
             "total_tok_s": tokens / wall,
             "ttft_s_median": statistics.median(r["ttft_s"] for r in results),
             "latency_s_median": statistics.median(latencies), "latency_s_max": latencies[-1],
@@ -95,13 +105,17 @@ def main() -> None:
     rows = [run_level(host, port, int(c), args.requests, args.max_tokens) for c in args.concurrency.split(",")]
     if args.json:
         print(json.dumps(rows, indent=1))
-        return
-    print(f"{'clients':>7} {'requests':>8} {'tokens':>7} {'total tok/s':>11} {'TTFT med s':>10} "
-          f"{'latency med s':>13} {'latency max s':>13} {'tok/s per req':>13}")
+    else:
+        print(f"{'clients':>7} {'requests':>8} {'lost':>4} {'tokens':>7} {'total tok/s':>11} {'TTFT med s':>10} "
+              f"{'latency med s':>13} {'latency max s':>13} {'tok/s per req':>13}")
+        for r in rows:
+            print(f"{r['clients']:>7} {r['requests']:>8} {r['lost']:>4} {r['completion_tokens']:>7} "
+                  f"{r['total_tok_s']:>11.1f} {r['ttft_s_median']:>10.3f} {r['latency_s_median']:>13.2f} "
+                  f"{r['latency_s_max']:>13.2f} {r['per_request_tok_s_median']:>13.1f}")
     for r in rows:
-        print(f"{r['clients']:>7} {r['requests']:>8} {r['completion_tokens']:>7} {r['total_tok_s']:>11.1f} "
-              f"{r['ttft_s_median']:>10.3f} {r['latency_s_median']:>13.2f} {r['latency_s_max']:>13.2f} "
-              f"{r['per_request_tok_s_median']:>13.1f}")
+        if r["lost"]:
+            print(f"{r['clients']} clients: {r['lost']} requests lost, the first: {r['first_error']}", file=sys.stderr)
+    sys.exit(1 if any(r["lost"] for r in rows) else 0)
 
 
 if __name__ == "__main__":
