@@ -27,9 +27,7 @@ from .spec import ModelSpec
 
 def gqa_qkv(spec: ModelSpec, w: dict, x: torch.Tensor, cos: torch.Tensor,
             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    q = linear(x, w["q"], w.get("q_bias"))      # [T, H*Dh]
-    k = linear(x, w["k"], w.get("k_bias"))      # [T, K*Dh]
-    v = linear(x, w["v"], w.get("v_bias"))
+    q, k, v = _projections(spec, w, x)          # [T, H*Dh], [T, K*Dh], [T, K*Dh]
     if spec.qk_norm == "proj":
         q, k = rms_norm(q, w["q_norm"], spec.rms_norm_eps), rms_norm(k, w["k_norm"], spec.rms_norm_eps)
     if spec.clip_qkv is not None:
@@ -41,6 +39,17 @@ def gqa_qkv(spec: ModelSpec, w: dict, x: torch.Tensor, cos: torch.Tensor,
     if spec.qk_norm == "head":
         q, k = rms_norm(q, w["q_norm"], spec.rms_norm_eps), rms_norm(k, w["k_norm"], spec.rms_norm_eps)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _projections(spec: ModelSpec, w: dict, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k, v (+ their biases) from the separate matrices, or from "qkv", their rows stacked
+    (edgemoe.dense.quantize_layer): one product, split."""
+    if "qkv" not in w:
+        return tuple(linear(x, w[role], w.get(f"{role}_bias")) for role in ("q", "k", "v"))
+    kv = spec.num_kv_heads * spec.head_dim
+    parts = linear(x, w["qkv"]).split([spec.num_heads * spec.head_dim, kv, kv], dim=-1)
+    return tuple(p if w.get(f"{role}_bias") is None else p + w[f"{role}_bias"]
+                 for p, role in zip(parts, ("q", "k", "v")))
 
 
 def mla_qkv(spec: ModelSpec, w: dict, x: torch.Tensor, cos: torch.Tensor,

@@ -18,6 +18,7 @@ Shapes: T tokens, R rows (outputs), C columns (inputs).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -59,8 +60,21 @@ def quantize_matrix(weight: torch.Tensor, bits: int) -> QuantizedLinear:
 
 
 def quantize_layer(weights: dict, bits: int) -> dict:
-    """One decoder layer's weights (canonical names) with its QUANTIZED_ROLES quantized."""
-    return {name: quantize_matrix(w, bits) if name in QUANTIZED_ROLES else w for name, w in weights.items()}
+    """One decoder layer's weights (canonical names) with its QUANTIZED_ROLES quantized. The q, k and
+    v projections of grouped-query attention become one matrix "qkv" (their rows stacked): one kernel
+    call a step instead of three, the same bits (rows are quantized and multiplied independently)."""
+    out = {name: quantize_matrix(w, bits) if name in QUANTIZED_ROLES else w for name, w in weights.items()}
+    if all(role in out for role in ("q", "k", "v")):
+        out["qkv"] = QuantizedLinear(_stacked([out.pop(role).qt for role in ("q", "k", "v")]))
+    return out
+
+
+def _stacked(parts: list[QuantizedTensor]) -> QuantizedTensor:
+    """Matrices of one width, group size and column count as one, rows in order."""
+    first = parts[0]
+    rows = sum(p.shape[0] for p in parts)
+    return QuantizedTensor(first.bits, first.group_size, (rows, first.shape[1]),
+                           *(np.concatenate([getattr(p, name) for p in parts]) for name in ("packed", "scale", "zero")))
 
 
 def dense_bits_for(choice: int | str | None, from_store: bool, spec) -> int | None:

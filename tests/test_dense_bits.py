@@ -41,10 +41,13 @@ def test_a_model_quantizes_its_projections_and_lm_head_only(tiny_model):
     float_model = edgemoe.load(tiny_model("mixtral"))
     model = edgemoe.load(tiny_model("mixtral"), dense_bits=8)
     for w, w_float in zip(model.layers, float_model.layers):
+        stacked = torch.cat([w_float[role] for role in ("q", "k", "v")])   # q, k, v as one matrix
+        assert isinstance(w["qkv"], QuantizedLinear) and w["qkv"].shape == tuple(stacked.shape)
+        assert torch.equal(dequantize_reference(w["qkv"].qt), dequantize_reference(quantize_matrix(stacked, 8).qt))
         for name, t in w.items():
             if name in QUANTIZED_ROLES:
                 assert isinstance(t, QuantizedLinear) and t.shape == tuple(w_float[name].shape)
-            else:
+            elif name != "qkv":
                 assert torch.equal(t, w_float[name])   # router, norms: as loaded
     assert isinstance(model.lm_head, QuantizedLinear)
     assert torch.equal(model.embed, float_model.embed)
@@ -102,7 +105,7 @@ def test_dense_bits_reach_a_store_model_and_the_forward_step(tiny_model, tmp_pat
     store = tmp_path / "store"
     convert(tiny_model("mixtral"), store, bits=8)
     with edgemoe.load(store, dense_bits=8) as model:
-        assert isinstance(model.layers[0]["q"], QuantizedLinear)
+        assert isinstance(model.layers[0]["qkv"], QuantizedLinear)
         cache = model.new_cache()
         logits = model.forward(torch.tensor([5, 6, 7]), [Segment(cache, 3)], last_only=True)
         assert logits.shape == (1, model.spec.vocab_size) and torch.isfinite(logits).all()
@@ -114,7 +117,7 @@ def test_auto_quantizes_a_stores_dense_matrices_to_8_bits_and_keeps_a_checkpoint
     checkpoint = tiny_model("mixtral")
     convert(checkpoint, tmp_path / "store", bits=4)
     with edgemoe.load(tmp_path / "store", dense_bits="auto") as model:
-        assert model.dense_bits == 8 and isinstance(model.layers[0]["q"], QuantizedLinear)
+        assert model.dense_bits == 8 and isinstance(model.layers[0]["qkv"], QuantizedLinear)
     for path, choice in ((checkpoint, "auto"), (tmp_path / "store", "none"), (tmp_path / "store", None)):
         with edgemoe.load(path, dense_bits=choice) as model:
             assert model.dense_bits is None and isinstance(model.layers[0]["q"], torch.Tensor)

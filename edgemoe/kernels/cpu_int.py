@@ -169,13 +169,26 @@ def quantize_activations_kernel(x, g, xq, xs, qs):
         _quantize_row(x[t], g, xq[t], xs[t], qs[t])
 
 
+@njit_exact
+def _quantized_activations(x, g, ngroups):
+    """x float32 [T, C] -> (xq int8 [T * Cp] flat, zero-padded; xs float32 [T, NG]; qs int64 [T, NG])."""
+    ntok = x.shape[0]
+    xq = np.zeros((ntok, ngroups * g), np.int8)
+    xs = np.empty((ntok, ngroups), np.float32)
+    qs = np.empty((ntok, ngroups), np.int64)
+    quantize_activations_kernel(x, g, xq, xs, qs)
+    return xq.reshape(xq.size), xs, qs
+
+
 @njit_exact_parallel
-def qmatmul_int_kernel(path, bits, g, packed, scale, zero, xq, xs, qs, out, nblocks):
-    """out float32 [T, R] = dequantized x @ W^T on the integer path (xq, xs, qs from quantize_activations_kernel)."""
-    rows = scale.shape[0]
+def qmatmul_int_kernel(path, bits, g, packed, scale, zero, x, out, nblocks):
+    """out float32 [T, R] = dequantized x @ W^T on the integer path, x float32 [T, C] quantized here
+    (one call from Python: no scratch arrays made there)."""
+    rows, ngroups = scale.shape
+    xq, xs, qs = _quantized_activations(x, g, ngroups)
     size = _block_size(rows, nblocks)
     for b in numba.prange(-(-rows // size)):
-        _rows(path, bits, g, packed, scale, zero, xq, xq.size // max(1, out.shape[0]), xs, qs, 0, out.shape[0],
+        _rows(path, bits, g, packed, scale, zero, xq, ngroups * g, xs, qs, 0, x.shape[0],
               b * size, min(rows, (b + 1) * size), out)
 
 

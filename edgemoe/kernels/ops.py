@@ -153,10 +153,10 @@ def qmatmul_int(x: np.ndarray, qt: QuantizedTensor, path: str | None = None) -> 
     """y = x @ W^T on the integer path (x quantized to int8 per token and group): float32 [T, C] -> [T, R]."""
     code = _int_path(path)
     _check_int_sums("qt", _check_qt("qt", qt))
-    xq, xs, qs = quantize_activations(_check_x("x", x, qt.shape[1]), qt)
+    x = _check_x("x", x, qt.shape[1])
     out = np.empty((x.shape[0], qt.shape[0]), np.float32)
-    cpu_int.qmatmul_int_kernel(code, qt.bits, qt.group, qt.packed.reshape(-1), qt.scale, qt.zero,
-                               xq.reshape(-1), xs, qs, out, cpu.row_blocks())
+    cpu_int.qmatmul_int_kernel(code, qt.bits, qt.group, qt.packed.reshape(-1), qt.scale, qt.zero, x, out,
+                               cpu.row_blocks())
     return out
 
 
