@@ -12,6 +12,7 @@ resident and counted against the process).
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -66,24 +67,49 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
             header = json.loads(f.read(header_len))
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise CheckpointError(f"{path}: corrupt safetensors header") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (a JSON {type(header).__name__}, not an object)")
     header.pop("__metadata__", None)
-    data_end = 0
-    infos = {}
-    for name, entry in header.items():
-        begin, end = entry["data_offsets"]
-        shape = tuple(entry["shape"])
-        n = 1
-        for d in shape:
-            n *= d
-        if end - begin != n * DTYPE_BYTES.get(entry["dtype"], 0):
-            raise CheckpointError(f"{path}: tensor {name!r} has {end - begin} bytes for shape {shape} "
-                                  f"{entry['dtype']}")
-        data_end = max(data_end, end)
-        infos[name] = TensorInfo(path, entry["dtype"], shape, 8 + header_len + begin, end - begin)
-    if 8 + header_len + data_end > size:
-        raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, header promises "
-                              f"{8 + header_len + data_end})")
+    data_start, data_size = 8 + header_len, size - 8 - header_len
+    infos = {name: _tensor_info(path, name, entry, data_start, data_size) for name, entry in header.items()}
+    _check_no_overlap(path, infos)
     return infos
+
+
+def _is_index_list(value) -> bool:
+    """A JSON list of non-negative integers (a shape, a pair of offsets)."""
+    return isinstance(value, list) and all(type(v) is int and v >= 0 for v in value)
+
+
+def _tensor_info(path: Path, name: str, entry, data_start: int, data_size: int) -> TensorInfo:
+    """One header entry, checked: a known dtype, a shape, offsets inside the data section that hold
+    exactly the shape's bytes. Errors name the file and the tensor."""
+    where = f"{path}: tensor {name!r}"
+    missing = [key for key in ("dtype", "shape", "data_offsets") if not isinstance(entry, dict) or key not in entry]
+    if missing:
+        raise CheckpointError(f"{where}: header entry has no {', '.join(missing)}")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
+        raise CheckpointError(f"{where}: unknown dtype {dtype!r} (known: {', '.join(DTYPE_BYTES)})")
+    if not _is_index_list(shape):
+        raise CheckpointError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+    if not (_is_index_list(offsets) and len(offsets) == 2 and offsets[0] <= offsets[1]):
+        raise CheckpointError(f"{where}: data_offsets {offsets!r} is not a pair of integers 0 <= begin <= end")
+    begin, end = offsets
+    if end > data_size:
+        raise CheckpointError(f"{where}: data_offsets {offsets} reach past the {data_size} bytes of data "
+                              f"in the file (truncated safetensors file?)")
+    if end - begin != math.prod(shape) * DTYPE_BYTES[dtype]:
+        raise CheckpointError(f"{path}: tensor {name!r} has {end - begin} bytes for shape {tuple(shape)} {dtype}")
+    return TensorInfo(path, dtype, tuple(shape), data_start + begin, end - begin)
+
+
+def _check_no_overlap(path: Path, infos: dict[str, TensorInfo]) -> None:
+    """No two tensors share a byte (empty tensors share none)."""
+    spans = sorted((info.offset, info.offset + info.nbytes, name) for name, info in infos.items() if info.nbytes)
+    for (_, end, before), (begin, _, after) in zip(spans, spans[1:]):
+        if begin < end:
+            raise CheckpointError(f"{path}: tensors {before!r} and {after!r} overlap in the data section")
 
 
 class Checkpoint:

@@ -20,12 +20,12 @@ from edgemoe.store.disk import IO_MODES, drop_page_cache
 from edgemoe.store.format import DENSE_FILE, MANIFEST, StoreError, file_crc32
 
 from .checkpoint import Checkpoint, read_json
-from .errors import CheckpointError, EdgeMoEError
+from .errors import EdgeMoEError
 from .dense import DENSE_BITS
 from .experts import DenseExpert, InMemoryExperts, expert_activations
 from .model import MoEModel
 from .seq2seq import Seq2SeqModel
-from .models import architecture
+from .models import architecture, parse_spec
 from .spec import ModelSpec
 from .precision import compute_dtype
 from .quantized import COMPUTE_CHOICES, StoreExperts
@@ -100,11 +100,7 @@ def require_decoder_only(spec: ModelSpec, where, what: str) -> None:
 
 
 def read_spec(ckpt: Checkpoint) -> ModelSpec:
-    arch = architecture(ckpt.config.get("model_type"), where=str(ckpt.path / "config.json"))
-    try:
-        return arch.parse_config(ckpt.config)
-    except CheckpointError as e:
-        raise CheckpointError(f"{ckpt.path / 'config.json'}: {e}") from None
+    return parse_spec(ckpt.config, where=str(ckpt.path / "config.json"))
 
 
 def read_text_config(directory: Path) -> tuple[Tokenizer | None, dict]:

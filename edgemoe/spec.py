@@ -37,6 +37,7 @@ final norm)  norm [D] (decoder's)  lm_head [V, D] and enc_embed [V, D] (the enco
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -357,14 +358,50 @@ class TensorNames:
     ignored_prefixes: tuple[str, ...] = ()
 
 
-def config_value(config: dict, *keys: str, default: Any = ...) -> Any:
-    """The first of `keys` present in a HF config dict; a clear error if none is and no default."""
+def _config_entry(config: dict, keys: tuple[str, ...], default: Any) -> tuple[str, Any] | None:
+    """(key, value) of the first of `keys` present and not null; None if none is and there is a default;
+    a clear error if there is none."""
     for key in keys:
         if key in config and config[key] is not None:
-            return config[key]
+            return key, config[key]
     if default is ...:
-        raise CheckpointError(f"config.json: missing {' / '.join(keys)}")
-    return default
+        raise CheckpointError(f"missing {' / '.join(keys)}")
+    return None
+
+
+def config_value(config: dict, *keys: str, default: Any = ...) -> Any:
+    """The first of `keys` present in a HF config dict, whatever its type (strings, lists: the caller
+    checks them); a clear error if none is and no default. Numbers: config_int, config_float."""
+    entry = _config_entry(config, keys, default)
+    return default if entry is None else entry[1]
+
+
+def config_int(config: dict, *keys: str, default: Any = ..., minimum: int = 1, section: str = "") -> Any:
+    """An integer field of a config dict (or of its `section`, e.g. rope_parameters), at least
+    `minimum`; a bool, a float or a string is refused, naming the field. A default is returned as it is
+    (None: the field is optional)."""
+    entry = _config_entry(config, keys, default)
+    if entry is None:
+        return default
+    key, value = entry
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise CheckpointError(f"{section + '.' if section else ''}{key}={value!r}: expected an integer >= {minimum}")
+    return value
+
+
+def config_float(config: dict, *keys: str, default: Any = ..., above: float | None = None,
+                 minimum: float | None = None, section: str = "") -> Any:
+    """A number field (an integer is a number; a bool or a string is not), greater than `above` or at
+    least `minimum`; returned as a float. A default is returned as it is (None: the field is optional)."""
+    entry = _config_entry(config, keys, default)
+    if entry is None:
+        return default
+    key, value = entry
+    bound = f" > {above}" if above is not None else f" >= {minimum}" if minimum is not None else ""
+    number = not isinstance(value, bool) and (isinstance(value, int) or isinstance(value, float) and math.isfinite(value))
+    if not number or (above is not None and value <= above) or (minimum is not None and value < minimum):
+        raise CheckpointError(f"{section + '.' if section else ''}{key}={value!r}: expected a number{bound}")
+    return float(value)
 
 
 def rope_parameters(config: dict) -> dict:
@@ -372,6 +409,8 @@ def rope_parameters(config: dict) -> dict:
     rope_theta at the top level), with "rope_type" always set; "field" names where they came from."""
     for field_name in ("rope_parameters", "rope_scaling"):
         params = config.get(field_name)
+        if params and not isinstance(params, dict):
+            raise CheckpointError(f"{field_name}={params!r}: expected an object")
         if params:
             return {**params, "rope_type": params.get("rope_type", params.get("type", "default")),
                     "field": field_name}
@@ -385,4 +424,6 @@ def rope_theta(config: dict, supported: tuple[str, ...] = ("default",)) -> float
     if params["rope_type"] not in supported:
         raise CheckpointError(f"{params['field']} type {params['rope_type']!r} is not supported "
                               f"(supported: {', '.join(repr(t) for t in supported)})")
-    return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    # A base of 1 or less would not slow the rotation from one dim pair to the next (and YaRN divides by its log).
+    theta = config_float(params, "rope_theta", default=None, above=1, section=params["field"])
+    return theta if theta is not None else config_float(config, "rope_theta", default=10000.0, above=1)

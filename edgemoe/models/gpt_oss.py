@@ -16,7 +16,7 @@ from __future__ import annotations
 from .common import attention_fields, llama_style_names
 from .yarn import yarn_fields
 from ..errors import CheckpointError
-from ..spec import ExpertNames, ModelSpec, TensorNames, config_value, rope_parameters
+from ..spec import ExpertNames, ModelSpec, TensorNames, config_float, config_int, rope_parameters
 
 MODEL_TYPE = "gpt_oss"
 
@@ -24,7 +24,7 @@ MODEL_TYPE = "gpt_oss"
 def sliding_windows(config: dict, num_layers: int) -> tuple[int | None, ...]:
     """The window of each layer: config.sliding_window on "sliding_attention" layers (by default
     the even ones, as transformers' GptOssConfig), None (full attention) on the others."""
-    window = config.get("sliding_window")
+    window = config_int(config, "sliding_window", default=None)
     layer_types = config.get("layer_types") or [
         "sliding_attention" if (l + 1) % 2 else "full_attention" for l in range(num_layers)]
     if len(layer_types) != num_layers:
@@ -45,7 +45,7 @@ def check_quantization(config: dict) -> None:
 def parse_config(config: dict) -> ModelSpec:
     check_quantization(config)
     fields = attention_fields(config, rope_types=("default", "yarn"))
-    fields["rms_norm_eps"] = float(config_value(config, "rms_norm_eps", default=1e-5))
+    fields["rms_norm_eps"] = config_float(config, "rms_norm_eps", default=1e-5, above=0)
     params = rope_parameters(config)
     if params["rope_type"] == "yarn":
         head_dim = fields["head_dim"]
@@ -54,10 +54,10 @@ def parse_config(config: dict) -> ModelSpec:
     bias = bool(config.get("attention_bias", True))
     return ModelSpec(
         model_type=MODEL_TYPE,
-        num_experts=config_value(config, "num_local_experts", "num_experts"),
-        top_k=config_value(config, "num_experts_per_tok"),
+        num_experts=config_int(config, "num_local_experts", "num_experts"),
+        top_k=config_int(config, "num_experts_per_tok"),
         norm_topk_prob=True,   # the top-k logits are softmaxed among themselves
-        expert_hidden=config_value(config, "intermediate_size"),
+        expert_hidden=config_int(config, "intermediate_size"),
         moe_layers=(True,) * num_layers,
         sliding_windows=sliding_windows(config, num_layers),
         qkv_bias=bias,
@@ -65,8 +65,8 @@ def parse_config(config: dict) -> ModelSpec:
         attention_sinks=True,
         router="topk_softmax",
         expert_activation="gpt_oss",
-        swiglu_alpha=float(config_value(config, "swiglu_alpha", default=1.702)),
-        swiglu_limit=float(config_value(config, "swiglu_limit", default=7.0)),
+        swiglu_alpha=config_float(config, "swiglu_alpha", default=1.702, above=0),
+        swiglu_limit=config_float(config, "swiglu_limit", default=7.0, above=0),
         **fields,
     )
 
