@@ -24,9 +24,10 @@ from typing import Any
 
 from .engine import Engine, Event, Request
 from .errors import ContextLengthError
-from .errors import EdgeMoEError
+from .errors import EdgeMoEError, TextError
 from .generate import GenerationOptions, defaults_from
 from .model import MoEModel
+from .tokenizer import valid_text
 
 log = logging.getLogger("edgemoe.server")
 
@@ -50,6 +51,15 @@ class APIError(Exception):
 
 def bad_field(param: str, message: str) -> APIError:
     return APIError(400, f"{param}: {message}", param=param, code="invalid_value")
+
+
+def _text(value: str, param: str) -> str:
+    """A request's text field, refused (400) if it is not valid UTF-8 (a JSON string may hold a lone
+    surrogate, "\ud800", which no tokenizer can take)."""
+    try:
+        return valid_text(value, param)
+    except TextError as e:
+        raise APIError(400, str(e), param=param, code="invalid_value") from None
 
 
 # ---- request fields -------------------------------------------------------------------------------------
@@ -88,7 +98,7 @@ def _stop_strings(body: dict) -> tuple[str, ...]:
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise bad_field("stop", f"expected a string or a list of strings, got {stop!r}")
-    return tuple(s for s in stops if s)
+    return tuple(_text(s, "stop") for s in stops if s)
 
 
 def _include_usage(body: dict) -> bool:
@@ -173,7 +183,7 @@ class OpenAIServer(ThreadingHTTPServer):
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return self.model.tokenizer.encode(prompt)
+            return self.model.tokenizer.encode(_text(prompt, "prompt"))
         vocab = self.model.spec.vocab_size
         if (isinstance(prompt, list) and prompt
                 and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt)):
@@ -206,7 +216,7 @@ class OpenAIServer(ThreadingHTTPServer):
             content = ""
         if not isinstance(content, str):
             raise bad_field(f"{where}.content", f"expected a string or a list of text parts, got {content!r}")
-        return {"role": message["role"], "content": content}
+        return {"role": _text(message["role"], f"{where}.role"), "content": _text(content, f"{where}.content")}
 
     def submit(self, job: Job) -> Request:
         param = "messages" if job.kind == "chat.completion" else "prompt"
