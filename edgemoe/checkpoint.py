@@ -38,6 +38,16 @@ class TensorInfo:
     nbytes: int = 0
 
 
+def check_finite(tensor: torch.Tensor, where: str, error: type[Exception] = CheckpointError) -> torch.Tensor:
+    """`tensor` if every value is finite, else `error` naming `where` ("FILE: tensor NAME"). Called once
+    on each weight as it is loaded (one cheap pass), so that a NaN or an infinity is refused by name
+    there, not met later as a failed sampling step or a nan perplexity."""
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise error(f"{where}: {bad} non-finite value{'s' if bad > 1 else ''} (nan or inf) of {tensor.numel()}")
+    return tensor
+
+
 def read_json(path: Path) -> dict:
     """A JSON object from a file; CheckpointError naming the file for anything else."""
     try:
@@ -157,11 +167,14 @@ class Checkpoint:
         info = self.tensors.get(name)
         if info is None:
             raise CheckpointError(f"{self.path}: tensor {name!r} not found")
-        tensor = self._read(info, info.offset, info.nbytes, info.shape)
+        tensor = self._read(info, info.offset, info.nbytes, info.shape, f"tensor {name!r}")
         self.used.add(name)
         return tensor if dtype is None else tensor.to(dtype)
 
-    def _read(self, info: TensorInfo, offset: int, nbytes: int, shape, packed: bool = False) -> torch.Tensor:
+    def _read(self, info: TensorInfo, offset: int, nbytes: int, shape, where: str,
+              packed: bool = False) -> torch.Tensor:
+        """Bytes offset.. of info's file as a tensor of `shape`, its values checked finite (`where` names
+        it in the error)."""
         dtypes = {**TORCH_DTYPES, **PACKED_DTYPES} if packed else TORCH_DTYPES
         if info.dtype not in dtypes:
             raise CheckpointError(f"{info.file}: dtype {info.dtype} is not supported ({', '.join(dtypes)})")
@@ -175,7 +188,7 @@ class Checkpoint:
             os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
         if nbytes == 0:
             return torch.empty(shape, dtype=dtypes[info.dtype])
-        return torch.frombuffer(buf, dtype=dtypes[info.dtype]).reshape(shape)
+        return check_finite(torch.frombuffer(buf, dtype=dtypes[info.dtype]).reshape(shape), f"{info.file}: {where}")
 
     def unused(self) -> list[str]:
         return sorted(set(self.tensors) - self.used)
@@ -192,7 +205,7 @@ def read_slice(ckpt: Checkpoint, name: str, index: int, dtype: torch.dtype | Non
     packed: the tensor holds uint8 codes (MXFP4 blocks and scales), returned as they are."""
     info = ckpt.tensors[name]
     row = info.nbytes // info.shape[0]
-    tensor = ckpt._read(info, info.offset + index * row, row, info.shape[1:], packed)
+    tensor = ckpt._read(info, info.offset + index * row, row, info.shape[1:], f"tensor {name!r} [{index}]", packed)
     ckpt.used.add(name)
     return tensor if dtype is None else tensor.to(dtype)
 
