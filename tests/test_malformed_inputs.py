@@ -1,4 +1,4 @@
-"""Malformed config.json fields and safetensors headers, generated rather than picked: every number of
+"""Malformed config.json fields and safetensors headers, generated rather than picked: every field of
 every architecture's tiny config, and every entry key of a header, mutated to each wrong kind. Each
 case ends in a CheckpointError of one line naming the file and the field (or tensor), or, where the
 value is acceptable, in a parsed model; never in another exception. Parsing only: no model is built."""
@@ -17,26 +17,40 @@ from edgemoe.errors import CheckpointError
 from edgemoe.models import ARCHITECTURES, architecture, parse_spec
 
 
-def numeric_fields(config: dict, section: tuple[str, ...] = ()):
-    """(path of keys, value) of every int or float in a config, inside objects too (rope_parameters)."""
+def config_fields(config: dict, section: tuple[str, ...] = ()):
+    """(path of keys, value) of every field of a config, inside objects too (rope_parameters)."""
     for key, value in config.items():
+        yield section + (key,), value
         if isinstance(value, dict):
-            yield from numeric_fields(value, section + (key,))
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            yield section + (key,), value
+            yield from config_fields(value, section + (key,))
 
 
 REMOVED = object()
 
 
+def wrong_kinds(value) -> dict:
+    """Values of other kinds than `value`'s (and, for a number, out of any size's range)."""
+    if isinstance(value, bool):
+        return {"string": str(value).lower(), "integer": int(value), "list": [value]}
+    if isinstance(value, (int, float)):
+        wrong = {"string": str(value), "list": [value], "bool": True, "negative": -abs(value) - 1}
+        return {**wrong, "fraction": value + 0.5, "integral float": float(value)} if isinstance(value, int) else wrong
+    if isinstance(value, str):
+        return {"number": 5, "list": [value], "object": {"value": value}}
+    if isinstance(value, list):
+        return {"number": 5, "string": "x", "list of objects": [{}]}
+    if isinstance(value, dict):
+        return {"number": 5, "string": "x", "list": [value]}
+    return {}
+
+
 def mutations(value):
     """(kind, new value, what may happen): "refused" = an error, or a spec equal to the original one
     (a field the architecture does not read); "either" = an error or a parsed spec; "accepted" = parsed."""
-    wrong = {"string": str(value), "list": [value], "bool": True, "negative": -abs(value) - 1}
-    if isinstance(value, int):
-        wrong.update({"fraction": value + 0.5, "integral float": float(value)})
-    cases = [(kind, new, "refused") for kind, new in wrong.items()]
-    cases += [("zero", 0, "either"), ("null", None, "either"), ("removed", REMOVED, "either")]
+    cases = [(kind, new, "refused") for kind, new in wrong_kinds(value).items()]
+    cases += [("null", None, "either"), ("removed", REMOVED, "either")]
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        cases.append(("zero", 0, "either"))
     if isinstance(value, float):   # a float field given as an integer is a number like any other
         cases.append(("integer", max(1, round(value)), "accepted"))
     return cases
@@ -80,11 +94,11 @@ def problem(case: str, field: str, expect: str, result, original) -> str | None:
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
-def test_every_numeric_config_field_of_a_wrong_kind_is_refused_by_name(tiny_model, arch):
+def test_every_config_field_of_a_wrong_kind_is_refused_by_name(tiny_model, arch):
     config = json.loads((tiny_model(arch) / "config.json").read_text())
     original = parse_spec(config)
     problems, cases = [], 0
-    for path, value in numeric_fields(config):
+    for path, value in config_fields(config):
         for kind, new, expect in mutations(value):
             case = f"{'.'.join(path)}={'(removed)' if new is REMOVED else repr(new)} ({kind})"
             try:
@@ -95,7 +109,7 @@ def test_every_numeric_config_field_of_a_wrong_kind_is_refused_by_name(tiny_mode
             problems.append(problem(case, path[-1], expect, result, original))
             cases += 1
     assert [p for p in problems if p] == []
-    assert cases > 50
+    assert cases > 200
 
 
 def test_a_read_field_of_a_wrong_kind_is_refused_not_ignored(tiny_model):
@@ -150,7 +164,8 @@ def entry_mutations(header: dict, name: str, data_size: int):
                "offsets half over another": ("data_offsets", [begin + 16, end + 16] if end < data_size else
                                              [begin - 16, end - 16]),
                "offsets negative": ("data_offsets", [-8, end - begin - 8]),
-               "offsets not a pair": ("data_offsets", [begin]), "offsets of strings": ("data_offsets", [str(begin), str(end)]),
+               "offsets not a pair": ("data_offsets", [begin]),
+               "offsets of strings": ("data_offsets", [str(begin), str(end)]),
                "offsets not a list": ("data_offsets", begin)}
     for kind, (key, value) in changes.items():
         yield kind, {**entry, key: value}

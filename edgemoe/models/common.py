@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..spec import config_float, config_int, config_value, rope_theta
+from ..spec import config_bool, config_float, config_int, config_str, rope_theta
 
 
 def attention_fields(config: dict, rope_types: tuple[str, ...] = ("default",)) -> dict:
@@ -21,8 +21,8 @@ def attention_fields(config: dict, rope_types: tuple[str, ...] = ("default",)) -
         rms_norm_eps=config_float(config, "rms_norm_eps", default=1e-6, above=0),
         rope_theta=rope_theta(config, rope_types),
         max_position_embeddings=config_int(config, "max_position_embeddings", default=4096),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        hidden_act=config_value(config, "hidden_act", default="silu"),
+        tie_word_embeddings=config_bool(config, "tie_word_embeddings", default=False),
+        hidden_act=config_str(config, "hidden_act", default="silu"),
     )
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ..errors import CheckpointError
 from .common import attention_fields, llama_style_names, qwen_style_mlp_names
-from ..spec import ModelSpec, TensorNames, config_float, config_int, config_value, rope_parameters
+from ..spec import ModelSpec, TensorNames, config_bool, config_float, config_int, config_str, rope_parameters
 from .yarn import yarn_fields
 
 MODEL_TYPE = "deepseek_v2"
@@ -30,7 +30,7 @@ def moe_layer_flags(config: dict, num_layers: int) -> tuple[bool, ...]:
 def mla_fields(config: dict) -> dict:
     """The ModelSpec fields of multi-head latent attention (and of the DeepSeek family's common parts)."""
     fields = attention_fields(config, rope_types=("default", "yarn"))
-    if config.get("mlp_bias", False):
+    if config_bool(config, "mlp_bias", default=False):
         raise CheckpointError("mlp_bias=true is not supported")
     nope = config_int(config, "qk_nope_head_dim")
     rope = config_int(config, "qk_rope_head_dim")
@@ -50,8 +50,8 @@ def mla_fields(config: dict) -> dict:
         qk_nope_head_dim=nope,
         qk_rope_head_dim=rope,
         v_head_dim=config_int(config, "v_head_dim"),
-        qkv_bias=bool(config.get("attention_bias", False)),
-        o_bias=bool(config.get("attention_bias", False)),
+        qkv_bias=config_bool(config, "attention_bias", default=False),
+        o_bias=config_bool(config, "attention_bias", default=False),
         num_experts=config_int(config, "n_routed_experts", "num_experts", "num_local_experts"),
         top_k=config_int(config, "num_experts_per_tok"),
         expert_hidden=expert_hidden,
@@ -66,11 +66,11 @@ def mla_fields(config: dict) -> dict:
 
 
 def parse_config(config: dict) -> ModelSpec:
-    method = config_value(config, "topk_method", default="greedy")
+    method = config_str(config, "topk_method", default="greedy")
     if method not in TOPK_METHODS:
         raise CheckpointError(f"topk_method={method!r} is not supported "
                               f"(supported: {', '.join(TOPK_METHODS)})")
-    if config.get("norm_topk_prob", False):
+    if config_bool(config, "norm_topk_prob", default=False):
         # transformers' DeepSeek-V2 ignores it, DeepSeek's own code renormalises without the scaling
         # factor: refuse rather than pick one.
         raise CheckpointError("norm_topk_prob=true is not supported for deepseek_v2")

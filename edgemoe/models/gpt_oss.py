@@ -16,7 +16,8 @@ from __future__ import annotations
 from .common import attention_fields, llama_style_names
 from .yarn import yarn_fields
 from ..errors import CheckpointError
-from ..spec import ExpertNames, ModelSpec, TensorNames, config_float, config_int, rope_parameters
+from ..spec import (ExpertNames, ModelSpec, TensorNames, config_bool, config_float, config_int, config_list,
+                    config_object, config_str, rope_parameters)
 
 MODEL_TYPE = "gpt_oss"
 
@@ -25,7 +26,7 @@ def sliding_windows(config: dict, num_layers: int) -> tuple[int | None, ...]:
     """The window of each layer: config.sliding_window on "sliding_attention" layers (by default
     the even ones, as transformers' GptOssConfig), None (full attention) on the others."""
     window = config_int(config, "sliding_window", default=None)
-    layer_types = config.get("layer_types") or [
+    layer_types = config_list(config, "layer_types", "string", default=None) or [
         "sliding_attention" if (l + 1) % 2 else "full_attention" for l in range(num_layers)]
     if len(layer_types) != num_layers:
         raise CheckpointError(f"layer_types lists {len(layer_types)} layers, num_hidden_layers is {num_layers}")
@@ -37,7 +38,8 @@ def sliding_windows(config: dict, num_layers: int) -> tuple[int | None, ...]:
 
 def check_quantization(config: dict) -> None:
     """Only MXFP4 (decoded on read) or no quantization_config at all."""
-    method = (config.get("quantization_config") or {}).get("quant_method", "mxfp4")
+    quantization = config_object(config, "quantization_config", default={})
+    method = config_str(quantization, "quant_method", default="mxfp4", section="quantization_config")
     if method != "mxfp4":
         raise CheckpointError(f"quantization_config quant_method={method!r} is not supported (mxfp4 or none)")
 
@@ -51,7 +53,7 @@ def parse_config(config: dict) -> ModelSpec:
         head_dim = fields["head_dim"]
         fields.update(yarn_fields(config, params, rope_dim=head_dim, key_dim=head_dim, base=fields["rope_theta"]))
     num_layers = fields["num_layers"]
-    bias = bool(config.get("attention_bias", True))
+    bias = config_bool(config, "attention_bias", default=True)
     return ModelSpec(
         model_type=MODEL_TYPE,
         num_experts=config_int(config, "num_local_experts", "num_experts"),

@@ -16,7 +16,7 @@ import torch
 from .common import attention_fields
 from .mixtral import tensor_names as mixtral_names
 from ..errors import CheckpointError
-from ..spec import ModelSpec, TensorNames, config_float, config_int, rope_parameters
+from ..spec import ModelSpec, TensorNames, config_bool, config_float, config_int, config_list, rope_parameters
 
 MODEL_TYPE = "phimoe"
 
@@ -26,7 +26,7 @@ def parse_config(config: dict) -> ModelSpec:
     if rope_parameters(config)["rope_type"] == "longrope":
         fields.update(longrope_fields(config, fields["head_dim"], fields["rope_theta"]))
     num_layers = fields["num_layers"]
-    bias = bool(config.get("attention_bias", False))
+    bias = config_bool(config, "attention_bias", default=False)
     fields["rms_norm_eps"] = config_float(config, "rms_norm_eps", default=1e-5, above=0)  # the LayerNorms' eps
     return ModelSpec(
         model_type=MODEL_TYPE,
@@ -39,7 +39,7 @@ def parse_config(config: dict) -> ModelSpec:
         norm="layer",
         qkv_bias=bias,
         o_bias=bias,
-        lm_head_bias=bool(config.get("lm_head_bias", False)),
+        lm_head_bias=config_bool(config, "lm_head_bias", default=False),
         router="sparsemixer",
         router_jitter_eps=config_float(config, "router_jitter_noise", default=0.01, minimum=0),
         **fields,
@@ -78,8 +78,8 @@ def longrope_fields(config: dict, head_dim: int, base: float) -> dict:
     default_mscale = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
     sets = {}
     for kind in ("short", "long"):
-        factors = params.get(f"{kind}_factor")
-        if not isinstance(factors, list) or len(factors) != head_dim // 2:
+        factors = config_list(params, f"{kind}_factor", "number", default=None, section=where)
+        if factors is None or len(factors) != head_dim // 2:
             raise CheckpointError(f"{where}: {kind}_factor must list {head_dim // 2} numbers (head_dim / 2)")
         shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
         inv_freq = 1.0 / (torch.tensor(factors, dtype=torch.float32) * base ** shape)

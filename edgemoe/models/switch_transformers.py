@@ -18,7 +18,7 @@ Checkpoint names (stack s = encoder / decoder, block i):
 from __future__ import annotations
 
 from ..errors import CheckpointError
-from ..spec import ExpertNames, ModelSpec, TensorNames, config_float, config_int
+from ..spec import ExpertNames, ModelSpec, TensorNames, config_bool, config_float, config_int, config_str
 
 MODEL_TYPE = "switch_transformers"
 # T5 has no position embeddings; the context is bounded only by memory. This is the length the released
@@ -32,11 +32,11 @@ def sparse_flags(num_layers: int, num_sparse: int) -> tuple[bool, ...]:
 
 
 def parse_config(config: dict) -> ModelSpec:
-    if config.get("router_bias", False):
+    if config_bool(config, "router_bias", default=False):
         raise CheckpointError("router_bias=true is not supported")
-    if config.get("dense_act_fn", "relu") != "relu":
+    if config_str(config, "dense_act_fn", default="relu") != "relu":
         raise CheckpointError(f"dense_act_fn={config['dense_act_fn']!r} (only 'relu' is supported)")
-    if config.get("router_dtype", "float32") != "float32":
+    if config_str(config, "router_dtype", default="float32") != "float32":
         raise CheckpointError(f"router_dtype={config['router_dtype']!r} (only 'float32' is supported)")
     encoder = config_int(config, "num_layers")
     decoder = config_int(config, "num_decoder_layers", default=encoder)
@@ -62,7 +62,7 @@ def parse_config(config: dict) -> ModelSpec:
         moe_layers=flags,
         sliding_windows=(None,) * (encoder + decoder),
         dense_hidden=d_ff,
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
+        tie_word_embeddings=config_bool(config, "tie_word_embeddings", default=True),
         hidden_act="relu",
         attention_scale=1.0,           # T5 does not scale q.k
         expert_activation="relu",

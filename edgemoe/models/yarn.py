@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from ..spec import config_float, config_int
+from ..spec import config_bool, config_float, config_int
 
 
 def mscale(factor: float, scale: float = 1.0) -> float:
@@ -52,7 +52,8 @@ def yarn_fields(config: dict, params: dict, rope_dim: int, key_dim: int, base: f
               or config_int(config, "max_position_embeddings") / context)
     beta_fast = config_float(params, "beta_fast", default=32, above=0, section=where)
     beta_slow = config_float(params, "beta_slow", default=1, above=0, section=where)
-    inv_freq = yarn_inv_freq(rope_dim, base, factor, context, beta_fast, beta_slow, params.get("truncate", True))
+    truncate = config_bool(params, "truncate", default=True, section=where)
+    inv_freq = yarn_inv_freq(rope_dim, base, factor, context, beta_fast, beta_slow, truncate)
     scale = config_float(params, "mscale", default=None, minimum=0, section=where)
     scale_all = config_float(params, "mscale_all_dim", default=None, minimum=0, section=where)
     attention_factor = config_float(params, "attention_factor", default=None, above=0, section=where)
