@@ -138,8 +138,8 @@ class Checkpoint:
         index_path = self.path / "model.safetensors.index.json"
         if index_path.exists():
             weight_map = read_json(index_path).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise CheckpointError(f"{index_path}: no 'weight_map'")
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise CheckpointError(f"{index_path}: no 'weight_map' of tensor names to file names")
             files = sorted(set(weight_map.values()))
         else:
             files = sorted(p.name for p in self.path.glob("*.safetensors"))

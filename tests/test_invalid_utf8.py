@@ -34,15 +34,16 @@ def test_valid_text_passes_unchanged():
     assert valid_text("caf\u00e9".encode(), "x") == "caf\u00e9"
 
 
-def test_a_prompt_argument_that_is_not_utf8_exits_2_with_one_line(tiny_model):
+@pytest.mark.parametrize("args, flag", [(["run", "-p", b"caf\xe9"], "--prompt"),
+                                        (["run", "-p", "ok", "--stop", b"caf\xe9"], "--stop"),
+                                        (["chat", "--system", b"caf\xe9"], "--system")])
+def test_an_argument_that_is_not_utf8_exits_2_with_one_line(tiny_model, args, flag):
     """The real command line: the bytes reach Python's argv as surrogate escapes."""
-    for flag in ("-p", "--stop"):
-        args = [b"-p", b"ok", b"--stop", b"caf\xe9"] if flag == "--stop" else [b"-p", b"caf\xe9"]
-        done = subprocess.run([sys.executable, "-m", "edgemoe", "run", str(tiny_model("mixtral")), *args],
-                              capture_output=True, timeout=120)
-        name = "--stop" if flag == "--stop" else "--prompt"
-        assert done.returncode == 2, done.stderr
-        assert done.stderr.decode() == f"error: {name}: not valid UTF-8 at byte 3 (0xe9)\n"
+    command, *rest = args
+    done = subprocess.run([sys.executable, "-m", "edgemoe", command, str(tiny_model("mixtral")), *rest],
+                          capture_output=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.decode() == f"error: {flag}: not valid UTF-8 at byte 3 (0xe9)\n"
 
 
 @pytest.mark.parametrize("command", [["eval", "{model}", "--text", "{text}"],

@@ -6,13 +6,14 @@ value is acceptable, in a parsed model; never in another exception. Parsing only
 import copy
 import json
 import re
+import shutil
 import struct
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from edgemoe.checkpoint import read_safetensors_header
+from edgemoe.checkpoint import Checkpoint, read_safetensors_header
 from edgemoe.errors import CheckpointError
 from edgemoe.models import ARCHITECTURES, architecture, parse_spec
 
@@ -197,3 +198,14 @@ def test_a_header_that_is_not_an_object_is_refused(header_file):
     write_header(header_file, [1, 2], data)
     with pytest.raises(CheckpointError, match="model.safetensors: corrupt safetensors header"):
         read_safetensors_header(header_file)
+
+
+@pytest.mark.parametrize("file", [5, ["model-00001-of-00002.safetensors"], {"a": 1}, None])
+def test_an_index_whose_weight_map_names_no_file_is_refused(tiny_model, tmp_path, file):
+    path = tmp_path / "model"
+    shutil.copytree(tiny_model("mixtral", shards=2), path)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    index["weight_map"][next(iter(index["weight_map"]))] = file
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json: no 'weight_map' of tensor names"):
+        Checkpoint(path)
