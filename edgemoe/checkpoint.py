@@ -1,9 +1,10 @@
 """Lazy reader of a Hugging Face checkpoint directory.
 
 A checkpoint is config.json plus one safetensors file (model.safetensors) or several with an index
-(model.safetensors.index.json). Every file's header is parsed and checked against the file size when
-the directory is opened, so a truncated download fails at once, naming the file, instead of midway
-through a load. Tensors are then read one at a time with pread into memory the caller owns, and
+(model.safetensors.index.json). Every file's header is parsed and each entry checked (dtype, shape,
+offsets inside the file that hold exactly the shape's bytes, no overlap) when the directory is opened,
+so a truncated download fails at once, naming the file and tensor, instead of midway through a load.
+Tensors are then read one at a time with pread into memory the caller owns, each checked finite, and
 their pages are dropped from the page cache (Linux): a converter's memory stays bounded by the
 tensors it holds, however large the checkpoint (a memory map would leave every page it touched
 resident and counted against the process).
