@@ -67,13 +67,13 @@ def _log_probs(model: MoEModel, ids: torch.Tensor, begin: int, end: int, first: 
     return torch.log_softmax(torch.cat(rows), dim=-1)
 
 
-def _window_loss(logp: torch.Tensor, targets: torch.Tensor, first: int, end: int) -> float:
+def _window_loss(logp: torch.Tensor, targets: torch.Tensor, first: int, end: int, whose: str = "the") -> float:
     """The summed negative log-likelihood of a window's targets; an error, not a nan perplexity, when
     it is not finite (the weights are checked finite at load, so the computation overflowed)."""
     loss = -logp.gather(1, targets[:, None]).sum().item()
     if not math.isfinite(loss):
-        raise EdgeMoEError(f"evaluate: the loss of tokens {first}..{end - 1} is {loss} (the model computed "
-                           f"non-finite log-probabilities: an overflow in its dtype?)")
+        raise EdgeMoEError(f"evaluate: {whose} loss of tokens {first}..{end - 1} is {loss} (the model "
+                           f"computed non-finite log-probabilities: an overflow in its dtype?)")
     return loss
 
 
@@ -101,7 +101,7 @@ def evaluate(model: MoEModel, ids: torch.Tensor | list[int], context: int | None
         count += targets.numel()
         if reference is not None:
             ref_logp = _log_probs(reference, ids, begin, end, first)
-            ref_nll -= ref_logp.gather(1, targets[:, None]).sum().item()
+            ref_nll += _window_loss(ref_logp, targets, first, end, "the reference's")
             kl += (ref_logp.exp() * (ref_logp - logp)).sum().item()
             agree += (ref_logp.argmax(-1) == logp.argmax(-1)).sum().item()
         if on_progress:

@@ -81,6 +81,8 @@ def test_eval_refuses_a_loss_that_overflows(monkeypatch, capsys, tiny_model, tmp
     model = edgemoe.load(path, torch.float32)
     with pytest.raises(EdgeMoEError, match=r"^evaluate: the loss of tokens 1\.\.7 is nan"):
         evaluate(model, list(range(3, 11)), context=8)
+    with pytest.raises(EdgeMoEError, match=r"^evaluate: the reference's loss of tokens 1\.\.7 is nan"):
+        evaluate(edgemoe.load(tiny_model("mixtral")), list(range(3, 11)), context=8, reference=model)
     text = tmp_path / "t.txt"
     text.write_text("To be, or not to be. " * 4)
     code, err = run_cli(monkeypatch, capsys, "eval", str(path), "--text", str(text))
