@@ -87,3 +87,12 @@ def test_eval_refuses_a_loss_that_overflows(monkeypatch, capsys, tiny_model, tmp
     text.write_text("To be, or not to be. " * 4)
     code, err = run_cli(monkeypatch, capsys, "eval", str(path), "--text", str(text))
     assert code == 2 and err.startswith("error: evaluate: the loss of tokens") and "\n" not in err
+
+
+@pytest.mark.parametrize("temperature", ["0", "0.8"])
+def test_run_refuses_logits_that_overflow(monkeypatch, capsys, tiny_model, tmp_path, temperature):
+    """Not a torch RuntimeError from the sampler, nor (greedy) a token picked from nans."""
+    path = damaged(tiny_model, tmp_path, "lm_head.weight", slice(None), 3e38)
+    code, err = run_cli(monkeypatch, capsys, "run", str(path), "-p", "To be", "-n", "3", "--temperature", temperature)
+    assert code == 2 and err == ("error: generate: the model computed non-finite logits (nan or inf): "
+                                 "an overflow in its dtype?")
