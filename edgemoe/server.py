@@ -55,7 +55,7 @@ def bad_field(param: str, message: str) -> APIError:
 
 def _text(value: str, param: str) -> str:
     """A request's text field, refused (400) if it is not valid UTF-8 (a JSON string may hold a lone
-    surrogate, "\ud800", which no tokenizer can take)."""
+    surrogate, "\\ud800", which no tokenizer can take)."""
     try:
         return valid_text(value, param)
     except TextError as e:
