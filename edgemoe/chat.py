@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Callable, TextIO
 
-from .errors import EdgeMoEError
+from .errors import EdgeMoEError, TextError
 from .generate import generate
 from .model import MoEModel
+from .tokenizer import valid_text
 
 HELP = "commands: /reset clears the history, /exit (or Ctrl-D) leaves"
 
@@ -33,7 +34,10 @@ def chat_loop(model: MoEModel, read_line: Callable[[], str], out: TextIO, max_ne
         out.write("> ")
         out.flush()
         try:
-            line = read_line().strip()
+            line = valid_text(read_line(), "input").strip()
+        except TextError as e:   # one bad line costs that line, not the conversation
+            out.write(f"[{e}; not sent]\n")
+            continue
         except EOFError:
             out.write("\n")
             return

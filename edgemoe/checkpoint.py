@@ -1,9 +1,10 @@
 """Lazy reader of a Hugging Face checkpoint directory.
 
 A checkpoint is config.json plus one safetensors file (model.safetensors) or several with an index
-(model.safetensors.index.json). Every file's header is parsed and checked against the file size when
-the directory is opened, so a truncated download fails at once, naming the file, instead of midway
-through a load. Tensors are then read one at a time with pread into memory the caller owns, and
+(model.safetensors.index.json). Every file's header is parsed and each entry checked (dtype, shape,
+offsets inside the file that hold exactly the shape's bytes, no overlap) when the directory is opened,
+so a truncated download fails at once, naming the file and tensor, instead of midway through a load.
+Tensors are then read one at a time with pread into memory the caller owns, each checked finite, and
 their pages are dropped from the page cache (Linux): a converter's memory stays bounded by the
 tensors it holds, however large the checkpoint (a memory map would leave every page it touched
 resident and counted against the process).
@@ -12,6 +13,7 @@ resident and counted against the process).
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -35,6 +37,16 @@ class TensorInfo:
     shape: tuple[int, ...]
     offset: int = 0       # absolute byte offset of the data in the file
     nbytes: int = 0
+
+
+def check_finite(tensor: torch.Tensor, where: str, error: type[Exception] = CheckpointError) -> torch.Tensor:
+    """`tensor` if every value is finite, else `error` naming `where` ("FILE: tensor NAME"). Called once
+    on each weight as it is loaded (one cheap pass), so that a NaN or an infinity is refused by name
+    there, not met later as a failed sampling step or a nan perplexity."""
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise error(f"{where}: {bad} non-finite value{'s' if bad > 1 else ''} (nan or inf) of {tensor.numel()}")
+    return tensor
 
 
 def read_json(path: Path) -> dict:
@@ -66,24 +78,49 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
             header = json.loads(f.read(header_len))
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise CheckpointError(f"{path}: corrupt safetensors header") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (a JSON {type(header).__name__}, not an object)")
     header.pop("__metadata__", None)
-    data_end = 0
-    infos = {}
-    for name, entry in header.items():
-        begin, end = entry["data_offsets"]
-        shape = tuple(entry["shape"])
-        n = 1
-        for d in shape:
-            n *= d
-        if end - begin != n * DTYPE_BYTES.get(entry["dtype"], 0):
-            raise CheckpointError(f"{path}: tensor {name!r} has {end - begin} bytes for shape {shape} "
-                                  f"{entry['dtype']}")
-        data_end = max(data_end, end)
-        infos[name] = TensorInfo(path, entry["dtype"], shape, 8 + header_len + begin, end - begin)
-    if 8 + header_len + data_end > size:
-        raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, header promises "
-                              f"{8 + header_len + data_end})")
+    data_start, data_size = 8 + header_len, size - 8 - header_len
+    infos = {name: _tensor_info(path, name, entry, data_start, data_size) for name, entry in header.items()}
+    _check_no_overlap(path, infos)
     return infos
+
+
+def _is_index_list(value) -> bool:
+    """A JSON list of non-negative integers (a shape, a pair of offsets)."""
+    return isinstance(value, list) and all(type(v) is int and v >= 0 for v in value)
+
+
+def _tensor_info(path: Path, name: str, entry, data_start: int, data_size: int) -> TensorInfo:
+    """One header entry, checked: a known dtype, a shape, offsets inside the data section that hold
+    exactly the shape's bytes. Errors name the file and the tensor."""
+    where = f"{path}: tensor {name!r}"
+    missing = [key for key in ("dtype", "shape", "data_offsets") if not isinstance(entry, dict) or key not in entry]
+    if missing:
+        raise CheckpointError(f"{where}: header entry has no {', '.join(missing)}")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
+        raise CheckpointError(f"{where}: unknown dtype {dtype!r} (known: {', '.join(DTYPE_BYTES)})")
+    if not _is_index_list(shape):
+        raise CheckpointError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+    if not (_is_index_list(offsets) and len(offsets) == 2 and offsets[0] <= offsets[1]):
+        raise CheckpointError(f"{where}: data_offsets {offsets!r} is not a pair of integers 0 <= begin <= end")
+    begin, end = offsets
+    if end > data_size:
+        raise CheckpointError(f"{where}: data_offsets {offsets} reach past the {data_size} bytes of data "
+                              f"in the file (truncated safetensors file?)")
+    if end - begin != math.prod(shape) * DTYPE_BYTES[dtype]:
+        raise CheckpointError(f"{path}: tensor {name!r} has {end - begin} bytes for shape {tuple(shape)} {dtype}")
+    return TensorInfo(path, dtype, tuple(shape), data_start + begin, end - begin)
+
+
+def _check_no_overlap(path: Path, infos: dict[str, TensorInfo]) -> None:
+    """No two tensors share a byte (empty tensors share none)."""
+    spans = sorted((info.offset, info.offset + info.nbytes, name) for name, info in infos.items() if info.nbytes)
+    for (_, end, before), (begin, _, after) in zip(spans, spans[1:]):
+        if begin < end:
+            raise CheckpointError(f"{path}: tensors {before!r} and {after!r} overlap in the data section")
 
 
 class Checkpoint:
@@ -102,8 +139,8 @@ class Checkpoint:
         index_path = self.path / "model.safetensors.index.json"
         if index_path.exists():
             weight_map = read_json(index_path).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise CheckpointError(f"{index_path}: no 'weight_map'")
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise CheckpointError(f"{index_path}: no 'weight_map' of tensor names to file names")
             files = sorted(set(weight_map.values()))
         else:
             files = sorted(p.name for p in self.path.glob("*.safetensors"))
@@ -131,11 +168,14 @@ class Checkpoint:
         info = self.tensors.get(name)
         if info is None:
             raise CheckpointError(f"{self.path}: tensor {name!r} not found")
-        tensor = self._read(info, info.offset, info.nbytes, info.shape)
+        tensor = self._read(info, info.offset, info.nbytes, info.shape, f"tensor {name!r}")
         self.used.add(name)
         return tensor if dtype is None else tensor.to(dtype)
 
-    def _read(self, info: TensorInfo, offset: int, nbytes: int, shape, packed: bool = False) -> torch.Tensor:
+    def _read(self, info: TensorInfo, offset: int, nbytes: int, shape, where: str,
+              packed: bool = False) -> torch.Tensor:
+        """Bytes offset.. of info's file as a tensor of `shape`, its values checked finite (`where` names
+        it in the error)."""
         dtypes = {**TORCH_DTYPES, **PACKED_DTYPES} if packed else TORCH_DTYPES
         if info.dtype not in dtypes:
             raise CheckpointError(f"{info.file}: dtype {info.dtype} is not supported ({', '.join(dtypes)})")
@@ -149,7 +189,7 @@ class Checkpoint:
             os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
         if nbytes == 0:
             return torch.empty(shape, dtype=dtypes[info.dtype])
-        return torch.frombuffer(buf, dtype=dtypes[info.dtype]).reshape(shape)
+        return check_finite(torch.frombuffer(buf, dtype=dtypes[info.dtype]).reshape(shape), f"{info.file}: {where}")
 
     def unused(self) -> list[str]:
         return sorted(set(self.tensors) - self.used)
@@ -166,7 +206,7 @@ def read_slice(ckpt: Checkpoint, name: str, index: int, dtype: torch.dtype | Non
     packed: the tensor holds uint8 codes (MXFP4 blocks and scales), returned as they are."""
     info = ckpt.tensors[name]
     row = info.nbytes // info.shape[0]
-    tensor = ckpt._read(info, info.offset + index * row, row, info.shape[1:], packed)
+    tensor = ckpt._read(info, info.offset + index * row, row, info.shape[1:], f"tensor {name!r} [{index}]", packed)
     ckpt.used.add(name)
     return tensor if dtype is None else tensor.to(dtype)
 

@@ -229,6 +229,9 @@ def run(
     """Generate text, streamed as it is produced, from a checkpoint directory or a store."""
     import edgemoe
 
+    from .tokenizer import valid_text
+
+    prompt, stop = valid_text(prompt, "--prompt"), [valid_text(s, "--stop") for s in stop]
     _check_beam_flags(beams, length_penalty, early_stopping,
                       {"--temperature": temperature is not None, "--top-k": top_k is not None,
                        "--top-p": top_p is not None, "--seed": seed is not None, "--stop": bool(stop)})
@@ -776,12 +779,12 @@ def eval_(
 
 
 def _read_text(path: Path) -> str:
+    from .tokenizer import valid_text
+
     try:
-        return path.read_text(encoding="utf-8")
+        return valid_text(path.read_bytes(), str(path))
     except FileNotFoundError:
         raise EdgeMoEError(f"{path}: text file not found") from None
-    except UnicodeDecodeError as e:
-        raise EdgeMoEError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 def _load_served(model: Optional[Path], dtype: str, dense_bits: str, threads, store):
@@ -852,7 +855,11 @@ def chat(
 ):
     """Chat on stdin/stdout through the tokenizer's chat template (/reset, /exit; Ctrl-C stops an answer)."""
     from .chat import chat_loop
+    from .tokenizer import valid_text
 
+    system = None if system is None else valid_text(system, "--system")
+    if hasattr(sys.stdin, "reconfigure"):   # a line that is not UTF-8 reaches the loop, which refuses it
+        sys.stdin.reconfigure(errors="surrogateescape")
     m = _load_served(model, dtype, dense_bits, threads, store)
     sampling = {k: v for k, v in dict(temperature=temperature, top_k=top_k, top_p=top_p).items() if v is not None}
     chat_loop(m, input, sys.stdout, max_new_tokens=max_new_tokens, system=system, seed=seed, **sampling)

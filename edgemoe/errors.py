@@ -19,6 +19,10 @@ class UnsupportedModelError(CheckpointError):
     """A model_type (architecture) that edgemoe has no model file for."""
 
 
+class TextError(EdgeMoEError):
+    """Text that is not valid UTF-8: a prompt, a request's field, a chat line or a text file."""
+
+
 class ContextLengthError(EdgeMoEError):
     """A prompt or window longer than the model's context (max_position_embeddings)."""
 

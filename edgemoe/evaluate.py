@@ -15,6 +15,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from .errors import EdgeMoEError
 from .model import MoEModel
 from .options import OptionError, integer_at_least, window_length
 
@@ -66,6 +67,16 @@ def _log_probs(model: MoEModel, ids: torch.Tensor, begin: int, end: int, first: 
     return torch.log_softmax(torch.cat(rows), dim=-1)
 
 
+def _window_loss(logp: torch.Tensor, targets: torch.Tensor, first: int, end: int, whose: str = "the") -> float:
+    """The summed negative log-likelihood of a window's targets; an error, not a nan perplexity, when
+    it is not finite (the weights are checked finite at load, so the computation overflowed)."""
+    loss = -logp.gather(1, targets[:, None]).sum().item()
+    if not math.isfinite(loss):
+        raise EdgeMoEError(f"evaluate: {whose} loss of tokens {first}..{end - 1} is {loss} (the model "
+                           f"computed non-finite log-probabilities: an overflow in its dtype?)")
+    return loss
+
+
 def evaluate(model: MoEModel, ids: torch.Tensor | list[int], context: int | None = None, stride: int | None = None,
              reference: MoEModel | None = None, on_progress: Callable[[int, int], None] | None = None,
              decode: bool = False) -> EvalResult:
@@ -86,11 +97,11 @@ def evaluate(model: MoEModel, ids: torch.Tensor | list[int], context: int | None
     for done, (begin, end, first) in enumerate(spans, 1):
         targets = ids[first:end]
         logp = _log_probs(model, ids, begin, end, first, decode)
-        nll -= logp.gather(1, targets[:, None]).sum().item()
+        nll += _window_loss(logp, targets, first, end)
         count += targets.numel()
         if reference is not None:
             ref_logp = _log_probs(reference, ids, begin, end, first)
-            ref_nll -= ref_logp.gather(1, targets[:, None]).sum().item()
+            ref_nll += _window_loss(ref_logp, targets, first, end, "the reference's")
             kl += (ref_logp.exp() * (ref_logp - logp)).sum().item()
             agree += (ref_logp.argmax(-1) == logp.argmax(-1)).sum().item()
         if on_progress:

@@ -12,7 +12,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from .errors import ContextLengthError
+from .errors import ContextLengthError, EdgeMoEError
 from .model import MoEModel, Segment
 from .tokenizer import StreamDecoder
 
@@ -59,7 +59,10 @@ def eos_token_ids(model: MoEModel) -> list[int]:
 
 
 def next_token(logits: torch.Tensor, opts: GenerationOptions, generator: torch.Generator | None) -> int:
-    """Choose the next token from float32 logits [V]."""
+    """Choose the next token from float32 logits [V]; an error, not a garbage token or a failed draw,
+    when they hold a nan or +inf (finite weights, checked at load, whose computation overflowed)."""
+    if bool(torch.isnan(logits).any() or torch.isposinf(logits).any()):
+        raise EdgeMoEError("generate: the model computed non-finite logits (nan or inf): an overflow in its dtype?")
     if opts.temperature == 0:
         return int(torch.argmax(logits))
     return int(torch.multinomial(sampling_probs(logits, opts), 1, generator=generator))

@@ -19,13 +19,13 @@ from edgemoe.store import TieredStore
 from edgemoe.store.disk import IO_MODES, drop_page_cache
 from edgemoe.store.format import DENSE_FILE, MANIFEST, StoreError, file_crc32
 
-from .checkpoint import Checkpoint, read_json
-from .errors import CheckpointError, EdgeMoEError
+from .checkpoint import Checkpoint, check_finite, read_json
+from .errors import EdgeMoEError
 from .dense import DENSE_BITS, dense_bits_for
 from .experts import DenseExpert, InMemoryExperts, expert_activations
 from .model import MoEModel
 from .seq2seq import Seq2SeqModel
-from .models import architecture
+from .models import architecture, parse_spec
 from .spec import ModelSpec
 from .precision import compute_dtype
 from .quantized import COMPUTE_CHOICES, StoreExperts
@@ -100,11 +100,7 @@ def require_decoder_only(spec: ModelSpec, where, what: str) -> None:
 
 
 def read_spec(ckpt: Checkpoint) -> ModelSpec:
-    arch = architecture(ckpt.config.get("model_type"), where=str(ckpt.path / "config.json"))
-    try:
-        return arch.parse_config(ckpt.config)
-    except CheckpointError as e:
-        raise CheckpointError(f"{ckpt.path / 'config.json'}: {e}") from None
+    return parse_spec(ckpt.config, where=str(ckpt.path / "config.json"))
 
 
 def read_text_config(directory: Path) -> tuple[Tokenizer | None, dict]:
@@ -179,8 +175,11 @@ def load_store(path: str | os.PathLike, options: StoreOptions | None = None, dty
     if file_crc32(dense_path) != dense_info["crc32"]:
         store.close()
         raise StoreError(f"{dense_path}: checksum mismatch: the store is corrupt")
-    with safe_open(str(dense_path), framework="pt") as f:   # one tensor at a time: no second copy of all
-        dense = {name: weight_in(f.get_tensor(name), dtype) for name in f.keys()}
+    # One tensor at a time (no second copy of all), each checked finite. The experts are not checked here:
+    # convert checked every one as it read it, and their blobs are checksummed.
+    with safe_open(str(dense_path), framework="pt") as f:
+        dense = {name: weight_in(check_finite(f.get_tensor(name), f"{dense_path}: tensor {name!r}", StoreError), dtype)
+                 for name in f.keys()}
     drop_page_cache(dense_path)   # the tensors are copied out: the file's pages would only double them
     missing = sorted(set(store.spec.dense_shapes()) - set(dense))
     if missing:

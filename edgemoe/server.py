@@ -35,10 +35,11 @@ from typing import Any
 
 from .engine import Engine, Event, Request
 from .errors import ContextLengthError
-from .errors import EdgeMoEError
+from .errors import EdgeMoEError, TextError
 from .generate import GenerationOptions, defaults_from
 from .model import MoEModel
 from .options import integer_at_least, timeout_seconds
+from .tokenizer import valid_text
 
 log = logging.getLogger("edgemoe.server")
 
@@ -69,6 +70,15 @@ class APIError(Exception):
 
 def bad_field(param: str, message: str) -> APIError:
     return APIError(400, f"{param}: {message}", param=param, code="invalid_value")
+
+
+def _text(value: str, param: str) -> str:
+    """A request's text field, refused (400) if it is not valid UTF-8 (a JSON string may hold a lone
+    surrogate, "\\ud800", which no tokenizer can take)."""
+    try:
+        return valid_text(value, param)
+    except TextError as e:
+        raise APIError(400, str(e), param=param, code="invalid_value") from None
 
 
 # ---- request fields: one table, FIELDS; each kind has one reader ------------------------------------------
@@ -166,7 +176,7 @@ def _read_boolean(field: Field, value: Any, bounds: Bounds) -> bool:
 def _read_string(field: Field, value: Any, bounds: Bounds) -> str:
     if not isinstance(value, str):
         raise bad_field(field.name, f"expected a string, got {value!r}")
-    return value
+    return _text(value, field.name)
 
 
 def _read_object(field: Field, value: Any, bounds: Bounds) -> dict:
@@ -179,7 +189,7 @@ def _read_strings(field: Field, value: Any, bounds: Bounds) -> tuple[str, ...]:
     strings = [value] if isinstance(value, str) else value
     if not isinstance(strings, list) or not all(isinstance(s, str) for s in strings):
         raise bad_field(field.name, f"expected a string or a list of strings, got {value!r}")
-    return tuple(s for s in strings if s)
+    return tuple(_text(s, field.name) for s in strings if s)
 
 
 def _read_prompt(field: Field, value: Any, bounds: Bounds) -> str | list[int]:
@@ -187,7 +197,7 @@ def _read_prompt(field: Field, value: Any, bounds: Bounds) -> str | list[int]:
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
         value = value[0]
     if isinstance(value, str):
-        return value
+        return _text(value, field.name)
     if (isinstance(value, list) and value
             and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < bounds.vocab for t in value)):
         return value
@@ -214,7 +224,7 @@ def _read_message(where: str, message: Any) -> dict:
         content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
         raise bad_field(f"{where}.content", f"expected a string or a list of text parts, got {content!r}")
-    return {"role": message["role"], "content": content}
+    return {"role": message["role"], "content": _text(content, f"{where}.content")}
 
 
 READERS = {"number": _read_number, "integer": _read_integer, "boolean": _read_boolean, "string": _read_string,

@@ -37,6 +37,7 @@ final norm)  norm [D] (decoder's)  lm_head [V, D] and enc_embed [V, D] (the enco
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -357,24 +358,74 @@ class TensorNames:
     ignored_prefixes: tuple[str, ...] = ()
 
 
-def config_value(config: dict, *keys: str, default: Any = ...) -> Any:
-    """The first of `keys` present in a HF config dict; a clear error if none is and no default."""
-    for key in keys:
-        if key in config and config[key] is not None:
-            return config[key]
-    if default is ...:
-        raise CheckpointError(f"config.json: missing {' / '.join(keys)}")
-    return default
+def _typed(config: dict, keys: tuple[str, ...], default: Any, section: str, valid, expected: str) -> Any:
+    """The one reader of config.json fields (config_int, config_float, ...): the first of `keys` present
+    and not null; else `default`, returned as it is (None makes a field optional), or an error if there
+    is none. Refused unless valid(value), naming the field (in `section`, e.g. rope_parameters), the
+    value and what was `expected`."""
+    prefix = section + "." if section else ""
+    key = next((key for key in keys if config.get(key) is not None), None)
+    if key is None:
+        if default is ...:
+            raise CheckpointError(f"missing {' / '.join(prefix + k for k in keys)}")
+        return default
+    if not valid(config[key]):
+        raise CheckpointError(f"{prefix}{key}={config[key]!r}: expected {expected}")
+    return config[key]
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return _is_int(value) or isinstance(value, float) and math.isfinite(value)
+
+
+def config_int(config: dict, *keys: str, default: Any = ..., minimum: int = 1, section: str = "") -> Any:
+    """An integer field (a JSON integer: a bool, a float or a string is refused) of at least `minimum`."""
+    return _typed(config, keys, default, section, lambda v: _is_int(v) and v >= minimum, f"an integer >= {minimum}")
+
+
+def config_float(config: dict, *keys: str, default: Any = ..., above: float | None = None,
+                 minimum: float | None = None, section: str = "") -> Any:
+    """A number field (an integer or a finite float; a bool or a string is not), greater than `above`
+    or at least `minimum`; returned as a float."""
+    bound = f" > {above}" if above is not None else f" >= {minimum}" if minimum is not None else ""
+    value = _typed(config, keys, default, section,
+                   lambda v: _is_number(v) and (above is None or v > above) and (minimum is None or v >= minimum),
+                   f"a number{bound}")
+    return None if value is None else float(value)
+
+
+def config_bool(config: dict, key: str, default: Any = ..., section: str = "") -> Any:
+    """A flag: JSON true or false (a string "false" would be truthy: refused)."""
+    return _typed(config, (key,), default, section, lambda v: isinstance(v, bool), "true or false")
+
+
+def config_str(config: dict, *keys: str, default: Any = ..., section: str = "") -> Any:
+    return _typed(config, keys, default, section, lambda v: isinstance(v, str), "a string")
+
+
+def config_list(config: dict, key: str, item: str, default: Any = ..., section: str = "") -> Any:
+    """A list whose items are all of one `item` kind: "integer", "number" or "string"."""
+    kinds = {"integer": _is_int, "number": _is_number, "string": lambda v: isinstance(v, str)}
+    return _typed(config, (key,), default, section, lambda v: isinstance(v, list) and all(map(kinds[item], v)),
+                  f"a list of {item}s")
+
+
+def config_object(config: dict, key: str, default: Any = ..., section: str = "") -> Any:
+    return _typed(config, (key,), default, section, lambda v: isinstance(v, dict), "an object")
 
 
 def rope_parameters(config: dict) -> dict:
     """The rotary parameters of a config of transformers 5 (rope_parameters) or 4 (rope_scaling, with
     rope_theta at the top level), with "rope_type" always set; "field" names where they came from."""
     for field_name in ("rope_parameters", "rope_scaling"):
-        params = config.get(field_name)
+        params = config_object(config, field_name, default=None)
         if params:
-            return {**params, "rope_type": params.get("rope_type", params.get("type", "default")),
-                    "field": field_name}
+            kind = config_str(params, "rope_type", "type", default="default", section=field_name)
+            return {**params, "rope_type": kind, "field": field_name}
     return {"rope_type": "default", "field": "rope_parameters"}
 
 
@@ -385,4 +436,6 @@ def rope_theta(config: dict, supported: tuple[str, ...] = ("default",)) -> float
     if params["rope_type"] not in supported:
         raise CheckpointError(f"{params['field']} type {params['rope_type']!r} is not supported "
                               f"(supported: {', '.join(repr(t) for t in supported)})")
-    return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    # A base of 1 or less would not slow the rotation from one dim pair to the next (and YaRN divides by its log).
+    theta = config_float(params, "rope_theta", default=None, above=1, section=params["field"])
+    return theta if theta is not None else config_float(config, "rope_theta", default=10000.0, above=1)

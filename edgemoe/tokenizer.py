@@ -12,7 +12,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as _HFTokenizer
 
 from .checkpoint import read_json
-from .errors import CheckpointError
+from .errors import CheckpointError, TextError
 
 
 def _token_text(value) -> str | None:
@@ -20,6 +20,30 @@ def _token_text(value) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return value
+
+
+def valid_text(text: str | bytes, source: str) -> str:
+    """`text` as a str (bytes decoded as UTF-8), or a TextError naming `source` and the byte offset of
+    the first bad byte. Every entry point that takes text calls it with its own source (the flag, the
+    request field, the file), and Tokenizer.encode calls it for the Python API."""
+    try:
+        if isinstance(text, bytes):
+            return text.decode("utf-8")
+        text.encode("utf-8")   # a surrogate is not a character: the tokenizer could not take it
+        return text
+    except UnicodeError as e:
+        raise TextError(f"{source}: not valid UTF-8 at byte {_bad_byte(text, e.start)}") from None
+
+
+def _bad_byte(text: str | bytes, index: int) -> str:
+    """'3 (0xe9)': where the bad byte (bytes) or surrogate (str) at `index` is, in bytes, and what it is."""
+    if isinstance(text, bytes):
+        return f"{index} (0x{text[index]:02x})"
+    code = ord(text[index])
+    # Python hands a command-line argument's (or a surrogateescape stream's) bytes that are not UTF-8 over
+    # as U+DC80..U+DCFF; any other surrogate came as such (a JSON string's "\ud800").
+    what = f"0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"a lone surrogate U+{code:04X}"
+    return f"{len(text[:index].encode('utf-8'))} ({what})"
 
 
 class Tokenizer:
@@ -62,7 +86,7 @@ class Tokenizer:
         return self.token_id(self.eos_token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._tok.encode(valid_text(text, "text"), add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

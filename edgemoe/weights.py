@@ -15,7 +15,7 @@ from typing import Iterator
 
 import torch
 
-from .checkpoint import Checkpoint, read_slice
+from .checkpoint import Checkpoint, check_finite, read_slice
 from .errors import CheckpointError
 from .mxfp4 import check_mxfp4_shapes, decode_mxfp4
 from .spec import ExpertNames, ModelSpec, TensorNames
@@ -156,7 +156,8 @@ def _read_mxfp4(ckpt: Checkpoint, name: str, expert: int) -> torch.Tensor:
     """Expert `expert`'s slice of an MXFP4 pair name_blocks / name_scales, decoded: float32 [R, C]."""
     blocks = read_slice(ckpt, f"{name}_blocks", expert, packed=True)    # [R, C/32, 16]
     scales = read_slice(ckpt, f"{name}_scales", expert, packed=True)    # [R, C/32]
-    return decode_mxfp4(blocks, scales, f"{ckpt.path}: {name}_blocks")
+    where = f"{ckpt.tensors[name + '_blocks'].file}: tensor {name + '_blocks'!r} [{expert}]"
+    return check_finite(decode_mxfp4(blocks, scales, where), f"{where}, decoded")   # a scale of 255 is 2^128
 
 
 def read_dense(ckpt: Checkpoint, plan: WeightPlan, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:

@@ -142,7 +142,7 @@ def test_a_config_that_is_not_an_object_or_has_a_fractional_count_is_named(monke
     shutil.copytree(tiny_model("mixtral"), checkpoint)
     config = json.loads((checkpoint / "config.json").read_text())
     for bad, message in (([config], "expected a JSON object"), ({**config, "num_local_experts": 8.5},
-                                                                 "num_experts must be a positive integer")):
+                                                                 "num_local_experts=8.5: expected an integer")):
         (checkpoint / "config.json").write_text(json.dumps(bad))
         code, err = run_cli(monkeypatch, capsys, "run", str(checkpoint), "-p", "x")
         assert code == 2 and err.count("\n") == 0 and "config.json" in err and message in err, err

@@ -179,6 +179,24 @@ def test_bad_fields_are_400s_naming_the_field(server, path, body, param):
     assert status == 400 and answer["error"]["param"] == param and param in answer["error"]["message"]
 
 
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "ab\ud800cd"}, "prompt"),
+    ("/v1/completions", {"prompt": ["ab\ud800cd"]}, "prompt"),
+    ("/v1/completions", {"prompt": "a", "stop": ["x", "ab\ud800cd"]}, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"},
+                                           {"role": "user", "content": "ab\ud800cd"}]}, "messages[1].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "ab\ud800cd"}]}]},
+     "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "ab\ud800cd", "content": "hi"}]}, "messages[0].role"),
+])
+def test_text_that_is_not_utf8_is_a_400_naming_the_field_and_the_byte(server, path, body, param):
+    """A JSON string may hold a lone surrogate (valid JSON, not text): refused, not a 500."""
+    status, answer = post(server, path, body)
+    assert status == 400 and answer["error"] == {
+        "message": f"{param}: not valid UTF-8 at byte 2 (a lone surrogate U+D800)", "type": "invalid_request_error",
+        "param": param, "code": "invalid_value"}
+
+
 def test_prompt_longer_than_the_context_is_refused(model, client):
     with pytest.raises(openai.BadRequestError) as error:
         client.completions.create(model=NAME, prompt=[5] * model.spec.max_position_embeddings, max_tokens=2)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from ..errors import UnsupportedModelError
+from ..errors import CheckpointError, UnsupportedModelError
 from . import (deepseek_v2, deepseek_v3, gpt_oss, mixtral, olmoe, phimoe, qwen2_moe, qwen3_moe,
                switch_transformers)
 from ..spec import ExpertNames, ModelSpec, TensorNames
@@ -15,10 +15,19 @@ ARCHITECTURES: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (mixtral, qwen2
 
 
 def architecture(model_type: str | None, where: str = "config.json") -> ModuleType:
-    if model_type not in ARCHITECTURES:
+    if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
         raise UnsupportedModelError(f"{where}: model_type {model_type!r} is not supported "
                                     f"(supported: {', '.join(sorted(ARCHITECTURES))})")
     return ARCHITECTURES[model_type]
 
 
-__all__ = ["ARCHITECTURES", "ExpertNames", "ModelSpec", "TensorNames", "architecture"]
+def parse_spec(config: dict, where: str = "config.json") -> ModelSpec:
+    """The ModelSpec of a config.json's dict; every error names `where` (the file) and the field."""
+    arch = architecture(config.get("model_type"), where)
+    try:
+        return arch.parse_config(config)
+    except CheckpointError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+
+
+__all__ = ["ARCHITECTURES", "ExpertNames", "ModelSpec", "TensorNames", "architecture", "parse_spec"]

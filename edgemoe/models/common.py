@@ -2,27 +2,27 @@
 
 from __future__ import annotations
 
-from ..spec import config_value, rope_theta
+from ..spec import config_bool, config_float, config_int, config_str, rope_theta
 
 
 def attention_fields(config: dict, rope_types: tuple[str, ...] = ("default",)) -> dict:
     """ModelSpec fields that every supported architecture reads the same way from config.json
     (rotary types other than `rope_types` are refused)."""
-    hidden = config_value(config, "hidden_size")
-    heads = config_value(config, "num_attention_heads")
-    num_layers = config_value(config, "num_hidden_layers")
+    hidden = config_int(config, "hidden_size")
+    heads = config_int(config, "num_attention_heads")
+    num_layers = config_int(config, "num_hidden_layers")
     return dict(
-        vocab_size=config_value(config, "vocab_size"),
+        vocab_size=config_int(config, "vocab_size"),
         hidden_size=hidden,
         num_layers=num_layers,
         num_heads=heads,
-        num_kv_heads=config_value(config, "num_key_value_heads", default=heads),
-        head_dim=config_value(config, "head_dim", default=hidden // heads),
-        rms_norm_eps=float(config_value(config, "rms_norm_eps", default=1e-6)),
+        num_kv_heads=config_int(config, "num_key_value_heads", default=heads),
+        head_dim=config_int(config, "head_dim", default=hidden // heads),
+        rms_norm_eps=config_float(config, "rms_norm_eps", default=1e-6, above=0),
         rope_theta=rope_theta(config, rope_types),
-        max_position_embeddings=config_value(config, "max_position_embeddings", default=4096),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        hidden_act=config_value(config, "hidden_act", default="silu"),
+        max_position_embeddings=config_int(config, "max_position_embeddings", default=4096),
+        tie_word_embeddings=config_bool(config, "tie_word_embeddings", default=False),
+        hidden_act=config_str(config, "hidden_act", default="silu"),
     )
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ..errors import CheckpointError
 from .common import attention_fields, llama_style_names, qwen_style_mlp_names
-from ..spec import ModelSpec, TensorNames, config_value, rope_parameters
+from ..spec import ModelSpec, TensorNames, config_bool, config_float, config_int, config_str, rope_parameters
 from .yarn import yarn_fields
 
 MODEL_TYPE = "deepseek_v2"
@@ -22,18 +22,18 @@ TOPK_METHODS = {"greedy": "softmax", "group_limited_greedy": "softmax_group"}
 
 
 def moe_layer_flags(config: dict, num_layers: int) -> tuple[bool, ...]:
-    first_dense = config_value(config, "first_k_dense_replace", default=0)
-    freq = config_value(config, "moe_layer_freq", default=1)
+    first_dense = config_int(config, "first_k_dense_replace", default=0, minimum=0)
+    freq = config_int(config, "moe_layer_freq", default=1)
     return tuple(l >= first_dense and l % freq == 0 for l in range(num_layers))
 
 
 def mla_fields(config: dict) -> dict:
     """The ModelSpec fields of multi-head latent attention (and of the DeepSeek family's common parts)."""
     fields = attention_fields(config, rope_types=("default", "yarn"))
-    if config.get("mlp_bias", False):
+    if config_bool(config, "mlp_bias", default=False):
         raise CheckpointError("mlp_bias=true is not supported")
-    nope = config_value(config, "qk_nope_head_dim")
-    rope = config_value(config, "qk_rope_head_dim")
+    nope = config_int(config, "qk_nope_head_dim")
+    rope = config_int(config, "qk_rope_head_dim")
     num_layers = fields["num_layers"]
     # Every head has its own key and value (expanded from the latent): K = H, whatever
     # num_key_value_heads says; head_dim is the key's (nope + rope) dims.
@@ -41,36 +41,36 @@ def mla_fields(config: dict) -> dict:
     params = rope_parameters(config)
     if params["rope_type"] == "yarn":
         fields.update(yarn_fields(config, params, rope_dim=rope, key_dim=nope + rope, base=fields["rope_theta"]))
-    shared = config_value(config, "n_shared_experts", default=0)
-    expert_hidden = config_value(config, "moe_intermediate_size")
+    shared = config_int(config, "n_shared_experts", default=0, minimum=0)
+    expert_hidden = config_int(config, "moe_intermediate_size")
     return dict(
         attention="mla",
-        q_lora_rank=config.get("q_lora_rank") or 0,
-        kv_lora_rank=config_value(config, "kv_lora_rank"),
+        q_lora_rank=config_int(config, "q_lora_rank", default=0, minimum=0),
+        kv_lora_rank=config_int(config, "kv_lora_rank"),
         qk_nope_head_dim=nope,
         qk_rope_head_dim=rope,
-        v_head_dim=config_value(config, "v_head_dim"),
-        qkv_bias=bool(config.get("attention_bias", False)),
-        o_bias=bool(config.get("attention_bias", False)),
-        num_experts=config_value(config, "n_routed_experts", "num_experts", "num_local_experts"),
-        top_k=config_value(config, "num_experts_per_tok"),
+        v_head_dim=config_int(config, "v_head_dim"),
+        qkv_bias=config_bool(config, "attention_bias", default=False),
+        o_bias=config_bool(config, "attention_bias", default=False),
+        num_experts=config_int(config, "n_routed_experts", "num_experts", "num_local_experts"),
+        top_k=config_int(config, "num_experts_per_tok"),
         expert_hidden=expert_hidden,
         moe_layers=moe_layer_flags(config, num_layers),
         sliding_windows=(None,) * num_layers,
-        dense_hidden=config_value(config, "intermediate_size"),
+        dense_hidden=config_int(config, "intermediate_size"),
         shared_expert_hidden=shared * expert_hidden,
         shared_expert_gated=False,
-        routed_scaling_factor=float(config_value(config, "routed_scaling_factor", default=1.0)),
+        routed_scaling_factor=config_float(config, "routed_scaling_factor", default=1.0, above=0),
         **fields,
     )
 
 
 def parse_config(config: dict) -> ModelSpec:
-    method = config_value(config, "topk_method", default="greedy")
+    method = config_str(config, "topk_method", default="greedy")
     if method not in TOPK_METHODS:
         raise CheckpointError(f"topk_method={method!r} is not supported "
                               f"(supported: {', '.join(TOPK_METHODS)})")
-    if config.get("norm_topk_prob", False):
+    if config_bool(config, "norm_topk_prob", default=False):
         # transformers' DeepSeek-V2 ignores it, DeepSeek's own code renormalises without the scaling
         # factor: refuse rather than pick one.
         raise CheckpointError("norm_topk_prob=true is not supported for deepseek_v2")
@@ -79,8 +79,8 @@ def parse_config(config: dict) -> ModelSpec:
         model_type=MODEL_TYPE,
         norm_topk_prob=False,
         router=TOPK_METHODS[method],
-        n_group=config_value(config, "n_group") if grouped else 1,
-        topk_group=config_value(config, "topk_group") if grouped else 1,
+        n_group=config_int(config, "n_group") if grouped else 1,
+        topk_group=config_int(config, "topk_group") if grouped else 1,
         rope_interleave=True,   # V2 rotates adjacent pairs (complex multiplication)
         **mla_fields(config),
     )

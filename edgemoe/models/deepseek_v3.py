@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .deepseek_v2 import deepseek_names, mla_fields
-from ..spec import ModelSpec, TensorNames, config_value
+from ..spec import ModelSpec, TensorNames, config_bool, config_int
 
 MODEL_TYPE = "deepseek_v3"
 
@@ -22,12 +22,12 @@ MODEL_TYPE = "deepseek_v3"
 def parse_config(config: dict) -> ModelSpec:
     return ModelSpec(
         model_type=MODEL_TYPE,
-        norm_topk_prob=bool(config.get("norm_topk_prob", True)),
+        norm_topk_prob=config_bool(config, "norm_topk_prob", default=True),
         router="sigmoid_group",
-        n_group=config_value(config, "n_group", default=1),
-        topk_group=config_value(config, "topk_group", default=1),
-        rope_interleave=bool(config.get("rope_interleave", True)),
-        skipped_layers=config_value(config, "num_nextn_predict_layers", "num_mtp_layers", default=0),
+        n_group=config_int(config, "n_group", default=1),
+        topk_group=config_int(config, "topk_group", default=1),
+        rope_interleave=config_bool(config, "rope_interleave", default=True),
+        skipped_layers=config_int(config, "num_nextn_predict_layers", "num_mtp_layers", default=0, minimum=0),
         **mla_fields(config),
     )
 

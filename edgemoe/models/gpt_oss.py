@@ -16,7 +16,8 @@ from __future__ import annotations
 from .common import attention_fields, llama_style_names
 from .yarn import yarn_fields
 from ..errors import CheckpointError
-from ..spec import ExpertNames, ModelSpec, TensorNames, config_value, rope_parameters
+from ..spec import (ExpertNames, ModelSpec, TensorNames, config_bool, config_float, config_int, config_list,
+                    config_object, config_str, rope_parameters)
 
 MODEL_TYPE = "gpt_oss"
 
@@ -24,8 +25,8 @@ MODEL_TYPE = "gpt_oss"
 def sliding_windows(config: dict, num_layers: int) -> tuple[int | None, ...]:
     """The window of each layer: config.sliding_window on "sliding_attention" layers (by default
     the even ones, as transformers' GptOssConfig), None (full attention) on the others."""
-    window = config.get("sliding_window")
-    layer_types = config.get("layer_types") or [
+    window = config_int(config, "sliding_window", default=None)
+    layer_types = config_list(config, "layer_types", "string", default=None) or [
         "sliding_attention" if (l + 1) % 2 else "full_attention" for l in range(num_layers)]
     if len(layer_types) != num_layers:
         raise CheckpointError(f"layer_types lists {len(layer_types)} layers, num_hidden_layers is {num_layers}")
@@ -37,7 +38,8 @@ def sliding_windows(config: dict, num_layers: int) -> tuple[int | None, ...]:
 
 def check_quantization(config: dict) -> None:
     """Only MXFP4 (decoded on read) or no quantization_config at all."""
-    method = (config.get("quantization_config") or {}).get("quant_method", "mxfp4")
+    quantization = config_object(config, "quantization_config", default={})
+    method = config_str(quantization, "quant_method", default="mxfp4", section="quantization_config")
     if method != "mxfp4":
         raise CheckpointError(f"quantization_config quant_method={method!r} is not supported (mxfp4 or none)")
 
@@ -45,19 +47,19 @@ def check_quantization(config: dict) -> None:
 def parse_config(config: dict) -> ModelSpec:
     check_quantization(config)
     fields = attention_fields(config, rope_types=("default", "yarn"))
-    fields["rms_norm_eps"] = float(config_value(config, "rms_norm_eps", default=1e-5))
+    fields["rms_norm_eps"] = config_float(config, "rms_norm_eps", default=1e-5, above=0)
     params = rope_parameters(config)
     if params["rope_type"] == "yarn":
         head_dim = fields["head_dim"]
         fields.update(yarn_fields(config, params, rope_dim=head_dim, key_dim=head_dim, base=fields["rope_theta"]))
     num_layers = fields["num_layers"]
-    bias = bool(config.get("attention_bias", True))
+    bias = config_bool(config, "attention_bias", default=True)
     return ModelSpec(
         model_type=MODEL_TYPE,
-        num_experts=config_value(config, "num_local_experts", "num_experts"),
-        top_k=config_value(config, "num_experts_per_tok"),
+        num_experts=config_int(config, "num_local_experts", "num_experts"),
+        top_k=config_int(config, "num_experts_per_tok"),
         norm_topk_prob=True,   # the top-k logits are softmaxed among themselves
-        expert_hidden=config_value(config, "intermediate_size"),
+        expert_hidden=config_int(config, "intermediate_size"),
         moe_layers=(True,) * num_layers,
         sliding_windows=sliding_windows(config, num_layers),
         qkv_bias=bias,
@@ -65,8 +67,8 @@ def parse_config(config: dict) -> ModelSpec:
         attention_sinks=True,
         router="topk_softmax",
         expert_activation="gpt_oss",
-        swiglu_alpha=float(config_value(config, "swiglu_alpha", default=1.702)),
-        swiglu_limit=float(config_value(config, "swiglu_limit", default=7.0)),
+        swiglu_alpha=config_float(config, "swiglu_alpha", default=1.702, above=0),
+        swiglu_limit=config_float(config, "swiglu_limit", default=7.0, above=0),
         **fields,
     )
 

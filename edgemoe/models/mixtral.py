@@ -7,7 +7,7 @@ model.layers.{l}.block_sparse_moe.experts.{e}.w1 / w3 / w2 .weight (gate, up, do
 from __future__ import annotations
 
 from .common import attention_fields, llama_style_names
-from ..spec import ExpertNames, ModelSpec, TensorNames, config_value
+from ..spec import ExpertNames, ModelSpec, TensorNames, config_int
 
 MODEL_TYPE = "mixtral"
 
@@ -15,13 +15,13 @@ MODEL_TYPE = "mixtral"
 def parse_config(config: dict) -> ModelSpec:
     fields = attention_fields(config)
     num_layers = fields["num_layers"]
-    window = config.get("sliding_window")
+    window = config_int(config, "sliding_window", default=None)
     return ModelSpec(
         model_type=MODEL_TYPE,
-        num_experts=config_value(config, "num_local_experts"),
-        top_k=config_value(config, "num_experts_per_tok"),
+        num_experts=config_int(config, "num_local_experts"),
+        top_k=config_int(config, "num_experts_per_tok"),
         norm_topk_prob=True,  # Mixtral always renormalises the top-k weights
-        expert_hidden=config_value(config, "intermediate_size"),
+        expert_hidden=config_int(config, "intermediate_size"),
         moe_layers=(True,) * num_layers,
         sliding_windows=(window,) * num_layers,
         **fields,

@@ -5,7 +5,7 @@ clipping of q/k/v, top-k weights not renormalised by default; every layer MoE.
 from __future__ import annotations
 
 from .common import attention_fields, llama_style_names, qwen_style_mlp_names
-from ..spec import ModelSpec, TensorNames, config_value
+from ..spec import ModelSpec, TensorNames, config_bool, config_float, config_int
 
 MODEL_TYPE = "olmoe"
 
@@ -13,18 +13,17 @@ MODEL_TYPE = "olmoe"
 def parse_config(config: dict) -> ModelSpec:
     fields = attention_fields(config)
     num_layers = fields["num_layers"]
-    clip = config.get("clip_qkv")
     return ModelSpec(
         model_type=MODEL_TYPE,
-        num_experts=config_value(config, "num_experts", "num_local_experts"),
-        top_k=config_value(config, "num_experts_per_tok"),
-        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
-        expert_hidden=config_value(config, "intermediate_size"),
+        num_experts=config_int(config, "num_experts", "num_local_experts"),
+        top_k=config_int(config, "num_experts_per_tok"),
+        norm_topk_prob=config_bool(config, "norm_topk_prob", default=False),
+        expert_hidden=config_int(config, "intermediate_size"),
         moe_layers=(True,) * num_layers,
         sliding_windows=(None,) * num_layers,
-        qkv_bias=bool(config.get("attention_bias", False)),
+        qkv_bias=config_bool(config, "attention_bias", default=False),
         qk_norm="proj",
-        clip_qkv=None if clip is None else float(clip),
+        clip_qkv=config_float(config, "clip_qkv", default=None, above=0),
         **fields,
     )
 

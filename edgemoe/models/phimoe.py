@@ -16,7 +16,7 @@ import torch
 from .common import attention_fields
 from .mixtral import tensor_names as mixtral_names
 from ..errors import CheckpointError
-from ..spec import ModelSpec, TensorNames, config_value, rope_parameters
+from ..spec import ModelSpec, TensorNames, config_bool, config_float, config_int, config_list, rope_parameters
 
 MODEL_TYPE = "phimoe"
 
@@ -26,22 +26,22 @@ def parse_config(config: dict) -> ModelSpec:
     if rope_parameters(config)["rope_type"] == "longrope":
         fields.update(longrope_fields(config, fields["head_dim"], fields["rope_theta"]))
     num_layers = fields["num_layers"]
-    bias = bool(config.get("attention_bias", False))
-    fields["rms_norm_eps"] = float(config_value(config, "rms_norm_eps", default=1e-5))  # the LayerNorms' eps
+    bias = config_bool(config, "attention_bias", default=False)
+    fields["rms_norm_eps"] = config_float(config, "rms_norm_eps", default=1e-5, above=0)  # the LayerNorms' eps
     return ModelSpec(
         model_type=MODEL_TYPE,
-        num_experts=config_value(config, "num_local_experts"),
-        top_k=config_value(config, "num_experts_per_tok"),
+        num_experts=config_int(config, "num_local_experts"),
+        top_k=config_int(config, "num_experts_per_tok"),
         norm_topk_prob=False,
-        expert_hidden=config_value(config, "intermediate_size"),
+        expert_hidden=config_int(config, "intermediate_size"),
         moe_layers=(True,) * num_layers,
-        sliding_windows=(config.get("sliding_window"),) * num_layers,
+        sliding_windows=(config_int(config, "sliding_window", default=None),) * num_layers,
         norm="layer",
         qkv_bias=bias,
         o_bias=bias,
-        lm_head_bias=bool(config.get("lm_head_bias", False)),
+        lm_head_bias=config_bool(config, "lm_head_bias", default=False),
         router="sparsemixer",
-        router_jitter_eps=float(config_value(config, "router_jitter_noise", default=0.01)),
+        router_jitter_eps=config_float(config, "router_jitter_noise", default=0.01, minimum=0),
         **fields,
     )
 
@@ -70,18 +70,20 @@ def longrope_fields(config: dict, head_dim: int, base: float) -> dict:
     original_max_position_embeddings."""
     params = rope_parameters(config)
     where = f"{params['field']}"
-    original = config.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
-    if not isinstance(original, int) or original < 1:
-        raise CheckpointError(f"{where}: longrope needs original_max_position_embeddings, got {original!r}")
-    factor = config_value(config, "max_position_embeddings") / original
+    original = (config_int(config, "original_max_position_embeddings", default=None)
+                or config_int(params, "original_max_position_embeddings", default=None, section=where))
+    if original is None:
+        raise CheckpointError(f"{where}: longrope needs original_max_position_embeddings")
+    factor = config_int(config, "max_position_embeddings") / original
     default_mscale = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
     sets = {}
     for kind in ("short", "long"):
-        factors = params.get(f"{kind}_factor")
-        if not isinstance(factors, list) or len(factors) != head_dim // 2:
+        factors = config_list(params, f"{kind}_factor", "number", default=None, section=where)
+        if factors is None or len(factors) != head_dim // 2:
             raise CheckpointError(f"{where}: {kind}_factor must list {head_dim // 2} numbers (head_dim / 2)")
         shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
         inv_freq = 1.0 / (torch.tensor(factors, dtype=torch.float32) * base ** shape)
-        sets[kind] = (tuple(inv_freq.tolist()), float(params.get(f"{kind}_mscale") or default_mscale))
+        mscale = config_float(params, f"{kind}_mscale", default=None, above=0, section=where)
+        sets[kind] = (tuple(inv_freq.tolist()), mscale or default_mscale)
     return dict(rope_inv_freq=sets["short"][0], rope_attention_factor=sets["short"][1], rope_long_after=original,
                 rope_long_inv_freq=sets["long"][0], rope_long_attention_factor=sets["long"][1])

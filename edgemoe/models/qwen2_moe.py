@@ -8,25 +8,25 @@ mlp.shared_expert.{gate,up,down}_proj.weight, mlp.shared_expert_gate.weight [1, 
 from __future__ import annotations
 
 from .common import attention_fields, llama_style_names, qwen_style_mlp_names
-from ..spec import ModelSpec, TensorNames, config_value
+from ..spec import ModelSpec, TensorNames, config_bool, config_int, config_list
 
 MODEL_TYPE = "qwen2_moe"
 
 
 def moe_layer_flags(config: dict, num_layers: int) -> tuple[bool, ...]:
     """Qwen's rule: layer l is MoE unless listed in mlp_only_layers or off the decoder_sparse_step grid."""
-    mlp_only = set(config.get("mlp_only_layers") or [])
-    step = config_value(config, "decoder_sparse_step", default=1)
-    num_experts = config_value(config, "num_experts", "num_local_experts")
-    return tuple(l not in mlp_only and num_experts > 0 and (l + 1) % step == 0 for l in range(num_layers))
+    mlp_only = set(config_list(config, "mlp_only_layers", "integer", default=[]))
+    step = config_int(config, "decoder_sparse_step", default=1)
+    return tuple(l not in mlp_only and (l + 1) % step == 0 for l in range(num_layers))
 
 
 def sliding_windows(config: dict, num_layers: int) -> tuple[int | None, ...]:
-    if not config.get("use_sliding_window", False):
+    if not config_bool(config, "use_sliding_window", default=False):
         return (None,) * num_layers
-    window = config_value(config, "sliding_window")
-    layer_types = config.get("layer_types") or [
-        "sliding_attention" if (l + 1) % 2 and l < config.get("max_window_layers", 28) else "full_attention"
+    window = config_int(config, "sliding_window")
+    window_layers = config_int(config, "max_window_layers", default=28, minimum=0)
+    layer_types = config_list(config, "layer_types", "string", default=None) or [
+        "sliding_attention" if (l + 1) % 2 and l < window_layers else "full_attention"
         for l in range(num_layers)]
     return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
 
@@ -36,15 +36,15 @@ def parse_config(config: dict) -> ModelSpec:
     num_layers = fields["num_layers"]
     return ModelSpec(
         model_type=MODEL_TYPE,
-        num_experts=config_value(config, "num_experts", "num_local_experts"),
-        top_k=config_value(config, "num_experts_per_tok"),
-        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
-        expert_hidden=config_value(config, "moe_intermediate_size"),
+        num_experts=config_int(config, "num_experts", "num_local_experts"),
+        top_k=config_int(config, "num_experts_per_tok"),
+        norm_topk_prob=config_bool(config, "norm_topk_prob", default=False),
+        expert_hidden=config_int(config, "moe_intermediate_size"),
         moe_layers=moe_layer_flags(config, num_layers),
         sliding_windows=sliding_windows(config, num_layers),
-        dense_hidden=config_value(config, "intermediate_size"),
-        shared_expert_hidden=config_value(config, "shared_expert_intermediate_size"),
-        qkv_bias=bool(config.get("qkv_bias", True)),  # older configs have no key: biases always present
+        dense_hidden=config_int(config, "intermediate_size"),
+        shared_expert_hidden=config_int(config, "shared_expert_intermediate_size", minimum=0),
+        qkv_bias=config_bool(config, "qkv_bias", default=True),  # older configs have no key: biases always present
         **fields,
     )
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from .common import attention_fields, llama_style_names, qwen_style_mlp_names
 from .qwen2_moe import moe_layer_flags
-from ..spec import ModelSpec, TensorNames, config_value
+from ..spec import ModelSpec, TensorNames, config_bool, config_int
 
 MODEL_TYPE = "qwen3_moe"
 
@@ -15,17 +15,18 @@ MODEL_TYPE = "qwen3_moe"
 def parse_config(config: dict) -> ModelSpec:
     fields = attention_fields(config)
     num_layers = fields["num_layers"]
-    window = config.get("sliding_window") if config.get("use_sliding_window", False) else None
+    sliding = config_bool(config, "use_sliding_window", default=False)
+    window = config_int(config, "sliding_window", default=None) if sliding else None
     return ModelSpec(
         model_type=MODEL_TYPE,
-        num_experts=config_value(config, "num_experts", "num_local_experts"),
-        top_k=config_value(config, "num_experts_per_tok"),
-        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
-        expert_hidden=config_value(config, "moe_intermediate_size"),
+        num_experts=config_int(config, "num_experts", "num_local_experts"),
+        top_k=config_int(config, "num_experts_per_tok"),
+        norm_topk_prob=config_bool(config, "norm_topk_prob", default=False),
+        expert_hidden=config_int(config, "moe_intermediate_size"),
         moe_layers=moe_layer_flags(config, num_layers),
         sliding_windows=(window,) * num_layers,
-        dense_hidden=config_value(config, "intermediate_size"),
-        qkv_bias=bool(config.get("attention_bias", False)),
+        dense_hidden=config_int(config, "intermediate_size"),
+        qkv_bias=config_bool(config, "attention_bias", default=False),
         qk_norm="head",
         **fields,
     )

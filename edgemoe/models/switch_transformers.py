@@ -18,7 +18,7 @@ Checkpoint names (stack s = encoder / decoder, block i):
 from __future__ import annotations
 
 from ..errors import CheckpointError
-from ..spec import ExpertNames, ModelSpec, TensorNames, config_value
+from ..spec import ExpertNames, ModelSpec, TensorNames, config_bool, config_float, config_int, config_str
 
 MODEL_TYPE = "switch_transformers"
 # T5 has no position embeddings; the context is bounded only by memory. This is the length the released
@@ -32,46 +32,45 @@ def sparse_flags(num_layers: int, num_sparse: int) -> tuple[bool, ...]:
 
 
 def parse_config(config: dict) -> ModelSpec:
-    if config.get("router_bias", False):
+    if config_bool(config, "router_bias", default=False):
         raise CheckpointError("router_bias=true is not supported")
-    if config.get("dense_act_fn", "relu") != "relu":
+    if config_str(config, "dense_act_fn", default="relu") != "relu":
         raise CheckpointError(f"dense_act_fn={config['dense_act_fn']!r} (only 'relu' is supported)")
-    if config.get("router_dtype", "float32") != "float32":
+    if config_str(config, "router_dtype", default="float32") != "float32":
         raise CheckpointError(f"router_dtype={config['router_dtype']!r} (only 'float32' is supported)")
-    encoder = config_value(config, "num_layers")
-    decoder = config_value(config, "num_decoder_layers", default=encoder)
-    flags = (sparse_flags(encoder, config_value(config, "num_sparse_encoder_layers", default=0))
-             + sparse_flags(decoder, config_value(config, "num_sparse_decoder_layers", default=0)))
-    heads = config_value(config, "num_heads")
-    d_ff = config_value(config, "d_ff")
-    capacity = config.get("expert_capacity")
+    encoder = config_int(config, "num_layers")
+    decoder = config_int(config, "num_decoder_layers", default=encoder)
+    flags = (sparse_flags(encoder, config_int(config, "num_sparse_encoder_layers", default=0, minimum=0))
+             + sparse_flags(decoder, config_int(config, "num_sparse_decoder_layers", default=0, minimum=0)))
+    heads = config_int(config, "num_heads")
+    d_ff = config_int(config, "d_ff")
     return ModelSpec(
         model_type=MODEL_TYPE,
-        vocab_size=config_value(config, "vocab_size"),
-        hidden_size=config_value(config, "d_model"),
+        vocab_size=config_int(config, "vocab_size"),
+        hidden_size=config_int(config, "d_model"),
         num_layers=encoder + decoder,
         num_heads=heads,
         num_kv_heads=heads,
-        head_dim=config_value(config, "d_kv"),
-        rms_norm_eps=float(config_value(config, "layer_norm_epsilon", default=1e-6)),
+        head_dim=config_int(config, "d_kv"),
+        rms_norm_eps=config_float(config, "layer_norm_epsilon", default=1e-6, above=0),
         rope_theta=10000.0,            # unused: positions enter through the relative-position bias
         max_position_embeddings=CONTEXT_LENGTH,
-        num_experts=config_value(config, "num_experts"),
+        num_experts=config_int(config, "num_experts"),
         top_k=1,
         norm_topk_prob=False,
         expert_hidden=d_ff,
         moe_layers=flags,
         sliding_windows=(None,) * (encoder + decoder),
         dense_hidden=d_ff,
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
+        tie_word_embeddings=config_bool(config, "tie_word_embeddings", default=True),
         hidden_act="relu",
         attention_scale=1.0,           # T5 does not scale q.k
         expert_activation="relu",
         encoder_layers=encoder,
-        relative_attention_buckets=config_value(config, "relative_attention_num_buckets", default=32),
-        relative_attention_max_distance=config_value(config, "relative_attention_max_distance", default=128),
-        decoder_start_token_id=config_value(config, "decoder_start_token_id", "pad_token_id"),
-        expert_capacity=None if capacity is None else int(capacity),
+        relative_attention_buckets=config_int(config, "relative_attention_num_buckets", default=32),
+        relative_attention_max_distance=config_int(config, "relative_attention_max_distance", default=128),
+        decoder_start_token_id=config_int(config, "decoder_start_token_id", "pad_token_id", minimum=0),
+        expert_capacity=config_int(config, "expert_capacity", default=None),
     )
 
 

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from ..spec import config_value
+from ..spec import config_bool, config_float, config_int
 
 
 def mscale(factor: float, scale: float = 1.0) -> float:
@@ -44,13 +44,19 @@ def yarn_inv_freq(dim: int, base: float, factor: float, context: int, beta_fast:
 
 def yarn_fields(config: dict, params: dict, rope_dim: int, key_dim: int, base: float) -> dict:
     """ModelSpec fields (rope_inv_freq, rope_attention_factor, attention_scale) of a "yarn" config."""
-    context = (config.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
-               or config_value(config, "max_position_embeddings"))
-    factor = params.get("factor") or config_value(config, "max_position_embeddings") / context
-    inv_freq = yarn_inv_freq(rope_dim, base, float(factor), int(context), params.get("beta_fast") or 32,
-                             params.get("beta_slow") or 1, params.get("truncate", True))
-    scale, scale_all = params.get("mscale"), params.get("mscale_all_dim")
-    attention_factor = params.get("attention_factor")
+    where = params["field"]
+    context = (config_int(config, "original_max_position_embeddings", default=None)
+               or config_int(params, "original_max_position_embeddings", default=None, section=where)
+               or config_int(config, "max_position_embeddings"))
+    factor = (config_float(params, "factor", default=None, above=0, section=where)
+              or config_int(config, "max_position_embeddings") / context)
+    beta_fast = config_float(params, "beta_fast", default=32, above=0, section=where)
+    beta_slow = config_float(params, "beta_slow", default=1, above=0, section=where)
+    truncate = config_bool(params, "truncate", default=True, section=where)
+    inv_freq = yarn_inv_freq(rope_dim, base, factor, context, beta_fast, beta_slow, truncate)
+    scale = config_float(params, "mscale", default=None, minimum=0, section=where)
+    scale_all = config_float(params, "mscale_all_dim", default=None, minimum=0, section=where)
+    attention_factor = config_float(params, "attention_factor", default=None, above=0, section=where)
     if attention_factor is None:
         attention_factor = mscale(factor, scale) / mscale(factor, scale_all) if scale and scale_all else mscale(factor)
     softmax_scale = key_dim ** -0.5
