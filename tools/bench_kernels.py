@@ -1,6 +1,6 @@
 """Benchmark edgemoe's CPU kernels against this machine's memory read bandwidth.
 
-    python tools/bench_kernels.py [--json results.json] [--parts qmatmul,expert,crossover,int]
+    python tools/bench_kernels.py [--json results.json] [--parts qmatmul,expert,crossover,int,layer]
                                   [--mixtral-only] [--bundled DIR] [--repeats N]
 
 Measures, in one run:
@@ -12,7 +12,10 @@ Measures, in one run:
 4. the fused SwiGLU expert against its three GEMVs;
 5. ("int") the integer path next to the float path on Mixtral's shape, per width, at 1 and 2 threads:
    qmatmul_int at 1, 2, 4, 8 tokens and swiglu_expert_int at 1 token, on each integer path this CPU
-   runs (the portable one at 1 token only), against qmatmul / swiglu_expert in the same run.
+   runs (the portable one at 1 token only), against qmatmul / swiglu_expert in the same run;
+6. ("layer") one MoE layer's active experts at 1 token, on each integer path, at 1 and 2 threads:
+   one swiglu_experts_int call for the layer against one swiglu_expert_int call per expert, on the
+   fine-grained shape (D 1024, I 384, 8 active: bench-qwen3moe) and Mixtral-shaped ones (2 active).
 
 Weights are "cold": each timed call reads a different copy of the packed weight, from a set of copies
 larger than 2x the last-level cache, so bandwidth means DRAM bandwidth. "hot" rows (1 token only)
@@ -42,9 +45,11 @@ import torch.nn.functional as F
 from edgemoe.kernels import (dequantize, int_paths, qmatmul, qmatmul_int, set_threads, swiglu_expert,
                              swiglu_expert_int)
 from edgemoe.kernels.cpu import parallel_sum
+from edgemoe.kernels.ops import expert_layout, swiglu_experts_int
 from edgemoe.quant import QuantizedTensor, quantize
 
 MIXTRAL = (14336, 4096)  # expert hidden I, hidden D
+LAYERS = [((384, 1024), 8), ((3584, 1024), 2), (MIXTRAL, 2)]   # (I, D), active experts a token
 TOKENS = (1, 2, 4, 8, 16)
 INT_TOKENS = (1, 2, 4, 8)
 CROSSOVER_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -239,6 +244,35 @@ def bench_int(bits, bandwidth, repeats):
     return out
 
 
+def bench_layer(shape, active, bits, bandwidth, repeats):
+    """A layer's active experts at 1 token: one call for the layer, or one call per expert."""
+    progress("layer kernel", shape, active, f"int{bits}")
+    inner, dim = shape
+    experts = [quantize(torch.randn(*s) * 0.02, bits) for _ in range(active)
+               for s in ((inner, dim), (inner, dim), (dim, inner))]
+    sets = copies(experts)
+    layouts = [np.stack([expert_layout(*group[3 * a:3 * a + 3]) for a in range(active)]) for group in sets]
+    nbytes = sum(q.nbytes for q in experts)
+    x = np.random.default_rng(1).standard_normal((1, dim), dtype=np.float32)
+    pairs, starts = np.repeat(x, active, 0), np.arange(active + 1, dtype=np.int64)
+    out = []
+    for threads in (1, 2):
+        set_threads(threads)
+        try:
+            for p in int_paths():
+                layer = rotating(lambda i, p=p: swiglu_experts_int(pairs, layouts[i], starts, p),
+                                 [(i,) for i in range(len(sets))])
+                each = rotating(lambda *qts, p=p: [swiglu_expert_int(x, *qts[3 * a:3 * a + 3], path=p)
+                                                   for a in range(active)], sets)
+                for name, fn in ((f"layer_{p}", layer), (f"per_expert_{p}", each)):
+                    t = median_time(fn, repeats)
+                    out.append(record(name, bits, 1, shape, nbytes, t, bandwidth, threads=threads,
+                                      active=active, series="layer"))
+        finally:
+            set_threads()
+    return out
+
+
 def bundled_shape(path: Path):
     config = path / "config.json"
     if not config.exists():
@@ -279,8 +313,8 @@ def main():
     ap.add_argument("--json", help="write the records as a JSON list to this file ('-': stdout)")
     ap.add_argument("--bundled", type=Path, default=BUNDLED, help="bundled model dir (its config.json)")
     ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--parts", default="qmatmul,expert,crossover,int",
-                    help="comma-separated subset of qmatmul,expert,crossover,int (bandwidth always runs)")
+    ap.add_argument("--parts", default="qmatmul,expert,crossover,int,layer",
+                    help="comma-separated subset of qmatmul,expert,crossover,int,layer (bandwidth always runs)")
     ap.add_argument("--mixtral-only", action="store_true", help="skip the bundled model's shapes")
     args = ap.parse_args()
 
@@ -329,6 +363,10 @@ def main():
     if "int" in parts:
         for bits in (8, 4, 2):
             records += bench_int(bits, bandwidth, args.repeats)
+    if "layer" in parts:
+        for shape, active in LAYERS:
+            for bits in (8, 4, 2):
+                records += bench_layer(shape, active, bits, bandwidth, args.repeats)
     finish(records, args.json, notes)
 
 
