@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from edgemoe.options import OptionError, check_device, one_of, parse_bytes, routing_weight
-from edgemoe.scheduling.policies import POLICIES
+from edgemoe.scheduling.policies import DEFAULT_POLICY, POLICIES
 from edgemoe.scheduling.preload import PREDICTORS
 from edgemoe.store import TieredStore
 from edgemoe.store.disk import IO_MODES, drop_page_cache
@@ -59,7 +59,7 @@ class StoreOptions:
     ram: int | str | None = None
     vram: int | str | None = None
     device: str | None = None
-    policy: str = "lru"
+    policy: str = DEFAULT_POLICY
     preload: str = "auto"
     compute: str = "auto"
     skip_below: float = 0.0

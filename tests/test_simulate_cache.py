@@ -14,6 +14,7 @@ from edgemoe.convert import convert
 from edgemoe.scheduling.preload import MIN_PROBABILITY
 from edgemoe.scheduling.policies import ExpectedUsePolicy, LFUPolicy, LRUPolicy
 from edgemoe.scheduling.profile import RoutingProfile, TraceRecord, write_trace
+from edgemoe.loader import StoreOptions
 from edgemoe.scheduling import simulate as sim
 from edgemoe.scheduling.cache import Tier, TierStats
 from edgemoe.cli import main
@@ -281,8 +282,13 @@ def test_cli_json_and_table(tmp_path, monkeypatch, capsys):
     write_tokens(trace, shifted_chain(40))
     records = json.loads(simulate_cli(monkeypatch, capsys, str(trace), "--cache-experts", "4",
                                       "--cache-experts", "6", "--json"))
-    assert len(records) == 2 * (2 * len(sim.POLICY_NAMES) + 1)
+    assert len(records) == 2 * (2 * len(sim.POLICY_NAMES) + 2)   # + the default scheme, + Belady
     assert {(r["policy"], r["preload"]) for r in records} >= {("belady", "none"), ("frequency-distance", "correlation")}
+    defaults = [r for r in records if r["default"]]
+    assert [r["cache_experts"] for r in defaults] == [4, 6]
+    assert all((r["policy"], r["preload"], r["guard"]) == (StoreOptions().policy, "correlation", True) for r in defaults)
+    guarded = json.loads(simulate_cli(monkeypatch, capsys, str(trace), "--cache-experts", "4", "--guard", "--json"))
+    assert sum(r["default"] for r in guarded) == 1 and len(guarded) == 4 * len(sim.POLICY_NAMES) + 1
     for r in records:
         assert set(r) >= {"policy", "preload", "cache_experts", "hit_rate", "preload_precision"}
         assert r["requests"] == 20 * 4 * 2                               # scored on the second half

@@ -182,6 +182,7 @@ class ExpectedUsePolicy(LRUPolicy):
 
 
 POLICIES = {p.name: p for p in (LRUPolicy, LFUPolicy, FrequencyDistancePolicy, ExpectedUsePolicy)}
+DEFAULT_POLICY = "lru"   # a store's eviction unless told otherwise (edgemoe.loader.StoreOptions)
 
 
 def make_policy(name: str, num_layers: int, popularity: dict[Key, float] | None = None, profile=None):

@@ -30,9 +30,12 @@ The profile comes from --profile-from, else from the first half of the trace's t
 policy is then scored on the second half (--tokens T: only its first T tokens). Belady evicts the
 resident expert requested furthest in the future (no preload).
 
-Output: a table, or with --json a list of {"policy", "preload", "guard", "cache_experts", "hit_rate",
-"preload_precision", "reads_per_token", "preloads_per_token", "requests", "hits", "preloads",
-"evictions"} (preload_precision null without preload).
+Output: a table, or with --json a list of {"policy", "preload", "guard", "default", "cache_experts",
+"hit_rate", "preload_precision", "reads_per_token", "preloads_per_token", "requests", "hits",
+"preloads", "evictions"} (preload_precision null without preload). "default" marks the scheme a
+store runs unless told otherwise (DEFAULT_POLICY, correlation preload from its profile, the guard),
+simulated at every cache size whatever --policy and --guard ask, so that any trace can be checked
+against it; the table marks it with "*".
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from typing import NamedTuple
 
 from .cache import ExpertCache
 from .guard import GUARD_WINDOW_TOKENS, SchemeGuard
-from .policies import POLICIES, make_policy
+from .policies import DEFAULT_POLICY, POLICIES, make_policy
 from .preload import MIN_PROBABILITY
 from .profile import RoutingProfile, read_trace, tokens_from_trace
 
@@ -174,17 +177,26 @@ def run(trace_tokens, profile: RoutingProfile, cache_sizes, preload_k: int | Non
                 for guarded in (False, True) if guard else (False,):
                     results.append(simulate(trace_tokens, n, name, preload, preload_k, profile, min_probability,
                                             guarded))
+        if not (guard and DEFAULT_POLICY in policies):
+            results.append(simulate(trace_tokens, n, DEFAULT_POLICY, profile, preload_k, profile, min_probability,
+                                    guard=True))
         results.append(simulate(trace_tokens, n, "belady"))
-    return results
+    return [dict(r, default=is_default_scheme(r)) for r in results]
+
+
+def is_default_scheme(record: dict) -> bool:
+    """Whether a record is the scheme a store runs by default: DEFAULT_POLICY, correlation preload, the guard."""
+    return (record["policy"], record["preload"], record["guard"]) == (DEFAULT_POLICY, "correlation", True)
 
 
 def table(results: list[dict], note: str) -> str:
-    lines = [note, f"{'cache':>6} {'policy':<12} {'preload':<12} {'guard':<5} {'reads/token':>11} {'hit rate':>8} "
+    lines = [note + " (* the store's default scheme)", f"{'cache':>6} {'policy':<12} {'preload':<12} {'guard':<5} {'reads/token':>11} {'hit rate':>8} "
                    f"{'preloads/token':>14} {'preload prec.':>13}"]
     for r in results:
         precision = "-" if r["preload_precision"] is None else f"{r['preload_precision']:.3f}"
         guarded = "yes" if r.get("guard") else "no"
-        lines.append(f"{r['cache_experts']:>6} {r['policy']:<12} {r['preload']:<12} {guarded:<5} {r['reads_per_token']:>11.1f} "
+        policy = r["policy"] + ("*" if r.get("default") else "")
+        lines.append(f"{r['cache_experts']:>6} {policy:<12} {r['preload']:<12} {guarded:<5} {r['reads_per_token']:>11.1f} "
                      f"{r['hit_rate']:>8.3f} {r['preloads_per_token']:>14.1f} {precision:>13}")
     return "\n".join(lines)
 
