@@ -103,6 +103,7 @@ class StoreExperts(ExpertProvider):
         self.compute = compute
         self.overlap = overlap       # read a layer's other experts in the background while one computes
         self._latency = None
+        self._choices: dict[tuple[int, int, int], str] = {}
         self.io_wait_seconds = 0.0   # time the compute spent waiting for experts to arrive
         self.skip_below = skip_below  # adaptive top-k: drop non-resident experts only weakly chosen
         self.skipped = 0              # (token, expert) pairs dropped so far
@@ -129,12 +130,22 @@ class StoreExperts(ExpertProvider):
         return self._latency
 
     def choose(self, bits: int, tokens: int, nbytes: int = 0) -> str:
-        return self.compute if self.compute != "auto" else self.latency.choose(bits, tokens, nbytes)
+        """The path an expert of this width and size computes this many tokens on: self.compute, or
+        the latency model's choice (made once per (bits, tokens, nbytes): a step asks per expert)."""
+        if self.compute != "auto":
+            return self.compute
+        key = (bits, tokens, nbytes)
+        if key not in self._choices:
+            self._choices[key] = self.latency.choose(bits, tokens, nbytes)
+        return self._choices[key]
 
     def expert(self, layer: int, expert: int) -> QuantizedExpert:
         start = time.perf_counter()
         resident = self.store.get(layer, expert, fallback=(layer, expert) in self._weak)
         self.io_wait_seconds += time.perf_counter() - start
+        return self._quantized(layer, expert, resident)
+
+    def _quantized(self, layer: int, expert: int, resident: ResidentExpert) -> QuantizedExpert:
         self.fallback_uses += resident.narrowed
         return QuantizedExpert(resident, self.choose, self.store.device, self.activations(layer, expert),
                                self.token_by_token)
@@ -173,8 +184,11 @@ class StoreExperts(ExpertProvider):
                        starts: np.ndarray, pair_tokens: torch.Tensor, y: np.ndarray) -> None:
         """y's rows of the pairs of the experts batches.experts[i], i in group."""
         fused = []
-        for i in group:
-            expert, tokens = self.expert(layer, batches.experts[i]), batches.tokens[i]
+        weak = {e for l, e in self._weak}
+        resident = self.store.get_resident(layer, [batches.experts[i] for i in group], weak)
+        for i, r in zip(group, resident):
+            e, tokens = batches.experts[i], batches.tokens[i]
+            expert = self.expert(layer, e) if r is None else self._quantized(layer, e, r)
             if self._on_layer_kernel(expert, len(tokens)):
                 fused.append((i, expert.resident))
             else:

@@ -220,6 +220,26 @@ class TieredStore:
                 self._in_flight.pop(key).set()
             self._loads.arrived(key)
 
+    def get_resident(self, layer: int, experts, fallback=frozenset()) -> list[ResidentExpert | None]:
+        """get() for each of a layer's experts that is resident, under one lock (a step asks for many):
+        its item, counted as get() counts it; None for one that get() would have to read (or whose
+        resident fallback copy will not do: fallback holds the experts a copy does for)."""
+        self._raise_loader_error()
+        served = []
+        with self._lock:
+            for expert in experts:
+                key = (layer, expert)
+                item = self.cache.find(key)
+                if item is None or (item.narrowed and expert not in fallback):
+                    served.append(None)
+                    continue
+                self.stats.requested_bytes += self.manifest.experts[key].length
+                served.append(self.cache.request(key))
+        for expert, item in zip(experts, served):
+            if item is not None:
+                self._loads.arrived((layer, expert))
+        return served
+
     def admit(self, predictions) -> list[Key]:
         """Of `predictions` ((key, probability of use), most wanted first), those worth a preload:
         neither resident nor being read, and admitted by the cache (ExpertCache.admit)."""
