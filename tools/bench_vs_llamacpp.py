@@ -6,10 +6,11 @@ tokens after a 512-token prompt, `-d 512`) and `edgemoe bench --mode all-in-ram 
 per --dense-bits setting, one after the other, so that a machine's drift hits both programs alike.
 
     python tools/bench_vs_llamacpp.py --llama-bench PATH/llama-bench --threads 2 --rounds 2 \\
-        --pair STORE_INT4=MODEL-Q4_0.gguf --pair STORE_INT8=MODEL-Q8_0.gguf [--dense-bits none 8] [--json OUT]
+        --pair STORE_INT4=MODEL-Q4_0.gguf --pair STORE_INT8=MODEL-Q8_0.gguf [--dense-bits auto none] [--json OUT]
 
 Prints one table row per pair and program setting: medians over rounds of each run's mean tokens/s
-(llama-bench's avg_ts; edgemoe bench's median over its --repeats), and the ratio to llama.cpp.
+(llama-bench's avg_ts; edgemoe bench's median over its --repeats), and the ratio to llama.cpp. The
+machine's CPU flags and load average are printed first.
 """
 
 from __future__ import annotations
@@ -36,11 +37,20 @@ def edgemoe_bench(store: str, threads: int, dense_bits: str, prefill: int) -> tu
     """(prefill tokens/s, decode tokens/s) of `edgemoe bench --mode all-in-ram`, medians of 3 runs."""
     cmd = [sys.executable, "-m", "edgemoe", "bench", store, "--mode", "all-in-ram", "--prefill", str(prefill),
            "--repeats", "3", "--threads", str(threads), "--json", "--quiet"]
-    if dense_bits != "none":
-        cmd += ["--dense-bits", dense_bits]
+    cmd += ["--dense-bits", dense_bits]
     records = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
     (record,) = [r for r in records if r["prefill_tokens"] == prefill]
     return record["prefill_tokens"] / record["ttft_s"], record["decode_tok_s"]
+
+
+def cpu_summary() -> str:
+    """The CPU's model name and the instruction-set extensions the kernels choose paths by."""
+    with open("/proc/cpuinfo") as f:
+        info = f.read()
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile")
+    return f"{model}, {os.cpu_count()} CPUs, flags {' '.join(f for f in wanted if f in flags)}"
 
 
 def main() -> None:
@@ -50,10 +60,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--prefill", type=int, default=512)
-    parser.add_argument("--dense-bits", nargs="+", default=["none", "8"], choices=["none", "8", "4"])
+    parser.add_argument("--dense-bits", nargs="+", default=["auto", "none"], choices=["auto", "none", "8", "4"],
+                        help="edgemoe settings to run (auto: the default, 8 bits for a store)")
     parser.add_argument("--json", help="write every run's figures here")
     args = parser.parse_args()
     pairs = [tuple(p.split("=", 1)) for p in args.pair]
+    print(f"machine: {cpu_summary()}; load average {os.getloadavg()[0]:.2f}", flush=True)
     runs: dict[tuple, list] = {}
     for r in range(args.rounds):
         for store, gguf in pairs:
