@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 from safetensors import safe_open
 
-from edgemoe.options import OptionError, check_device, one_of, parse_bytes, routing_weight
+from edgemoe.options import OptionError, check_device, cli_flag, one_of, parse_bytes, routing_weight
 from edgemoe.scheduling.policies import POLICIES
 from edgemoe.scheduling.preload import PREDICTORS
 from edgemoe.store import TieredStore
@@ -35,10 +35,6 @@ from .weights import iter_experts, plan_weights, read_dense
 
 def python_name(option: str) -> str:
     return f"{option}="
-
-
-def cli_flag(option: str) -> str:
-    return "--" + option.replace("_", "-")
 
 
 @dataclass(frozen=True)

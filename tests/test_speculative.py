@@ -202,7 +202,7 @@ def test_run_with_a_self_draft_prints_plain_greedy_text_and_its_figures(monkeypa
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--draft", "self", "--beams", "2"], "--draft 'self': cannot be combined with --beams"),
+    (["--draft", "self", "--beams", "2"], "--draft 'self': cannot act with --beams"),
     (["--speculate", "3"], "--speculate 3: only with --draft"),
     (["--draft", "x", "--draft-ram", "1MiB"], "--draft-ram 1048576: only with --draft self"),
     (["--draft", "self", "--draft-ram", "lots"], "--draft-ram 'lots': expected a size"),
