@@ -24,7 +24,8 @@ from .attention import QKV_PROJECTIONS
 from .cache import KVCache
 from .dense import quantize_layer, quantize_matrix
 from .experts import ExpertBatches, ExpertProvider
-from .layers import attend, attention_mask, layer_norm, linear, rms_norm, rope_tables, route_by_spec, swiglu
+from .layers import (attend, attend_each, attention_mask, layer_norm, linear, per_token, rms_norm, rope_tables,
+                     route_by_spec, swiglu)
 from .spec import ModelSpec
 from .scheduling.preload import Preloader
 from .threads import ThreadGovernor
@@ -232,9 +233,13 @@ class MoEModel(StoreOwner):
         for seg in segments:
             end = start + seg.num_tokens
             keys, values = seg.cache.append(l, k[start:end].transpose(0, 1), v[start:end].transpose(0, 1))
-            mask = attention_mask(positions[start:end], keys.shape[1], window)
-            outputs.append(attend(q[start:end], keys, values, mask, self.spec.attention_scale,
-                                  w.get("sinks")))   # [S, H*Dv]
+            if seg.num_tokens > 1 and per_token():   # each query as its one-token step attends
+                outputs.append(attend_each(q[start:end], keys, values, positions[start:end], window,
+                                           self.spec.attention_scale, w.get("sinks")))
+            else:
+                mask = attention_mask(positions[start:end], keys.shape[1], window)
+                outputs.append(attend(q[start:end], keys, values, mask, self.spec.attention_scale,
+                                      w.get("sinks")))   # [S, H*Dv]
             start = end
         return linear(torch.cat(outputs), w["o"], w.get("o_bias"))
 

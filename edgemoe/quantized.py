@@ -9,7 +9,7 @@ expert other than SwiGLU (ModelSpec.expert_activation: GPT-OSS's, Switch's ungat
 edgemoe/kernels/activations.py) has no fused kernel: on "fused-int" / "fused-float" it runs the
 per-matrix kernels (qmatmul_int / qmatmul) with its activation and biases between them. `compute="auto"` picks the cheapest by this machine's measured
 latency model (edgemoe.latency); the others force one. An expert resident on the device (the VRAM
-tier) is dequantized and multiplied there. With `StoreExperts.token_by_token` (speculative
+tier) is dequantized and multiplied there. Within `edgemoe.layers.one_token_at_a_time` (speculative
 verification), each token is computed as a one-token step would be: one call per token, on the
 one-token path (the float kernels' sums depend on how many tokens a call has).
 
@@ -28,7 +28,7 @@ from edgemoe.store import ResidentExpert, TieredStore
 from edgemoe.kernels.device import swiglu_on_device, to_device, weights_on_device
 
 from .experts import Activation, ExpertBatches, ExpertProvider, dense_matmul
-from .layers import swiglu
+from .layers import per_token, swiglu
 
 COMPUTE_CHOICES = ("auto", "fused-int", "fused-float", "dequant", "device")
 FUSED = {"fused-int": kernels.swiglu_expert_int, "fused-float": kernels.swiglu_expert}
@@ -37,17 +37,15 @@ PER_MATRIX = {"fused-int": kernels.qmatmul_int, "fused-float": kernels.qmatmul} 
 
 class QuantizedExpert:
     def __init__(self, resident: ResidentExpert, choose: Callable[[int, int, int], str],
-                 device: torch.device | None = None, activation: Activation = None,
-                 token_by_token: bool = False):
+                 device: torch.device | None = None, activation: Activation = None):
         self.resident = resident
         self.choose = choose          # (bits, tokens, nbytes) -> a COMPUTE_CHOICES entry but "auto"
         self.device = device          # the VRAM tier's device, for the "device" path
         self.activation = activation  # None: SwiGLU
         self.nbytes = resident.nbytes
-        self.token_by_token = token_by_token   # each token as a one-token step computes it
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.token_by_token and x.shape[0] > 1:   # each token as a one-token step computes it
+        if x.shape[0] > 1 and per_token():   # each token on the path and kernel call of a one-token step
             return torch.cat([self(x[i:i + 1]) for i in range(x.shape[0])])
         if self.activation is not None:
             return self._activation(x)
@@ -105,10 +103,6 @@ class StoreExperts(ExpertProvider):
         self.fallback_uses = 0        # expert uses served by a fallback copy so far
         self._kept: ExpertBatches | None = None
         self._weak: set[tuple[int, int]] = set()   # the running layer's weakly chosen experts
-        # Each token computed as a one-token step would (path and kernel call), so that a step of
-        # several positions of one sequence gives plain decoding's bits (speculative verification):
-        # the float kernels' per-token sums depend on the step's token count.
-        self.token_by_token = False
 
     @property
     def latency(self):
@@ -130,8 +124,7 @@ class StoreExperts(ExpertProvider):
         resident = self.store.get(layer, expert, fallback=(layer, expert) in self._weak)
         self.io_wait_seconds += time.perf_counter() - start
         self.fallback_uses += resident.narrowed
-        return QuantizedExpert(resident, self.choose, self.store.device, self.activations(layer, expert),
-                               self.token_by_token)
+        return QuantizedExpert(resident, self.choose, self.store.device, self.activations(layer, expert))
 
     def prepare(self, layer: int, batches: ExpertBatches) -> None:
         self._kept = self._skip_weak_misses(layer, batches) if self.skip_below else batches

@@ -46,6 +46,7 @@ from .errors import DraftError
 from .experts import Activation, ExpertProvider
 from .generate import (ContextWarning, GenerationOptions, eos_token_ids, fit_context, make_generator,
                        new_token_limit, next_token, sampling_probs)
+from .layers import one_token_at_a_time
 from .loader import require_decoder_only
 from .model import MoEModel
 from .options import OptionError
@@ -296,16 +297,12 @@ class Speculator:
         def record(layer, experts, weights, positions, segments):
             used.update((layer, e) for e in experts.reshape(-1).tolist())
 
-        exact = hasattr(self.target.experts, "token_by_token")   # a store's experts: see StoreExperts
         self.target.routing_hooks.append(record)
-        if exact:
-            self.target.experts.token_by_token = True
         try:
-            return self.target.logits(run, cache), used
+            with one_token_at_a_time():   # greedy output exactly plain decoding's, in every dtype
+                return self.target.logits(run, cache), used
         finally:
             self.target.routing_hooks.remove(record)
-            if exact:
-                self.target.experts.token_by_token = False
 
     def _propose(self, tokens: list[int], n: int, draft_cache: KVCache, opts: GenerationOptions,
                  generator) -> tuple[list[int], torch.Tensor | None]:

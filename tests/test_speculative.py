@@ -62,6 +62,40 @@ def test_self_draft_greedy_equals_plain_greedy_from_a_store(bundled_store, num_d
             assert s.prefetched > 0 and s.prefetched_used > 0
 
 
+PRECISIONS = [(torch.float32, None), (torch.bfloat16, None), (torch.float32, 8), (torch.bfloat16, 8),
+              (torch.float32, 4)]
+
+
+@pytest.mark.parametrize("source", ["checkpoint", "store"])
+@pytest.mark.parametrize("dtype,dense_bits", PRECISIONS)
+def test_verification_gives_the_bits_of_one_token_steps_in_every_precision(bundled_store, source, dtype, dense_bits):
+    """The verification step's logits for [c, d1..dn] equal, bit for bit, those of feeding c, d1, ...
+    one token per step: what makes greedy output plain greedy decoding's whatever the margins. A
+    product over several rows rounds differently from one-row products (float32 by about 1e-5,
+    bfloat16 by 0.06 in these logits, dense INT4's GEMM against its one-token kernel by as much):
+    verification computes its dense products, attention and experts one token at a time."""
+    path = bundled_model_path() if source == "checkpoint" else bundled_store
+    with edgemoe.load(path, dtype, dense_bits=dense_bits, **({"preload": "none"} if source == "store" else {})) as m:
+        ids = m.tokenizer.encode("JULIET: O Romeo, Romeo, wherefore art thou Romeo? Deny thy father")
+        stepped = m.new_cache()
+        m.logits(ids[:6], stepped)
+        one_by_one = torch.cat([m.logits([t], stepped) for t in ids[6:12]])
+        verified = m.new_cache()
+        m.logits(ids[:6], verified)
+        speculator = Speculator(m, self_draft(m), 5, shares_cache=True)
+        logits, _ = speculator._verify(ids[6:12], verified)
+        assert torch.equal(logits, one_by_one)
+
+
+@pytest.mark.parametrize("dtype,dense_bits", PRECISIONS)
+def test_self_draft_greedy_equals_plain_greedy_in_every_precision(bundled_store, dtype, dense_bits):
+    with edgemoe.load(bundled_store, dtype, dense_bits=dense_bits) as m:
+        speculator = Speculator(m, self_draft(m), 4, shares_cache=True)
+        for prompt in ("JULIET:", *PROMPTS):
+            ids = m.tokenizer.encode(prompt)
+            assert list(speculator.stream(ids, _greedy(30))) == list(stream_tokens(m, ids, _greedy(30)))
+
+
 def test_separate_draft_with_its_own_cache_greedy_equals_plain(bundled, bundled_store):
     with edgemoe.load(bundled_store) as draft:
         check_draft(bundled, draft, str(bundled_store))
