@@ -29,6 +29,7 @@ from edgemoe.kernels.device import swiglu_on_device, to_device, weights_on_devic
 
 from .experts import Activation, ExpertBatches, ExpertProvider, dense_matmul
 from .layers import per_token, swiglu
+from .options import OptionError
 
 COMPUTE_CHOICES = ("auto", "fused-int", "fused-float", "dequant", "device")
 FUSED = {"fused-int": kernels.swiglu_expert_int, "fused-float": kernels.swiglu_expert}
@@ -90,7 +91,7 @@ class StoreExperts(ExpertProvider):
         """activations: (layer, expert) -> the expert's Activation (edgemoe.experts.expert_activations),
         None for SwiGLU experts. skip_below, fallback_below: see edgemoe.loader.StoreOptions."""
         if compute == "device" and store.device is None:
-            raise ValueError("compute='device' needs a VRAM tier: give vram= and device=")
+            raise OptionError("compute=", compute, "needs a VRAM tier (a capacity for vram and its device)")
         self.store = store
         self.activations = activations or (lambda layer, expert: None)
         self.compute = compute

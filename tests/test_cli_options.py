@@ -117,6 +117,8 @@ BAD = [
     (["bench", "STORE", "--skip-below", "1"], "--skip-below"),
     (["bench", "STORE", "--fallback-below", "-0.1"], "--fallback-below"),
     (["eval", "STORE", "--text", "TEXT", "--compute", "fused"], "--compute"),
+    (["eval", "STORE", "--text", "TEXT", "--compute", "device"], "--compute"),   # no VRAM tier: the library's
+    (["run", "STORE", "--preload", "correlation"], "--preload"),                 # the store has no profile
     # simulate
     (["simulate", "TRACE", "--cache-experts", "0"], "--cache-experts"),
     (["simulate", "TRACE", "--cache-experts", "4", "--policy", "fifo"], "--policy"),
