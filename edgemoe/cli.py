@@ -257,6 +257,19 @@ def _refuse_options_that_cannot_act(command):
     return checked
 
 
+def _refuse_sampling_flags_if_greedy(model, path: Path, temperature, sampling_flags: dict) -> None:
+    """CANNOT_ACT's greedy rule where the model decides it: without --temperature, decoding samples
+    only if generation_config.json says do_sample; otherwise --top-k, --top-p and --seed cannot act."""
+    from .generate import defaults_from
+
+    if temperature is not None or defaults_from(model.generation_config).get("temperature", 0) != 0:
+        return
+    for flag, value in sampling_flags.items():
+        if value is not None:
+            raise options.OptionError(flag, value, f"cannot act: {path}'s generation_config.json decodes greedily "
+                                                   f"(give --temperature above 0 to sample)")
+
+
 def _cannot_act_message(context, rule: CannotAct, value) -> str:
     flag = _flag(next(p for p in context.command.params if p.name == rule.option))
     if isinstance(value, bool):          # a switch: no value to show
@@ -323,6 +336,7 @@ def run(
         _replay_for(m.spec, replay).attach(m)
     if m.tokenizer is None:
         raise EdgeMoEError(f"{path}: no tokenizer.json, cannot generate text")
+    _refuse_sampling_flags_if_greedy(m, path, temperature, {"--top-k": top_k, "--top-p": top_p, "--seed": seed})
     speculator = None
     if draft is not None:
         from .speculative import speculator_for
@@ -892,6 +906,8 @@ def chat(
     from .chat import chat_loop
 
     m = _load_served(model, dtype, dense_bits, threads, store)
+    _refuse_sampling_flags_if_greedy(m, _model_path(model), temperature,
+                                     {"--top-k": top_k, "--top-p": top_p, "--seed": seed})
     sampling = {k: v for k, v in dict(temperature=temperature, top_k=top_k, top_p=top_p).items() if v is not None}
     chat_loop(m, input, sys.stdout, max_new_tokens=max_new_tokens, system=system, seed=seed, **sampling)
 

@@ -65,6 +65,8 @@ BAD = [
     (["run", "CKPT", "--beams", "2", "--length-penalty", "nan"], "--length-penalty"),
     (["run", "CKPT", "--length-penalty", "0.5"], "--length-penalty"),            # only with --beams
     (["run", "CKPT", "--early-stopping"], "--early-stopping"),
+    (["run", "CKPT", "--seed", "1"], "--seed"),          # the checkpoint's generation_config decodes greedily
+    (["chat", "CKPT", "--top-k", "5"], "--top-k"),
     # convert
     (["convert", "CKPT", "-o", "OUT", "--bits", "3"], "--bits"),
     (["convert", "CKPT", "-o", "OUT", "--fallback-bits", "8"], "--fallback-bits"),
