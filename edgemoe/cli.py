@@ -803,8 +803,9 @@ def eval_(
     content = _read_text(text)
     from .loader import require_decoder_only
 
-    # Skipping and fallback copies act on weakly chosen misses: a whole window's tokens choose nearly
-    # every expert strongly at least once, so only decoding token by token measures what generation gets.
+    # Skipping and fallback copies act on misses every token of a step chose weakly: a whole window's
+    # tokens choose nearly every expert strongly at least once, so only token by token (as generation
+    # runs) measures what they do.
     decode = decode or bool(store.skip_below or store.fallback_below)
     path = _model_path(model)
     m = edgemoe.load(path, _dtype(dtype), threads, store=store, dense_bits=dense_bits)
