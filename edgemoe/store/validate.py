@@ -12,12 +12,12 @@ from __future__ import annotations
 import numbers
 from pathlib import Path
 
-from edgemoe.quant import ARRAY_DTYPES, QuantError, group_layout
+from edgemoe.quant import ARRAY_DTYPES, FORMATS, QuantError, group_layout
 from edgemoe.spec import ModelSpec
 
 from .format import ALIGNMENT, ARRAY_ALIGNMENT, ExpertEntry, StoreError, align, matrix_layout
 
-SUPPORTED_BITS = (2, 4, 8)
+SUPPORTED_BITS = tuple(sorted(FORMATS))   # the widths edgemoe.quant packs
 FALLBACK_BITS = (2, 4)    # narrower than some expert's width
 COMPRESSIONS = (None, "zstd")
 ENTRY_FIELDS = ("layer", "expert", "bits", "file", "offset", "length", "stored_length", "compression", "crc32",
