@@ -227,6 +227,8 @@ CANNOT_ACT = (
     *_every(("bench",), ("skip_below", "fallback_below"),
             lambda a: a.given("mode") and "predictive" not in a.mode,
             "only with --mode predictive (the other modes run without quality trade-offs)"),
+    CannotAct(("bench",), "ram", lambda a: a.given("mode") and set(a.mode) == {"all-in-ram"}, "cannot act with "
+              "only --mode all-in-ram (it holds every expert in RAM)"),
     CannotAct(("bench",), "routing", lambda a: a.given("replay"), "cannot act with --replay (the trace routes "
               "every run)"),
     *_every(("convert",), ("metric", "heldout", "calib_tokens", "confidence"), lambda a: not a.given("budget"),

@@ -230,6 +230,7 @@ CANNOT_ACT_EXAMPLES = {
     ("bench", "skip_below"): [["STORE", "--mode", "on-demand-lru", "--skip-below", "0.2"]],
     ("bench", "fallback_below"): [["STORE", "--mode", "all-in-ram", "--fallback-below", "0.2"]],
     ("bench", "routing"): [["STORE", "--replay", "TRACE", "--routing", "model"]],
+    ("bench", "ram"): [["STORE", "--mode", "all-in-ram", "--ram", "10%"]],
     ("convert", "metric"): [["CKPT", "-o", "OUT", "--metric", "kl"]],
     ("convert", "heldout"): [["CKPT", "-o", "OUT", "--heldout", "TEXT"]],
     ("convert", "calib_tokens"): [["CKPT", "-o", "OUT", "--calib-tokens", "100"]],
