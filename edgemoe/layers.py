@@ -9,35 +9,10 @@ sequence, E experts, A active per token, G expert groups.
 
 from __future__ import annotations
 
-import threading
-from contextlib import contextmanager
-
 import torch
 import torch.nn.functional as F
 
 from .dense import QuantizedLinear
-
-_mode = threading.local()
-
-
-@contextmanager
-def one_token_at_a_time():
-    """Within it (on this thread), every product over a step's tokens (dense matrices, experts,
-    attention) computes each token as a one-token step would, so that a step of several positions of
-    one sequence gives plain decoding's bits (speculative verification). torch sums a product of
-    several rows in another order than a product of one (GEMM against GEMV blocking: measured to
-    differ in float32 and bfloat16 alike), and a flipped argmax changes greedy output."""
-    before = getattr(_mode, "per_token", False)
-    _mode.per_token = True
-    try:
-        yield
-    finally:
-        _mode.per_token = before
-
-
-def per_token() -> bool:
-    """Whether products run one token at a time (one_token_at_a_time)."""
-    return getattr(_mode, "per_token", False)
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -45,8 +20,6 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
     (a bfloat16 matrix is read at half the bytes of a float32 copy, and torch's bfloat16 GEMM
     accumulates in float32; its output is rounded to bfloat16); activations stay float32.
     weight may be a QuantizedLinear (edgemoe.dense), which multiplies itself."""
-    if x.shape[0] > 1 and per_token():
-        return torch.cat([linear(x[i:i + 1], weight, bias) for i in range(x.shape[0])])
     if isinstance(weight, QuantizedLinear):
         y = weight(x).to(x.dtype)
         return y if bias is None else y + bias
@@ -114,14 +87,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, enable_gqa=True,
                                          scale=scale)  # [H, S, Dv]
     return out.transpose(0, 1).reshape(q.shape[0], -1)
-
-
-def attend_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, window: int | None,
-                scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """attend() one query at a time over the keys up to its position, with the mask a one-token step
-    at that position has (one_token_at_a_time): q [S, H, Dk] at positions q_pos [S] -> [S, H*Dv]."""
-    return torch.cat([attend(q[i:i + 1], k[:, :p + 1], v[:, :p + 1], attention_mask(q_pos[i:i + 1], p + 1, window),
-                             scale, sinks) for i, p in enumerate(q_pos.tolist())])
 
 
 def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

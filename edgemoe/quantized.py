@@ -9,9 +9,7 @@ expert other than SwiGLU (ModelSpec.expert_activation: GPT-OSS's, Switch's ungat
 edgemoe/kernels/activations.py) has no fused kernel: on "fused-int" / "fused-float" it runs the
 per-matrix kernels (qmatmul_int / qmatmul) with its activation and biases between them. `compute="auto"` picks the cheapest by this machine's measured
 latency model (edgemoe.latency); the others force one. An expert resident on the device (the VRAM
-tier) is dequantized and multiplied there. Within `edgemoe.layers.one_token_at_a_time` (speculative
-verification), each token is computed as a one-token step would be: one call per token, on the
-one-token path (the float kernels' sums depend on how many tokens a call has).
+tier) is dequantized and multiplied there.
 
 Shapes: T tokens, D hidden, S tokens of one expert.
 """
@@ -28,7 +26,7 @@ from edgemoe.store import ResidentExpert, TieredStore
 from edgemoe.kernels.device import swiglu_on_device, to_device, weights_on_device
 
 from .experts import Activation, ExpertBatches, ExpertProvider, dense_matmul
-from .layers import per_token, swiglu
+from .layers import swiglu
 from .options import OptionError
 
 COMPUTE_CHOICES = ("auto", "fused-int", "fused-float", "dequant", "device")
@@ -46,8 +44,6 @@ class QuantizedExpert:
         self.nbytes = resident.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > 1 and per_token():   # each token on the path and kernel call of a one-token step
-            return torch.cat([self(x[i:i + 1]) for i in range(x.shape[0])])
         if self.activation is not None:
             return self._activation(x)
         r = self.resident

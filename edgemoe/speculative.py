@@ -46,7 +46,6 @@ from .errors import DraftError
 from .experts import Activation, ExpertProvider
 from .generate import (ContextWarning, GenerationOptions, eos_token_ids, fit_context, make_generator,
                        new_token_limit, next_token, sampling_probs)
-from .layers import one_token_at_a_time
 from .loader import require_decoder_only
 from .model import MoEModel
 from .options import OptionError
@@ -299,8 +298,8 @@ class Speculator:
 
         self.target.routing_hooks.append(record)
         try:
-            with one_token_at_a_time():   # greedy output exactly plain decoding's, in every dtype
-                return self.target.logits(run, cache), used
+            # each position's bits those of a one-token step: greedy output exactly plain decoding's
+            return self.target.logits(run, cache, one_token_at_a_time=True), used
         finally:
             self.target.routing_hooks.remove(record)
 

@@ -73,7 +73,7 @@ def test_verification_gives_the_bits_of_one_token_steps_in_every_precision(bundl
     one token per step: what makes greedy output plain greedy decoding's whatever the margins. A
     product over several rows rounds differently from one-row products (float32 by about 1e-5,
     bfloat16 by 0.06 in these logits, dense INT4's GEMM against its one-token kernel by as much):
-    verification computes its dense products, attention and experts one token at a time."""
+    verification runs each token through each layer as its one-token step would."""
     path = bundled_model_path() if source == "checkpoint" else bundled_store
     with edgemoe.load(path, dtype, dense_bits=dense_bits, **({"preload": "none"} if source == "store" else {})) as m:
         ids = m.tokenizer.encode("JULIET: O Romeo, Romeo, wherefore art thou Romeo? Deny thy father")
@@ -84,6 +84,24 @@ def test_verification_gives_the_bits_of_one_token_steps_in_every_precision(bundl
         m.logits(ids[:6], verified)
         speculator = Speculator(m, self_draft(m), 5, shares_cache=True)
         logits, _ = speculator._verify(ids[6:12], verified)
+        assert torch.equal(logits, one_by_one)
+
+
+@pytest.mark.parametrize("arch,overrides", [("mixtral", {"sliding_window": 4}), ("deepseek_v2", {}),
+                                            ("gpt_oss", {}), ("qwen2_moe", {})])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verification_gives_one_token_bits_for_every_attention_kind(tiny_model, arch, overrides, dtype):
+    """Sliding windows (each query's own mask), latent attention, attention sinks, gated shared
+    experts (whose silu over several rows vectorizes differently from one row: a per-product fix
+    was not enough): verified positions equal one-token steps bit for bit (random tiny checkpoints)."""
+    with edgemoe.load(tiny_model(arch, **overrides), dtype) as m:
+        ids = list(range(3, 15))
+        stepped = m.new_cache()
+        m.logits(ids[:5], stepped)
+        one_by_one = torch.cat([m.logits([t], stepped) for t in ids[5:]])
+        verified = m.new_cache()
+        m.logits(ids[:5], verified)
+        logits, _ = Speculator(m, self_draft(m), 6, shares_cache=True)._verify(ids[5:], verified)
         assert torch.equal(logits, one_by_one)
 
 
