@@ -13,7 +13,8 @@ A round, with the KV cache holding every committed token but the last one, c:
   rollback: both caches truncated past the first rejected proposal.
 p and q are the distributions sampling draws from (temperature, top-k, top-p applied to both:
 generate.sampling_probs), so the output has the target's distribution; greedy output is plain
-greedy decoding's, token for token (tested).
+greedy decoding's, token for token (tested): greedy verification computes each position as its
+one-token step would, bit for bit (MoEModel.logits, one_token_at_a_time), in every dtype.
 
 Expert prefetch (SP-MoE): while the draft runs, the target's router at each MoE layer, applied to
 the draft's input of that layer, names the experts verification will need; those the store neither
@@ -280,7 +281,7 @@ class Speculator:
         proposals, draft_probs = self._propose(tokens, n, draft_cache, opts, generator)
         drafted = time.perf_counter()
         cache.truncate(committed)   # a shared cache holds the draft's keys past c: the target's replace them
-        logits, used = self._verify([tokens[-1]] + proposals, cache)
+        logits, used = self._verify([tokens[-1]] + proposals, cache, greedy=opts.temperature == 0)
         k, token = accept(logits, proposals, draft_probs, opts, generator)
         cache.truncate(committed + k + 1)
         draft_cache.truncate(min(draft_cache.length, committed + k + 1))
@@ -289,8 +290,11 @@ class Speculator:
         tokens.extend(new)
         return new
 
-    def _verify(self, run: list[int], cache: KVCache) -> tuple[torch.Tensor, set[tuple[int, int]]]:
-        """The target's logits [n + 1, V] on [c, d1..dn] in one step, and the experts it routed to."""
+    def _verify(self, run: list[int], cache: KVCache, greedy: bool) -> tuple[torch.Tensor, set[tuple[int, int]]]:
+        """The target's logits [n + 1, V] on [c, d1..dn] in one step, and the experts it routed to.
+        Greedy: each position computed as its one-token step (MoEModel.logits one_token_at_a_time),
+        so that the output is plain greedy decoding's bit for bit, at the compute of n + 1 one-token
+        steps. Sampling promises the target's distribution, not its bits: one batched step."""
         used: set[tuple[int, int]] = set()
 
         def record(layer, experts, weights, positions, segments):
@@ -298,8 +302,7 @@ class Speculator:
 
         self.target.routing_hooks.append(record)
         try:
-            # each position's bits those of a one-token step: greedy output exactly plain decoding's
-            return self.target.logits(run, cache, one_token_at_a_time=True), used
+            return self.target.logits(run, cache, one_token_at_a_time=greedy), used
         finally:
             self.target.routing_hooks.remove(record)
 
