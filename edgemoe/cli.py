@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import functools
 import sys
+from dataclasses import dataclass
 from inspect import Parameter, signature as signature_of
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import typer
 
@@ -97,7 +98,7 @@ def _dense_bits_option():
 
 
 def _threads_option():
-    return typer.Option(None, "--threads", callback=_checked(options.integer_at_least, 1),
+    return typer.Option(None, "--threads", callback=_checked(options.thread_count),
                         help="Threads for the kernels (default: the cores other processes leave free, "
                         "followed as the load changes).")
 
@@ -172,8 +173,8 @@ def _with_store_options(*names: str):
 
         @functools.wraps(command)
         def with_options(**values):
-            from .loader import StoreOptions, cli_flag
-            store = StoreOptions(**{n: values.pop(n) for n in names}, name=cli_flag)
+            from .loader import StoreOptions
+            store = StoreOptions(**{n: values.pop(n) for n in names}, name=options.cli_flag)
             return command(**values, store=store)
 
         kept = [p for p in signature.parameters.values() if p.name != "store"]
@@ -184,7 +185,114 @@ def _with_store_options(*names: str):
     return decorate
 
 
+# ---- options that cannot act: refused, never ignored ----
+@dataclass(frozen=True)
+class CannotAct:
+    """An option of `commands` that cannot act when `when(arguments)` holds: given there, it is
+    refused with `why` (completing "--flag VALUE: ..."), never silently ignored."""
+    commands: tuple[str, ...]
+    option: str                                   # the command's parameter name
+    when: Callable[["GivenArguments"], bool]
+    why: str
+
+
+class GivenArguments:
+    """A command's arguments as parsed (attributes) and whether each was given (not its default)."""
+
+    def __init__(self, context: typer.Context, values: dict):
+        self._context, self._values = context, values
+
+    def __getattr__(self, name: str):
+        return self._values[name]
+
+    def given(self, name: str) -> bool:
+        source = self._context.get_parameter_source(name)
+        return source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")
+
+
+def _greedy(a: GivenArguments) -> bool:
+    return a.given("temperature") and a.temperature == 0
+
+
+def _every(commands, names, when, why) -> list[CannotAct]:
+    return [CannotAct(commands, name, when, why) for name in names]
+
+
+MODEL_COMMANDS = ("run", "eval", "serve", "chat")   # those taking the store options
+CANNOT_ACT = (
+    *_every(("run",), ("temperature", "top_k", "top_p", "seed", "stop"), lambda a: a.given("beams"),
+            "cannot act with --beams (beam search neither samples nor stops on strings)"),
+    *_every(("run", "chat"), ("top_k", "top_p", "seed"), _greedy,
+            "cannot act with --temperature 0 (greedy decoding takes the most likely token: nothing is sampled)"),
+    *_every(("run",), ("length_penalty", "early_stopping"), lambda a: not a.given("beams"), "only with --beams"),
+    CannotAct(("run",), "speculate", lambda a: not a.given("draft"), "only with --draft"),
+    CannotAct(("run",), "draft_ram", lambda a: a.draft != "self", "only with --draft self (a separate draft "
+              "is held as it loads)"),
+    *[CannotAct(("run",), "draft", lambda a, other=other: a.given(other), f"cannot act with --{other} "
+                "(speculative decoding is for greedy or sampled decoding with the model's own routers)")
+      for other in ("beams", "replay")],
+    CannotAct(MODEL_COMMANDS, "device", lambda a: not a.given("vram"), "only with --vram (the device holds "
+              "the VRAM tier)"),
+    CannotAct(MODEL_COMMANDS, "policy", lambda a: not (a.given("ram") or a.given("vram")), "only with --ram or "
+              "--vram (without a capacity no expert is ever evicted)"),
+    *_every(("bench",), ("skip_below", "fallback_below"),
+            lambda a: a.given("mode") and "predictive" not in a.mode,
+            "only with --mode predictive (the other modes run without quality trade-offs)"),
+    CannotAct(("bench",), "ram", lambda a: a.given("mode") and set(a.mode) == {"all-in-ram"}, "cannot act with "
+              "only --mode all-in-ram (it holds every expert in RAM)"),
+    CannotAct(("bench",), "routing", lambda a: a.given("replay"), "cannot act with --replay (the trace routes "
+              "every run)"),
+    *_every(("convert",), ("metric", "heldout", "calib_tokens", "confidence"), lambda a: not a.given("budget"),
+            "only with --budget"),
+    CannotAct(("convert",), "bits", lambda a: a.given("widths") or a.given("budget"), "cannot act with --widths "
+              "or --budget (they set every expert's width)"),
+    *_every(("profile",), ("context", "threads"), lambda a: a.given("trace_file"), "cannot act with --trace "
+            "(a profile built from a trace runs no text through the model)"),
+)
+
+
+def _refuse_options_that_cannot_act(command):
+    """Check the command's arguments against CANNOT_ACT before it runs (typer passes the click
+    context, which knows which options were given, as the added parameter `typer_context`)."""
+    signature = signature_of(command)
+
+    @functools.wraps(command)
+    def checked(typer_context: typer.Context, **values):
+        arguments = GivenArguments(typer_context, values)
+        for rule in CANNOT_ACT:
+            if typer_context.info_name in rule.commands and arguments.given(rule.option) and rule.when(arguments):
+                raise EdgeMoEError(_cannot_act_message(typer_context, rule, values[rule.option]))
+        return command(**values)
+
+    context = Parameter("typer_context", Parameter.KEYWORD_ONLY, annotation=typer.Context)
+    checked.__signature__ = signature.replace(parameters=[*signature.parameters.values(), context])
+    checked.__annotations__ = {**command.__annotations__, "typer_context": typer.Context}
+    return checked
+
+
+def _refuse_sampling_flags_if_greedy(model, path: Path, temperature, sampling_flags: dict) -> None:
+    """CANNOT_ACT's greedy rule where the model decides it: without --temperature, decoding samples
+    only if generation_config.json says do_sample; otherwise --top-k, --top-p and --seed cannot act."""
+    from .generate import defaults_from
+
+    if temperature is not None or defaults_from(model.generation_config).get("temperature", 0) != 0:
+        return
+    for flag, value in sampling_flags.items():
+        if value is not None:
+            raise options.OptionError(flag, value, f"cannot act: {path}'s generation_config.json decodes greedily "
+                                                   f"(give --temperature above 0 to sample)")
+
+
+def _cannot_act_message(context, rule: CannotAct, value) -> str:
+    flag = _flag(next(p for p in context.command.params if p.name == rule.option))
+    if isinstance(value, bool):          # a switch: no value to show
+        return f"{flag}: {rule.why}"
+    shown = value[0] if isinstance(value, list) and len(value) == 1 else value
+    return options.option_message(flag, shown, rule.why)
+
+
 @app.command()
+@_refuse_options_that_cannot_act
 @_with_store_options("ram", "vram", "device", "policy", "preload", "skip_below", "fallback_below")
 def run(
     model: Optional[Path] = typer.Argument(None, help=MODEL_HELP),
@@ -232,12 +340,8 @@ def run(
     from .tokenizer import valid_text
 
     prompt, stop = valid_text(prompt, "--prompt"), [valid_text(s, "--stop") for s in stop]
-    _check_beam_flags(beams, length_penalty, early_stopping,
-                      {"--temperature": temperature is not None, "--top-k": top_k is not None,
-                       "--top-p": top_p is not None, "--seed": seed is not None, "--stop": bool(stop)})
     from .loader import require_decoder_only
 
-    _check_draft_flags(draft, speculate, draft_ram, beams, replay)
     path = _model_path(model)
     m = edgemoe.load(path, _dtype(dtype), threads, store=store, dense_bits=dense_bits)
     for flag, given in (("--beams", beams is not None), ("--replay", replay is not None),
@@ -248,6 +352,7 @@ def run(
         _replay_for(m.spec, replay).attach(m)
     if m.tokenizer is None:
         raise EdgeMoEError(f"{path}: no tokenizer.json, cannot generate text")
+    _refuse_sampling_flags_if_greedy(m, path, temperature, {"--top-k": top_k, "--top-p": top_p, "--seed": seed})
     speculator = None
     if draft is not None:
         from .speculative import speculator_for
@@ -281,23 +386,6 @@ def _prompt_seen(model, prompt: str, chat: bool, max_new_tokens: int, truncate: 
     return seen
 
 
-def _check_draft_flags(draft, speculate, draft_ram, beams, replay) -> None:
-    """--draft: not with beam search or a replayed routing (the draft would route by its own
-    routers); --speculate and --draft-ram only with it (--draft-ram only with 'self')."""
-    options.not_with(draft, "--draft", {"--beams": beams is not None, "--replay": replay is not None},
-                     "speculative decoding is for greedy or sampled decoding with the model's own routers")
-    options.only_with(speculate, "--speculate", "--draft", draft is not None)
-    options.only_with(draft_ram, "--draft-ram", "--draft self", draft == "self")
-
-
-def _check_beam_flags(beams, length_penalty, early_stopping, sampling_given: dict[str, bool]) -> None:
-    """Beam search is deterministic and ends on stop tokens only: no sampling flags, no --stop; its
-    own flags only with --beams."""
-    options.not_with(beams, "--beams", sampling_given, "beam search neither samples nor stops on strings")
-    options.only_with(length_penalty, "--length-penalty", "--beams", beams is not None)
-    options.only_with(True if early_stopping else None, "--early-stopping", "--beams", beams is not None)
-
-
 def _best_beam_text(model, prompt_ids: list[int], beams: int, max_new_tokens: int, length_penalty,
                     early_stopping: bool, truncate: bool) -> str:
     from .beam import beam_search
@@ -326,6 +414,7 @@ def _print_run_stats(model, speculation=None) -> None:
 
 
 @app.command()
+@_refuse_options_that_cannot_act
 def convert(
     model: Path = typer.Argument(..., help="Hugging Face checkpoint directory."),
     out: Path = typer.Option(..., "--out", "-o", help="Store directory to create."),
@@ -525,6 +614,7 @@ def trace(
 
 
 @app.command()
+@_refuse_options_that_cannot_act
 def profile(
     store: Path = typer.Argument(..., help="Store directory."),
     text: Optional[Path] = typer.Option(None, "--text", help="Calibration text to run through the store."),
@@ -560,6 +650,7 @@ def profile(
 
 
 @app.command()
+@_refuse_options_that_cannot_act
 def bench(
     store: Path = typer.Argument(..., help="Store directory."),
     ram: str = _ram_option("25%", "RAM for experts: bytes (e.g. 1GiB) or a share of the store's expert "
@@ -712,6 +803,7 @@ def _print_bench_table(records: list) -> None:
 
 
 @app.command("eval")
+@_refuse_options_that_cannot_act
 @_with_store_options("ram", "vram", "device", "policy", "preload", "skip_below", "fallback_below", "compute")
 def eval_(
     model: Optional[Path] = typer.Argument(None, help=MODEL_HELP),
@@ -725,8 +817,8 @@ def eval_(
     stride: Optional[int] = typer.Option(None, callback=_checked(options.integer_at_least, 1),
                                          help="Window step (default: context / 2)."),
     decode: bool = typer.Option(False, "--decode", help="Score token by token through the KV cache, as "
-                                "generation runs (slower; for options that act per step: --skip-below, --fallback-below, "
-                                "--ram)."),
+                                "generation runs (slower; for options that act per step: --ram; implied by "
+                                "--skip-below and --fallback-below)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     dtype: str = _dtype_option(),
     dense_bits: str = _dense_bits_option(),
@@ -749,6 +841,10 @@ def eval_(
     content = _read_text(text)
     from .loader import require_decoder_only
 
+    # Skipping and fallback copies act on misses every token of a step chose weakly: a whole window's
+    # tokens choose nearly every expert strongly at least once, so only token by token (as generation
+    # runs) measures what they do.
+    decode = decode or bool(store.skip_below or store.fallback_below)
     path = _model_path(model)
     m = edgemoe.load(path, _dtype(dtype), threads, store=store, dense_bits=dense_bits)
     require_decoder_only(m.spec, path, "edgemoe eval (next-token perplexity)")
@@ -802,6 +898,7 @@ def _load_served(model: Optional[Path], dtype: str, dense_bits: str, threads, st
 
 
 @app.command()
+@_refuse_options_that_cannot_act
 @_with_store_options("ram", "vram", "device", "policy", "preload")
 def serve(
     model: Optional[Path] = typer.Argument(None, help="Checkpoint directory or store (default: the bundled model)."),
@@ -837,6 +934,7 @@ def serve(
 
 
 @app.command()
+@_refuse_options_that_cannot_act
 @_with_store_options("ram", "vram", "device", "policy", "preload")
 def chat(
     model: Optional[Path] = typer.Argument(None, help="Checkpoint directory or store (default: the bundled model)."),
@@ -861,6 +959,8 @@ def chat(
     if hasattr(sys.stdin, "reconfigure"):   # a line that is not UTF-8 reaches the loop, which refuses it
         sys.stdin.reconfigure(errors="surrogateescape")
     m = _load_served(model, dtype, dense_bits, threads, store)
+    _refuse_sampling_flags_if_greedy(m, _model_path(model), temperature,
+                                     {"--top-k": top_k, "--top-p": top_p, "--seed": seed})
     sampling = {k: v for k, v in dict(temperature=temperature, top_k=top_k, top_p=top_p).items() if v is not None}
     chat_loop(m, input, sys.stdout, max_new_tokens=max_new_tokens, system=system, seed=seed, **sampling)
 
@@ -874,6 +974,8 @@ def main() -> None:
         _fail(f"{e.format_message()} (see '{command} --help')", getattr(e, "exit_code", 2))
     except (typer.Abort, KeyboardInterrupt):
         _fail("interrupted", 130)
+    except options.OptionError as e:   # a library check names the option as Python spells it: here, the flag
+        _fail(e.on_command_line(), 2)
     except (EdgeMoEError, ValueError, OSError) as e:   # bad options reaching the library, unreadable files
         _fail(str(e), 2)
     sys.exit(status or 0)

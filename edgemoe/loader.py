@@ -37,10 +37,6 @@ def python_name(option: str) -> str:
     return f"{option}="
 
 
-def cli_flag(option: str) -> str:
-    return "--" + option.replace("_", "-")
-
-
 @dataclass(frozen=True)
 class StoreOptions:
     """How a store's experts are held and run, checked once, when made; errors name each option as

@@ -140,18 +140,23 @@ class MoEModel(StoreOwner):
         return KVCache(s.num_layers, s.num_kv_heads, s.key_dim, dtype=self.dtype, value_dim=s.value_dim)
 
     @torch.inference_mode()
-    def logits(self, token_ids: Sequence[int] | torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """float32 logits [T, V] for a 1-D run of tokens, continuing `cache` if given (else a fresh one)."""
+    def logits(self, token_ids: Sequence[int] | torch.Tensor, cache: KVCache | None = None,
+               one_token_at_a_time: bool = False) -> torch.Tensor:
+        """float32 logits [T, V] for a 1-D run of tokens, continuing `cache` if given (else a fresh one).
+        one_token_at_a_time: each token's logits bit for bit those of feeding the tokens one per step
+        (speculative verification: _layers_one_token_at_a_time)."""
         tokens = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
         if tokens.numel() == 0:
             raise ValueError("logits: token_ids is empty")
         cache = cache if cache is not None else self.new_cache()
-        return self.forward(tokens, [Segment(cache, tokens.numel())])
+        return self.forward(tokens, [Segment(cache, tokens.numel())], one_token_at_a_time=one_token_at_a_time)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, segments: Sequence[Segment], last_only: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, segments: Sequence[Segment], last_only: bool = False,
+                one_token_at_a_time: bool = False) -> torch.Tensor:
         """One step for several sequences: tokens [T] -> float32 logits [T, V] (or [len(segments), V]
-        for each segment's last token). Advances every segment's cache."""
+        for each segment's last token). Advances every segment's cache. one_token_at_a_time (one
+        segment): see logits."""
         if sum(s.num_tokens for s in segments) != tokens.numel():
             raise ValueError("forward: segments do not cover the tokens")
         if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.spec.vocab_size):
@@ -160,13 +165,17 @@ class MoEModel(StoreOwner):
         t = self.timings
         start = time.perf_counter()
         positions = torch.cat([torch.arange(s.cache.length, s.cache.length + s.num_tokens) for s in segments])
-        x = self.run_layers(self.embeddings(tokens), positions, segments)   # [T, D]
+        if one_token_at_a_time:
+            (segment,) = segments
+            x = self._layers_one_token_at_a_time(self.embeddings(tokens), positions, segment.cache)
+        else:
+            x = self.run_layers(self.embeddings(tokens), positions, segments)   # [T, D]
         for s in segments:
             s.cache.advance(s.num_tokens)
         if last_only:
             ends = torch.tensor([s.num_tokens for s in segments]).cumsum(0) - 1
             x = x[ends]
-        logits = self.head(x)
+        logits = torch.cat([self.head(row) for row in x.split(1)]) if one_token_at_a_time else self.head(x)
         elapsed = time.perf_counter() - start
         t.steps += 1
         t.tokens += tokens.numel()
@@ -179,19 +188,48 @@ class MoEModel(StoreOwner):
                    on_layer_input=None) -> torch.Tensor:
         """Decoder layers start.. on hidden states x [T, D] (the caches are not advanced).
         on_layer_input(l, x) sees each layer's input (the budget search caches them)."""
-        t = self.timings
-        s = self.spec
-        cos, sin = rope_tables(positions, s.rope_dim, s.rope_theta, *self._rope_scaling(positions))
+        cos, sin = self._rope(positions)
         for l in range(start, self.spec.num_layers):
             if on_layer_input is not None:
                 on_layer_input(l, x)
-            w = self.layers[l]
-            t0 = time.perf_counter()
-            x = x + self._attention(l, w, self._norm(x, w, "attn_norm"), positions, cos, sin, segments)
-            t1 = time.perf_counter()
-            x = x + self._mlp(l, w, self._norm(x, w, "mlp_norm"), positions, segments)
-            t.attention += t1 - t0
-            t.experts += time.perf_counter() - t1
+            x = self._layer(l, x, positions, cos, sin, segments)
+        return x
+
+    def _layers_one_token_at_a_time(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """run_layers for one sequence's step (x [T, D] at positions [T] after `cache`), every layer
+        computing each token as that token's one-token step would: on one-row tensors, its rotary table
+        and mask its own, its keys and values appended where its step would append them. torch sums a
+        product of several rows in another order than a product of one (GEMM against GEMV blocking)
+        and vectorizes an elementwise op (silu, exp, rsqrt) over several rows with other lanes than
+        over one, so batched tokens differ in the last bits, in float32 and bfloat16 alike; here each
+        token gets plain decoding's bits (speculative verification: greedy output exactly plain
+        greedy decoding's). Layer after layer, so a layer's experts serve all the tokens while they
+        are resident (one read from the store)."""
+        rows, start = list(x.split(1)), cache.length
+        try:
+            for l in range(self.spec.num_layers):
+                for i in range(len(rows)):
+                    cache.length = start + i      # token i's step: the cache holds the tokens before it
+                    position = positions[i:i + 1]
+                    rows[i] = self._layer(l, rows[i], position, *self._rope(position), [Segment(cache, 1)])
+        finally:
+            cache.length = start
+        return torch.cat(rows)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.spec
+        return rope_tables(positions, s.rope_dim, s.rope_theta, *self._rope_scaling(positions))
+
+    def _layer(self, l: int, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               segments: Sequence[Segment]) -> torch.Tensor:
+        """Decoder layer l on hidden states x [T, D]: attention, then the MLP or MoE block."""
+        t, w = self.timings, self.layers[l]
+        t0 = time.perf_counter()
+        x = x + self._attention(l, w, self._norm(x, w, "attn_norm"), positions, cos, sin, segments)
+        t1 = time.perf_counter()
+        x = x + self._mlp(l, w, self._norm(x, w, "mlp_norm"), positions, segments)
+        t.attention += t1 - t0
+        t.experts += time.perf_counter() - t1
         return x
 
     def _rope_scaling(self, positions: torch.Tensor) -> tuple:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from typing import Sequence
 
 from .errors import EdgeMoEError, option_message
@@ -20,7 +21,19 @@ class OptionError(EdgeMoEError):
 
     def __init__(self, option: str, value, expected: str):
         super().__init__(option_message(option, value, expected))
-        self.option = option
+        self.option, self.value, self.expected = option, value, expected
+
+    def on_command_line(self) -> str:
+        """The message with the option spelled as its flag ("fallback_bits=" -> "--fallback-bits"): a
+        library check reached from the command line names what the user typed."""
+        if not self.option.endswith("="):
+            return str(self)
+        return option_message(cli_flag(self.option[:-1]), self.value, self.expected)
+
+
+def cli_flag(option: str) -> str:
+    """A Python option name as its command-line flag: "skip_below" -> "--skip-below"."""
+    return "--" + option.replace("_", "-")
 
 
 def finite_at_least(value: float | None, option: str, low: float = 0.0) -> float | None:
@@ -70,6 +83,23 @@ def integer_at_least(value: int | None, option: str, low: int) -> int | None:
     return int(value)
 
 
+def kernel_thread_limit() -> int:
+    """The most threads the kernels can run: numba's thread pool, NUMBA_NUM_THREADS or by default
+    the machine's CPUs (read as numba reads them, without importing numba: the command line checks
+    --threads before loading anything)."""
+    return int(os.environ.get("NUMBA_NUM_THREADS") or os.cpu_count() or 1)
+
+
+def thread_count(value: int | None, option: str) -> int | None:
+    """A kernel thread count, 1 .. kernel_thread_limit() (None passes: the default, idle cores)."""
+    value = integer_at_least(value, option, 1)
+    limit = kernel_thread_limit()
+    if value is not None and value > limit:
+        raise OptionError(option, value, f"expected an integer in 1..{limit} (the kernels' thread pool: "
+                                         f"NUMBA_NUM_THREADS, by default this machine's CPUs)")
+    return value
+
+
 def window_length(value: int | None, option: str, context: int) -> int | None:
     """A window of tokens run as one sequence: 2 .. the model's context (max_position_embeddings)."""
     value = integer_at_least(value, option, 2)
@@ -77,19 +107,6 @@ def window_length(value: int | None, option: str, context: int) -> int | None:
         raise OptionError(option, value, f"longer than the model's context of {context} tokens "
                                          f"(max_position_embeddings)")
     return value
-
-
-def not_with(value, option: str, others: dict[str, bool], why: str) -> None:
-    """Refuse `option` (when given) together with any of `others` (flag -> whether it was given)."""
-    clash = [flag for flag, given in others.items() if given]
-    if value is not None and clash:
-        raise OptionError(option, value, f"cannot be combined with {', '.join(clash)} ({why})")
-
-
-def only_with(value, option: str, needed: str, needed_given: bool) -> None:
-    """Refuse `option` (when given) without the option it modifies."""
-    if value is not None and not needed_given:
-        raise OptionError(option, value, f"only with {needed}")
 
 
 def one_of(value: str | None, option: str, choices: Sequence[str]) -> str | None:

@@ -9,9 +9,7 @@ expert other than SwiGLU (ModelSpec.expert_activation: GPT-OSS's, Switch's ungat
 edgemoe/kernels/activations.py) has no fused kernel: on "fused-int" / "fused-float" it runs the
 per-matrix kernels (qmatmul_int / qmatmul) with its activation and biases between them. `compute="auto"` picks the cheapest by this machine's measured
 latency model (edgemoe.latency); the others force one. An expert resident on the device (the VRAM
-tier) is dequantized and multiplied there. With `StoreExperts.token_by_token` (speculative
-verification), each token is computed as a one-token step would be: one call per token, on the
-one-token path (the float kernels' sums depend on how many tokens a call has).
+tier) is dequantized and multiplied there.
 
 Shapes: T tokens, D hidden, S tokens of one expert.
 """
@@ -31,6 +29,7 @@ from edgemoe.kernels.device import swiglu_on_device, to_device, weights_on_devic
 
 from .experts import Activation, ExpertBatches, ExpertProvider, dense_matmul
 from .layers import swiglu
+from .options import OptionError
 
 COMPUTE_CHOICES = ("auto", "fused-int", "fused-float", "dequant", "device")
 FUSED = {"fused-int": kernels.swiglu_expert_int, "fused-float": kernels.swiglu_expert}
@@ -39,18 +38,14 @@ PER_MATRIX = {"fused-int": kernels.qmatmul_int, "fused-float": kernels.qmatmul} 
 
 class QuantizedExpert:
     def __init__(self, resident: ResidentExpert, choose: Callable[[int, int, int], str],
-                 device: torch.device | None = None, activation: Activation = None,
-                 token_by_token: bool = False):
+                 device: torch.device | None = None, activation: Activation = None):
         self.resident = resident
         self.choose = choose          # (bits, tokens, nbytes) -> a COMPUTE_CHOICES entry but "auto"
         self.device = device          # the VRAM tier's device, for the "device" path
         self.activation = activation  # None: SwiGLU
         self.nbytes = resident.nbytes
-        self.token_by_token = token_by_token   # each token as a one-token step computes it
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.token_by_token and x.shape[0] > 1:   # each token as a one-token step computes it
-            return torch.cat([self(x[i:i + 1]) for i in range(x.shape[0])])
         if self.activation is not None:
             return self._activation(x)
         r = self.resident
@@ -97,7 +92,7 @@ class StoreExperts(ExpertProvider):
         layer_kernel: the experts of a layer that compute on "fused-int" go through one kernel call
         (swiglu_experts_int) rather than one call each; results are the same bits either way."""
         if compute == "device" and store.device is None:
-            raise ValueError("compute='device' needs a VRAM tier: give vram= and device=")
+            raise OptionError("compute=", compute, "needs a VRAM tier (a capacity for vram and its device)")
         self.store = store
         self.activations = activations or (lambda layer, expert: None)
         self.compute = compute
@@ -111,10 +106,6 @@ class StoreExperts(ExpertProvider):
         self.fallback_uses = 0        # expert uses served by a fallback copy so far
         self._kept: ExpertBatches | None = None
         self._weak: set[tuple[int, int]] = set()   # the running layer's weakly chosen experts
-        # Each token computed as a one-token step would (path and kernel call), so that a step of
-        # several positions of one sequence gives plain decoding's bits (speculative verification):
-        # the float kernels' per-token sums depend on the step's token count.
-        self.token_by_token = False
         self.layer_kernel = layer_kernel
 
     @property
@@ -147,8 +138,7 @@ class StoreExperts(ExpertProvider):
 
     def _quantized(self, layer: int, expert: int, resident: ResidentExpert) -> QuantizedExpert:
         self.fallback_uses += resident.narrowed
-        return QuantizedExpert(resident, self.choose, self.store.device, self.activations(layer, expert),
-                               self.token_by_token)
+        return QuantizedExpert(resident, self.choose, self.store.device, self.activations(layer, expert))
 
     def prepare(self, layer: int, batches: ExpertBatches) -> None:
         self._kept = self._skip_weak_misses(layer, batches) if self.skip_below else batches
@@ -203,9 +193,8 @@ class StoreExperts(ExpertProvider):
     def _on_layer_kernel(self, expert: QuantizedExpert, tokens: int) -> bool:
         """Whether this expert computes on "fused-int" on the host, where the layer kernel gives its bits."""
         r = expert.resident
-        count = 1 if self.token_by_token else tokens   # token by token: each token's own choice
         return (expert.activation is None and r.device is None
-                and self.choose(r.bits, count, r.nbytes) == "fused-int")
+                and self.choose(r.bits, tokens, r.nbytes) == "fused-int")
 
     def _skip_weak_misses(self, layer: int, batches: ExpertBatches) -> ExpertBatches:
         """Adaptive top-k: an expert that is not resident and that every one of its tokens chose with

@@ -13,7 +13,8 @@ A round, with the KV cache holding every committed token but the last one, c:
   rollback: both caches truncated past the first rejected proposal.
 p and q are the distributions sampling draws from (temperature, top-k, top-p applied to both:
 generate.sampling_probs), so the output has the target's distribution; greedy output is plain
-greedy decoding's, token for token (tested).
+greedy decoding's, token for token (tested): greedy verification computes each position as its
+one-token step would, bit for bit (MoEModel.logits, one_token_at_a_time), in every dtype.
 
 Expert prefetch (SP-MoE): while the draft runs, the target's router at each MoE layer, applied to
 the draft's input of that layer, names the experts verification will need; those the store neither
@@ -280,7 +281,7 @@ class Speculator:
         proposals, draft_probs = self._propose(tokens, n, draft_cache, opts, generator)
         drafted = time.perf_counter()
         cache.truncate(committed)   # a shared cache holds the draft's keys past c: the target's replace them
-        logits, used = self._verify([tokens[-1]] + proposals, cache)
+        logits, used = self._verify([tokens[-1]] + proposals, cache, greedy=opts.temperature == 0)
         k, token = accept(logits, proposals, draft_probs, opts, generator)
         cache.truncate(committed + k + 1)
         draft_cache.truncate(min(draft_cache.length, committed + k + 1))
@@ -289,23 +290,21 @@ class Speculator:
         tokens.extend(new)
         return new
 
-    def _verify(self, run: list[int], cache: KVCache) -> tuple[torch.Tensor, set[tuple[int, int]]]:
-        """The target's logits [n + 1, V] on [c, d1..dn] in one step, and the experts it routed to."""
+    def _verify(self, run: list[int], cache: KVCache, greedy: bool) -> tuple[torch.Tensor, set[tuple[int, int]]]:
+        """The target's logits [n + 1, V] on [c, d1..dn] in one step, and the experts it routed to.
+        Greedy: each position computed as its one-token step (MoEModel.logits one_token_at_a_time),
+        so that the output is plain greedy decoding's bit for bit, at the compute of n + 1 one-token
+        steps. Sampling promises the target's distribution, not its bits: one batched step."""
         used: set[tuple[int, int]] = set()
 
         def record(layer, experts, weights, positions, segments):
             used.update((layer, e) for e in experts.reshape(-1).tolist())
 
-        exact = hasattr(self.target.experts, "token_by_token")   # a store's experts: see StoreExperts
         self.target.routing_hooks.append(record)
-        if exact:
-            self.target.experts.token_by_token = True
         try:
-            return self.target.logits(run, cache), used
+            return self.target.logits(run, cache, one_token_at_a_time=greedy), used
         finally:
             self.target.routing_hooks.remove(record)
-            if exact:
-                self.target.experts.token_by_token = False
 
     def _propose(self, tokens: list[int], n: int, draft_cache: KVCache, opts: GenerationOptions,
                  generator) -> tuple[list[int], torch.Tensor | None]:

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from . import kernels
-from .options import integer_at_least
+from .options import thread_count
 
 RESAMPLE_SECONDS = 2.0   # how often auto mode looks again: a few /proc reads, far below a step's cost
 SAMPLE_SECONDS = 0.05    # the first look, at start
@@ -86,7 +86,7 @@ def set_command_threads(threads: int | None) -> int:
     """For a command without forward steps (convert): `threads`, or the cores free now, applied to
     the kernels (numba and torch) once; returns the count, e.g. for a worker pool of that size (so
     that no pool runs two-thread parallel regions next to a busy process)."""
-    n = integer_at_least(threads, "threads=", 1) or idle_cores()
+    n = thread_count(threads, "threads=") or idle_cores()
     kernels.set_threads(n)
     return n
 
@@ -96,7 +96,7 @@ class ThreadGovernor:
 
     def __init__(self, threads: int | None = None):
         self.limit = physical_cores()
-        self.fixed = integer_at_least(threads, "threads=", 1)
+        self.fixed = thread_count(threads, "threads=")
         self.sampler = None if self.fixed else CpuSampler()
         self.current = 0
         self.next_look = 0.0

@@ -51,6 +51,8 @@ BAD = [
     (["run", "CKPT", "--ram", "25%"], "--ram"),           # a checkpoint has no store to budget
     (["run", "CKPT", "--dtype", "int3"], "--dtype"),
     (["run", "CKPT", "--threads", "0"], "--threads"),
+    (["run", "CKPT", "--threads", "999"], "--threads"),   # past the kernels' thread pool
+    (["run", "STORE", "--vram", "1MiB"], "--vram"),        # no GPU here, no --device: the library's check
     (["run", "STORE", "--replay", "BIN"], "trace.bin"),
     (["run", "CKPT", "--bogus"], "--bogus"),
     (["run", "CKPT", "--beams", "0"], "--beams"),
@@ -63,9 +65,12 @@ BAD = [
     (["run", "CKPT", "--beams", "2", "--length-penalty", "nan"], "--length-penalty"),
     (["run", "CKPT", "--length-penalty", "0.5"], "--length-penalty"),            # only with --beams
     (["run", "CKPT", "--early-stopping"], "--early-stopping"),
+    (["run", "CKPT", "--seed", "1"], "--seed"),          # the checkpoint's generation_config decodes greedily
+    (["chat", "CKPT", "--top-k", "5"], "--top-k"),
     # convert
     (["convert", "CKPT", "-o", "OUT", "--bits", "3"], "--bits"),
     (["convert", "CKPT", "-o", "OUT", "--fallback-bits", "8"], "--fallback-bits"),
+    (["convert", "CKPT", "-o", "OUT", "--bits", "2", "--fallback-bits", "2"], "--fallback-bits"),   # the library's
     (["convert", "CKPT", "-o", "OUT", "--budget", "200%"], "--budget"),
     (["convert", "CKPT", "-o", "OUT", "--budget", "nan"], "--budget"),
     (["convert", "CKPT", "-o", "OUT", "--budget", "-1%"], "--budget"),
@@ -117,6 +122,8 @@ BAD = [
     (["bench", "STORE", "--skip-below", "1"], "--skip-below"),
     (["bench", "STORE", "--fallback-below", "-0.1"], "--fallback-below"),
     (["eval", "STORE", "--text", "TEXT", "--compute", "fused"], "--compute"),
+    (["eval", "STORE", "--text", "TEXT", "--compute", "device"], "--compute"),   # no VRAM tier: the library's
+    (["run", "STORE", "--preload", "correlation"], "--preload"),                 # the store has no profile
     # simulate
     (["simulate", "TRACE", "--cache-experts", "0"], "--cache-experts"),
     (["simulate", "TRACE", "--cache-experts", "4", "--policy", "fifo"], "--policy"),
@@ -156,3 +163,126 @@ def test_no_progress_output_off_a_terminal_and_convert_reports_its_whole_time(pa
     made = subprocess.run([sys.executable, "-m", "edgemoe", "convert", paths["CKPT"], "-o", str(tmp_path / "s"),
                            "--calib", paths["TEXT"]], capture_output=True, text=True)
     assert made.returncode == 0 and made.stderr == "" and " s in all" in made.stdout
+
+
+# ---- every option with a checked value, given a bad one, is named (generated from the commands) ----
+COMMAND_ARGS = {"run": ["STORE"], "eval": ["STORE", "--text", "TEXT"], "serve": ["STORE"], "chat": ["STORE"],
+                "convert": ["CKPT", "-o", "OUT"], "inspect": ["STORE"], "trace": ["STORE", "--text", "TEXT", "-o", "OUT"],
+                "profile": ["STORE", "--text", "TEXT"], "bench": ["STORE"], "simulate": ["TRACE", "--cache-experts", "4"]}
+BAD_BY_TYPE = {int: "-7", float: "nan", str: "no-such-value"}
+ANY_TEXT = {"--stop"}   # every text is a valid stop string
+
+
+def checked_options():
+    """(command, flag, bad value) for every option whose value a check sees: a typer callback, or a
+    store flag (checked by StoreOptions); the bad value chosen by the option's type."""
+    import typing
+    from inspect import signature
+
+    import typer
+
+    from edgemoe.cli import STORE_FLAGS, app
+
+    for command in app.registered_commands:
+        name = command.name or command.callback.__name__
+        hints = typing.get_type_hints(command.callback)
+        for parameter in signature(command.callback).parameters.values():
+            option = parameter.default
+            if not isinstance(option, typer.models.OptionInfo) or not (option.callback or parameter.name in STORE_FLAGS):
+                continue
+            flag = max(option.param_decls or ["--" + parameter.name.replace("_", "-")], key=len)
+            base = [t for t in typing.get_args(hints[parameter.name]) if t is not type(None)] or [hints[parameter.name]]
+            base = typing.get_args(base[0])[0] if typing.get_origin(base[0]) in (list, typing.List) else base[0]
+            if flag not in ANY_TEXT:
+                yield name, flag, BAD_BY_TYPE[base]
+    yield "run", "--threads", "999999"   # an upper bound too
+
+
+CHECKED = list(checked_options())
+
+
+def test_the_generated_options_cover_every_command():
+    assert {command for command, _, _ in CHECKED} == set(COMMAND_ARGS)
+    assert len(CHECKED) > 50
+
+
+@pytest.mark.parametrize("command, flag, value", CHECKED, ids=[f"{c} {f} {v}" for c, f, v in CHECKED])
+def test_every_checked_option_names_its_flag(monkeypatch, capsys, paths, command, flag, value):
+    args = [command, *[paths.get(a, a) for a in COMMAND_ARGS[command]], flag, value]
+    code, err = run_cli(monkeypatch, capsys, *args)
+    assert code == 2 and err.count("\n") == 0 and err.startswith(f"error: {flag} "), err
+
+
+# ---- options that cannot act where they are given are refused (edgemoe.cli.CANNOT_ACT) ----
+CANNOT_ACT_EXAMPLES = {
+    ("run", "temperature"): [["CKPT", "--beams", "2", "--temperature", "0.7"]],
+    ("run", "top_k"): [["CKPT", "--beams", "2", "--top-k", "5"], ["CKPT", "--temperature", "0", "--top-k", "5"]],
+    ("run", "top_p"): [["CKPT", "--beams", "2", "--top-p", "0.9"], ["CKPT", "--temperature", "0", "--top-p", "0.9"]],
+    ("run", "seed"): [["CKPT", "--beams", "2", "--seed", "1"], ["CKPT", "--temperature", "0", "--seed", "1"]],
+    ("run", "stop"): [["CKPT", "--beams", "2", "--stop", "x"]],
+    ("chat", "top_k"): [["CKPT", "--temperature", "0", "--top-k", "5"]],
+    ("chat", "top_p"): [["CKPT", "--temperature", "0", "--top-p", "0.5"]],
+    ("chat", "seed"): [["CKPT", "--temperature", "0", "--seed", "3"]],
+    ("run", "length_penalty"): [["CKPT", "--length-penalty", "0.5"]],
+    ("run", "early_stopping"): [["CKPT", "--early-stopping"]],
+    ("run", "speculate"): [["CKPT", "--speculate", "3"]],
+    ("run", "draft_ram"): [["CKPT", "--draft-ram", "1MiB"], ["CKPT", "--draft", "CKPT", "--draft-ram", "1MiB"]],
+    ("run", "draft"): [["CKPT", "--draft", "self", "--beams", "2"], ["CKPT", "--draft", "self", "--replay", "TRACE"]],
+    **{(c, "device"): [[*COMMAND_ARGS[c], "--device", "cpu"]] for c in ("run", "eval", "serve", "chat")},
+    **{(c, "policy"): [[*COMMAND_ARGS[c], "--policy", "lfu"]] for c in ("run", "eval", "serve", "chat")},
+    ("bench", "skip_below"): [["STORE", "--mode", "on-demand-lru", "--skip-below", "0.2"]],
+    ("bench", "fallback_below"): [["STORE", "--mode", "all-in-ram", "--fallback-below", "0.2"]],
+    ("bench", "routing"): [["STORE", "--replay", "TRACE", "--routing", "model"]],
+    ("bench", "ram"): [["STORE", "--mode", "all-in-ram", "--ram", "10%"]],
+    ("convert", "metric"): [["CKPT", "-o", "OUT", "--metric", "kl"]],
+    ("convert", "heldout"): [["CKPT", "-o", "OUT", "--heldout", "TEXT"]],
+    ("convert", "calib_tokens"): [["CKPT", "-o", "OUT", "--calib-tokens", "100"]],
+    ("convert", "confidence"): [["CKPT", "-o", "OUT", "--confidence", "0.9"]],
+    ("convert", "bits"): [["CKPT", "-o", "OUT", "--bits", "8", "--budget", "5%", "--calib", "TEXT"]],
+    ("profile", "context"): [["STORE", "--trace", "TRACE", "--context", "16"]],
+    ("profile", "threads"): [["STORE", "--trace", "TRACE", "--threads", "1"]],
+}
+
+
+def _cannot_act_cases():
+    from edgemoe.cli import CANNOT_ACT
+
+    return sorted({(command, rule.option) for rule in CANNOT_ACT for command in rule.commands})
+
+
+@pytest.mark.parametrize("command, option", _cannot_act_cases())
+def test_each_option_that_cannot_act_is_refused_naming_it_and_why(monkeypatch, capsys, paths, command, option):
+    """Every (command, option) of the table has examples, and each example of a rule is refused with
+    the flag and the rule's reason; together they give every reason the table has for that option."""
+    from edgemoe.cli import CANNOT_ACT
+
+    reasons = {rule.why for rule in CANNOT_ACT if command in rule.commands and rule.option == option}
+    flag = "--" + option.replace("_", "-")
+    seen = set()
+    for example in CANNOT_ACT_EXAMPLES[command, option]:
+        code, err = run_cli(monkeypatch, capsys, command, *[paths.get(a, a) for a in example])
+        assert code == 2 and err.count("\n") == 0 and err.startswith(f"error: {flag}"), err
+        seen |= {why for why in reasons if why in err}
+    assert seen == reasons
+    assert not os.path.exists(paths["OUT"])
+
+
+def test_eval_skips_weak_misses_without_decode_being_asked(monkeypatch, capsys, paths):
+    """--skip-below acts per step on misses every token of the step chose weakly: eval implies --decode
+    for it (scoring whole windows skipped 72 expert choices here against decoding's 798, and gave
+    another perplexity than generation would see)."""
+    def eval_json(*extra):
+        monkeypatch.setattr(sys, "argv", ["edgemoe", "eval", paths["STORE"], "--text", paths["TEXT"],
+                                          "--context", "32", "--ram", "0", "--preload", "none", "--threads", "1",
+                                          "--compute", "fused-float", "--json", *extra])
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as done:
+            from edgemoe.cli import main
+            main()
+        assert done.value.code == 0
+        return json.loads(capsys.readouterr().out)
+
+    implied = eval_json("--skip-below", "0.45")
+    assert implied["skipped_per_token"] > 0
+    asked = eval_json("--skip-below", "0.45", "--decode")
+    assert (implied["nll"], implied["skipped_per_token"]) == (asked["nll"], asked["skipped_per_token"])

@@ -144,7 +144,7 @@ def corrupt_copy(store, tmp_path, change):
 def test_a_copy_that_is_not_narrower_is_refused(store, tmp_path):
     def widen(manifest, _):
         manifest["fallback"]["experts"][0]["bits"] = 4
-    with pytest.raises(StoreError, match="fallback copy of layer 0 expert 0 .* is 4 bits for a 4-bit expert"):
+    with pytest.raises(StoreError, match=r"manifest.json: fallback.experts\[0\] \(layer 0 expert 0\): bits: 4, expected 2"):
         edgemoe.load(corrupt_copy(store, tmp_path, widen))
 
 

@@ -48,15 +48,14 @@ def test_the_layer_kernel_gives_the_per_expert_paths_logits_bit_for_bit(mixed_st
     assert calls and max(calls) > 1   # several experts in one call
 
 
-def test_token_by_token_steps_take_the_one_token_choice_through_the_layer_kernel(mixed_store):
-    """token_by_token (speculative verification): each expert's path is chosen for one token, and the
-    layer kernel computes a step of several positions as the per-expert path does."""
+def test_one_token_at_a_time_verification_goes_through_the_layer_kernel_alike(mixed_store):
+    """Speculative verification (logits one token at a time): the layer kernel gives the per-expert
+    path's bits for each token."""
     results = []
     for layer_kernel in (True, False):
         with edgemoe.load(mixed_store, torch.float32, preload="none") as model:
             model.experts.layer_kernel = layer_kernel
-            model.experts.token_by_token = True
             cache = model.new_cache()
             model.logits(IDS[:4], cache)
-            results.append(model.logits(IDS[4:9], cache))
+            results.append(model.logits(IDS[4:9], cache, one_token_at_a_time=True))
     assert torch.equal(*results)

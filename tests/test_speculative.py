@@ -62,6 +62,58 @@ def test_self_draft_greedy_equals_plain_greedy_from_a_store(bundled_store, num_d
             assert s.prefetched > 0 and s.prefetched_used > 0
 
 
+PRECISIONS = [(torch.float32, None), (torch.bfloat16, None), (torch.float32, 8), (torch.bfloat16, 8),
+              (torch.float32, 4)]
+
+
+@pytest.mark.parametrize("source", ["checkpoint", "store"])
+@pytest.mark.parametrize("dtype,dense_bits", PRECISIONS)
+def test_verification_gives_the_bits_of_one_token_steps_in_every_precision(bundled_store, source, dtype, dense_bits):
+    """The verification step's logits for [c, d1..dn] equal, bit for bit, those of feeding c, d1, ...
+    one token per step: what makes greedy output plain greedy decoding's whatever the margins. A
+    product over several rows rounds differently from one-row products (float32 by about 1e-5,
+    bfloat16 by 0.06 in these logits, dense INT4's GEMM against its one-token kernel by as much):
+    verification runs each token through each layer as its one-token step would."""
+    path = bundled_model_path() if source == "checkpoint" else bundled_store
+    with edgemoe.load(path, dtype, dense_bits=dense_bits, **({"preload": "none"} if source == "store" else {})) as m:
+        ids = m.tokenizer.encode("JULIET: O Romeo, Romeo, wherefore art thou Romeo? Deny thy father")
+        stepped = m.new_cache()
+        m.logits(ids[:6], stepped)
+        one_by_one = torch.cat([m.logits([t], stepped) for t in ids[6:12]])
+        verified = m.new_cache()
+        m.logits(ids[:6], verified)
+        speculator = Speculator(m, self_draft(m), 5, shares_cache=True)
+        logits, _ = speculator._verify(ids[6:12], verified, greedy=True)
+        assert torch.equal(logits, one_by_one)
+
+
+@pytest.mark.parametrize("arch,overrides", [("mixtral", {"sliding_window": 4}), ("deepseek_v2", {}),
+                                            ("gpt_oss", {}), ("qwen2_moe", {})])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verification_gives_one_token_bits_for_every_attention_kind(tiny_model, arch, overrides, dtype):
+    """Sliding windows (each query's own mask), latent attention, attention sinks, gated shared
+    experts (whose silu over several rows vectorizes differently from one row: a per-product fix
+    was not enough): verified positions equal one-token steps bit for bit (random tiny checkpoints)."""
+    with edgemoe.load(tiny_model(arch, **overrides), dtype) as m:
+        ids = list(range(3, 15))
+        stepped = m.new_cache()
+        m.logits(ids[:5], stepped)
+        one_by_one = torch.cat([m.logits([t], stepped) for t in ids[5:]])
+        verified = m.new_cache()
+        m.logits(ids[:5], verified)
+        logits, _ = Speculator(m, self_draft(m), 6, shares_cache=True)._verify(ids[5:], verified, greedy=True)
+        assert torch.equal(logits, one_by_one)
+
+
+@pytest.mark.parametrize("dtype,dense_bits", PRECISIONS)
+def test_self_draft_greedy_equals_plain_greedy_in_every_precision(bundled_store, dtype, dense_bits):
+    with edgemoe.load(bundled_store, dtype, dense_bits=dense_bits) as m:
+        speculator = Speculator(m, self_draft(m), 4, shares_cache=True)
+        for prompt in ("JULIET:", *PROMPTS):
+            ids = m.tokenizer.encode(prompt)
+            assert list(speculator.stream(ids, _greedy(30))) == list(stream_tokens(m, ids, _greedy(30)))
+
+
 def test_separate_draft_with_its_own_cache_greedy_equals_plain(bundled, bundled_store):
     with edgemoe.load(bundled_store) as draft:
         check_draft(bundled, draft, str(bundled_store))
@@ -202,7 +254,7 @@ def test_run_with_a_self_draft_prints_plain_greedy_text_and_its_figures(monkeypa
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--draft", "self", "--beams", "2"], "--draft 'self': cannot be combined with --beams"),
+    (["--draft", "self", "--beams", "2"], "--draft 'self': cannot act with --beams"),
     (["--speculate", "3"], "--speculate 3: only with --draft"),
     (["--draft", "x", "--draft-ram", "1MiB"], "--draft-ram 1048576: only with --draft self"),
     (["--draft", "self", "--draft-ram", "lots"], "--draft-ram 'lots': expected a size"),

@@ -46,3 +46,12 @@ def test_a_busy_process_is_seen():
     finally:
         busy.kill()
         busy.wait()
+
+
+def test_the_thread_limit_checked_on_the_command_line_is_numbas_pool():
+    """--threads is checked before numba loads, from the same setting numba sizes its pool by."""
+    import numba
+
+    from edgemoe.options import kernel_thread_limit
+
+    assert kernel_thread_limit() == numba.config.NUMBA_NUM_THREADS

@@ -37,6 +37,8 @@ import time
 
 import torch
 
+from edgemoe.options import OptionError
+
 
 PREDICTORS = ("auto", "correlation", "lookahead", "none")
 MIN_PROBABILITY = 0.5
@@ -47,7 +49,7 @@ class Preloader:
         if predictor == "auto":
             predictor = "correlation" if profile is not None else "lookahead"
         if predictor == "correlation" and profile is None:
-            raise ValueError(f"preload='correlation': {store.path} has no routing profile (run edgemoe profile)")
+            raise OptionError("preload=", predictor, f"{store.path} has no routing profile (run edgemoe profile)")
         self.model, self.store, self.predictor, self.profile = model, store, predictor, profile
         spec = model.spec
         moe = spec.moe_layer_ids

@@ -15,7 +15,7 @@ import numpy as np
 from edgemoe.errors import EdgeMoEError
 from edgemoe.files import atomic_write
 from edgemoe.spec import ModelSpec
-from edgemoe.quant import QuantizedTensor
+from edgemoe.quant import ARRAY_DTYPES, QuantizedTensor, group_layout
 
 FORMAT_NAME = "edgemoe-store"
 FORMAT_VERSION = 1
@@ -84,15 +84,23 @@ def _roles_of(tensors: dict) -> list[str]:
 
 def blob_layout(quantized: dict[str, QuantizedTensor]) -> tuple[dict, int]:
     """Where each array of an expert goes inside its blob: (tensors record, blob length)."""
+    return matrix_layout({role: (qt.bits, qt.group_size, qt.shape) for role, qt in quantized.items()})
+
+
+def matrix_layout(matrices: dict[str, tuple[int, int | None, tuple[int, int]]]) -> tuple[dict, int]:
+    """The blob layout of an expert's matrices, role -> (bits, group_size, [rows, cols]): each role's
+    packed, scale and zero arrays in turn, each starting on ARRAY_ALIGNMENT. (tensors record, length)."""
     tensors, offset = {}, 0
-    for role in _roles_of(quantized):
-        qt = quantized[role]
+    for role in _roles_of(matrices):
+        bits, group_size, (rows, cols) = matrices[role]
+        group, ngroups = group_layout(bits, group_size, cols)
+        shapes = {"packed": [rows, ngroups * group * bits // 8], "scale": [rows, ngroups], "zero": [rows, ngroups]}
         arrays = {}
-        for name, array in qt.arrays().items():
+        for name, dtype in ARRAY_DTYPES.items():
             offset = align(offset, ARRAY_ALIGNMENT)
-            arrays[name] = {"offset": offset, "dtype": array.dtype.name, "shape": list(getattr(qt, name).shape)}
-            offset += array.nbytes
-        tensors[role] = {"shape": list(qt.shape), "bits": qt.bits, "group_size": qt.group_size, "arrays": arrays}
+            arrays[name] = {"offset": offset, "dtype": np.dtype(dtype).name, "shape": shapes[name]}
+            offset += rows * shapes[name][1] * np.dtype(dtype).itemsize
+        tensors[role] = {"shape": [rows, cols], "bits": bits, "group_size": group_size, "arrays": arrays}
     return tensors, offset
 
 
@@ -175,19 +183,23 @@ def parse_manifest(store: Path, data: dict) -> Manifest:
                          f"(this edgemoe reads version {FORMAT_VERSION})")
     if data.get("complete") is not True:
         raise StoreError(f"{path}: the store is marked incomplete")
+    from . import validate   # it checks against this module's definitions
+
+    validate.check_header(path, data)
     try:
         spec = ModelSpec.from_dict(data["spec"])
-        experts = {(e["layer"], e["expert"]): ExpertEntry(**e) for e in data["experts"]}
-        fallback = {(e["layer"], e["expert"]): ExpertEntry(**e) for e in data.get("fallback", {}).get("experts", [])}
-        sizes = {f["name"]: f["size"] for f in data["data_files"]}
-    except (KeyError, TypeError) as e:
-        raise StoreError(f"{path}: malformed manifest ({e})") from None
-    _check_files(store, data, sizes, [*experts.values(), *fallback.values()])
-    for entry in [*experts.values(), *fallback.values()]:
-        if tuple(_roles_of(entry.tensors)) != spec.expert_roles or len(entry.tensors) != len(spec.expert_roles):
-            raise StoreError(f"{path}: {entry.where()} holds {sorted(entry.tensors)}, a "
-                             f"{spec.expert_activation} expert has {list(spec.expert_roles)}")
-    _check_fallback(path, data, experts, fallback)
+    except (KeyError, TypeError, ValueError) as e:
+        raise StoreError(f"{path}: spec: malformed ({e})") from None
+    sizes = {f["name"]: f["size"] for f in data["data_files"]}
+    _check_files(store, data, sizes)
+    experts, labels = validate.parse_entries(path, data["experts"], spec, sizes, "experts")
+    fallback, fallback_labels = {}, {}
+    if "fallback" in data:
+        fallback, fallback_labels = validate.parse_entries(path, data["fallback"]["experts"], spec, sizes,
+                                                           "fallback.experts", (data["fallback"]["bits"],))
+        validate.check_fallback(path, data["fallback"]["bits"], experts, fallback)
+    validate.check_overlaps(path, [(labels[k], e) for k, e in experts.items()]
+                            + [(fallback_labels[k], e) for k, e in fallback.items()])
     expected = {(l, e) for l in spec.moe_layer_ids for e in range(spec.num_experts)}
     if set(experts) != expected:
         missing = sorted(expected - set(experts))[:5]
@@ -196,26 +208,11 @@ def parse_manifest(store: Path, data: dict) -> Manifest:
     return Manifest(store, data, spec, experts, fallback)
 
 
-def _check_fallback(path: Path, data: dict, experts: dict, fallback: dict) -> None:
-    """Every fallback copy is of a listed expert, at the fallback width, narrower than the expert."""
-    if "fallback" not in data:
-        return
-    bits = data["fallback"].get("bits")
-    for key, entry in fallback.items():
-        if key not in experts or entry.bits != bits or bits >= experts[key].bits:
-            width = experts[key].bits if key in experts else "no"
-            raise StoreError(f"{path}: fallback copy of {entry.where()} is {entry.bits} bits for a "
-                             f"{width}-bit expert (fallback width {bits!r})")
-
-
-def _check_files(store: Path, data: dict, sizes: dict[str, int], entries: list[ExpertEntry]) -> None:
+def _check_files(store: Path, data: dict, sizes: dict[str, int]) -> None:
     for name, size in list(sizes.items()) + [(data["dense"]["file"], data["dense"]["size"])]:
         file = store / name
         if not file.exists():
-            raise StoreError(f"{file}: missing (listed in the manifest)")
+            raise StoreError(f"{file}: missing (listed in {MANIFEST})")
         actual = file.stat().st_size
         if actual != size:
-            raise StoreError(f"{file}: {actual} bytes, the manifest says {size} (truncated or replaced)")
-    for entry in entries:
-        if entry.file not in sizes or entry.offset + entry.stored_length > sizes[entry.file]:
-            raise StoreError(f"{store / MANIFEST}: {entry.where()} lies outside its data file")
+            raise StoreError(f"{file}: {actual} bytes, the manifest says {size} ({MANIFEST}; truncated or replaced)")

@@ -26,7 +26,7 @@ import torch
 
 from edgemoe.kernels.device import dequantize_on_device, to_device, to_host
 from edgemoe.kernels.ops import expert_layout
-from edgemoe.options import check_device, parse_bytes
+from edgemoe.options import OptionError, check_device, parse_bytes
 from edgemoe.quant import QuantizedTensor, dequantize_reference
 from edgemoe.scheduling.cache import CacheStats, ExpertCache, TierStats
 from edgemoe.scheduling.guard import GUARD_WINDOW_TOKENS, SchemeGuard
@@ -295,8 +295,8 @@ class TieredStore:
         if vram_capacity and device is None:
             device = "cuda" if torch.cuda.is_available() else None
             if device is None:
-                raise StoreError(f"vram={vram!r}: no GPU here; give a device explicitly (device='cpu' is a "
-                                 f"stand-in for tests)")
+                raise OptionError("vram=", vram, "no GPU here; name the VRAM tier's device (device=, --device; "
+                                  "cpu is a stand-in for tests)")
         check_device(device, "device=")
         return torch.device(device) if vram_capacity else None
 
