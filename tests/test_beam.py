@@ -105,9 +105,9 @@ def test_beams_run_in_one_forward_step_reading_each_expert_at_most_once(checkpoi
         steps = []                          # (segments, expert requests) per forward call
         forward = model.forward
 
-        def counted(tokens, segments, last_only=False):
+        def counted(tokens, segments, last_only=False, **options):
             before = model.store.stats.requests
-            logits = forward(tokens, segments, last_only)
+            logits = forward(tokens, segments, last_only, **options)
             steps.append((len(segments), model.store.stats.requests - before))
             return logits
 
@@ -129,8 +129,8 @@ def test_caches_are_forked_only_for_a_parent_picked_again(models, prompt, monkey
     fork = KVCache.fork
     monkeypatch.setattr(KVCache, "fork", lambda cache: forks.append(fork(cache)) or forks[-1])
     forward = ours.forward
-    monkeypatch.setattr(ours, "forward", lambda tokens, segments, last_only=False: (
-        steps.append([s.cache for s in segments]), forward(tokens, segments, last_only))[1])
+    monkeypatch.setattr(ours, "forward", lambda tokens, segments, last_only=False, **options: (
+        steps.append([s.cache for s in segments]), forward(tokens, segments, last_only, **options))[1])
     beam_search(ours, prompt, 4, NEW_TOKENS, stop_token_ids=[])
     decode = steps[1:]                                  # steps[0] is the prefill
     carried = [len({id(c) for c in now} & {id(c) for c in before}) for before, now in zip(decode, decode[1:])]
