@@ -103,7 +103,7 @@ def test_a_model_owns_its_store_and_is_freed_when_closed_without_the_garbage_col
     import gc
     import weakref
 
-    from edgemoe.loader import cli_flag
+    from edgemoe.options import cli_flag
 
     gc.disable()    # a reference cycle would keep the model (and its dense weights) alive from here on
     try:
