@@ -4,9 +4,9 @@ channel, multiplied by the experts' kernels.
 A decode token reads every dense matrix once. On an AVX2 CPU without native bfloat16 they are
 float32 (edgemoe/precision.py), and on the Mixtral-shaped 3B model that is 468 MB a token against
 356 MB of INT4 experts; INT8 codes read a quarter of it. Quantized: the attention projections (and
-their MLA latents), dense-MLP layers, shared experts and the LM head. Kept as loaded: the embedding
-(a row gather, not a multiply), the routers (expert choice is sensitive and their matrices are
-small), norms and biases.
+their MLA latents), dense-MLP layers, shared experts and the LM head. Not quantized: the embedding
+(a row gather, not a multiply; as loaded), the routers (expert choice is sensitive and their
+matrices are small: float32 copies), norms and biases (as loaded).
 
 A QuantizedLinear multiplies a few tokens on the integer kernel (int8 activations, edgemoe.kernels
 .qmatmul_int), more by dequantizing once and one float32 GEMM: per token the kernel redoes its dot
@@ -60,10 +60,13 @@ def quantize_matrix(weight: torch.Tensor, bits: int) -> QuantizedLinear:
 
 
 def quantize_layer(weights: dict, bits: int) -> dict:
-    """One decoder layer's weights (canonical names) with its QUANTIZED_ROLES quantized. The q, k and
+    """One decoder layer's weights (canonical names) with its QUANTIZED_ROLES quantized and its router
+    in float32 (as exact as loaded, multiplied without rounding the input to bfloat16). The q, k and
     v projections of grouped-query attention become one matrix "qkv" (their rows stacked): one kernel
     call a step instead of three, the same bits (rows are quantized and multiplied independently)."""
     out = {name: quantize_matrix(w, bits) if name in QUANTIZED_ROLES else w for name, w in weights.items()}
+    if "router" in out:   # small, and torch's bfloat16 product of one row takes 3.5x float32's (28 vs 8 us)
+        out["router"] = out["router"].float()
     if all(role in out for role in ("q", "k", "v")):
         out["qkv"] = QuantizedLinear(_stacked([out.pop(role).qt for role in ("q", "k", "v")]))
     return out

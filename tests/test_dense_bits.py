@@ -38,8 +38,8 @@ def test_quantized_linear_is_the_dequantized_matrix_product(bits, past_limit):
 
 
 def test_a_model_quantizes_its_projections_and_lm_head_only(tiny_model):
-    float_model = edgemoe.load(tiny_model("mixtral"))
-    model = edgemoe.load(tiny_model("mixtral"), dense_bits=8)
+    float_model = edgemoe.load(tiny_model("mixtral"), torch.bfloat16)
+    model = edgemoe.load(tiny_model("mixtral"), torch.bfloat16, dense_bits=8)
     for w, w_float in zip(model.layers, float_model.layers):
         stacked = torch.cat([w_float[role] for role in ("q", "k", "v")])   # q, k, v as one matrix
         assert isinstance(w["qkv"], QuantizedLinear) and w["qkv"].shape == tuple(stacked.shape)
@@ -47,8 +47,10 @@ def test_a_model_quantizes_its_projections_and_lm_head_only(tiny_model):
         for name, t in w.items():
             if name in QUANTIZED_ROLES:
                 assert isinstance(t, QuantizedLinear) and t.shape == tuple(w_float[name].shape)
+            elif name == "router":
+                assert t.dtype == torch.float32 and torch.equal(t, w_float[name].float())
             elif name != "qkv":
-                assert torch.equal(t, w_float[name])   # router, norms: as loaded
+                assert torch.equal(t, w_float[name])   # norms: as loaded
     assert isinstance(model.lm_head, QuantizedLinear)
     assert torch.equal(model.embed, float_model.embed)
 
