@@ -148,11 +148,11 @@ class StoreExperts(ExpertProvider):
     def run(self, layer: int, x: torch.Tensor, batches: ExpertBatches) -> torch.Tensor:
         batches = self._kept if self._kept is not None else batches
         self._kept = None
+        if self.layer_kernel and x.dtype == torch.float32:
+            return self._run_by_pairs(layer, x, batches)
         if self.overlap:
             self.store.prefetch(((layer, e) for e in batches.experts[1:]), urgent=True)
-        if not self.layer_kernel or x.dtype != torch.float32:
-            return super().run(layer, x, batches)
-        return self._run_by_pairs(layer, x, batches)
+        return super().run(layer, x, batches)
 
     def _run_by_pairs(self, layer: int, x: torch.Tensor, batches: ExpertBatches) -> torch.Tensor:
         """ExpertProvider.run's result, bit for bit: each (token, expert) pair's output into y [P, D],
@@ -161,24 +161,26 @@ class StoreExperts(ExpertProvider):
         starts = np.cumsum([0] + [len(t) for t in batches.tokens])
         pair_tokens = torch.cat(batches.tokens)                                     # [P]
         y = np.empty((len(pair_tokens), x.shape[1]), np.float32)
-        missing = set(self.store.missing((layer, e) for e in batches.experts))
-        ready = [i for i, e in enumerate(batches.experts) if (layer, e) not in missing]
-        waiting = [i for i, e in enumerate(batches.experts) if (layer, e) in missing]
-        for group in (ready, waiting) if waiting else (ready,):
-            self._compute_pairs(layer, x, batches, group, starts, pair_tokens, y)
+        weak = {e for _, e in self._weak}
+        resident = self.store.get_resident(layer, batches.experts, weak)
+        waiting = [i for i, r in enumerate(resident) if r is None]
+        if self.overlap and waiting:   # read in the background while the resident ones compute
+            self.store.prefetch(((layer, batches.experts[i]) for i in waiting), urgent=True)
+        ready = [(i, self._quantized(layer, batches.experts[i], r)) for i, r in enumerate(resident) if r is not None]
+        self._compute_pairs(x, batches, ready, starts, pair_tokens, y)
+        if waiting:
+            arrived = [(i, self.expert(layer, batches.experts[i])) for i in waiting]
+            self._compute_pairs(x, batches, arrived, starts, pair_tokens, y)
         out = torch.zeros_like(x)
         weighted_sum(y, pair_tokens.numpy(), torch.cat(batches.weights).numpy(), out.numpy())
         return out
 
-    def _compute_pairs(self, layer: int, x: torch.Tensor, batches: ExpertBatches, group: list[int],
+    def _compute_pairs(self, x: torch.Tensor, batches: ExpertBatches, experts: list[tuple[int, QuantizedExpert]],
                        starts: np.ndarray, pair_tokens: torch.Tensor, y: np.ndarray) -> None:
-        """y's rows of the pairs of the experts batches.experts[i], i in group."""
+        """y's rows of the pairs of the experts (i, expert of batches.experts[i])."""
         fused = []
-        weak = {e for l, e in self._weak}
-        resident = self.store.get_resident(layer, [batches.experts[i] for i in group], weak)
-        for i, r in zip(group, resident):
-            e, tokens = batches.experts[i], batches.tokens[i]
-            expert = self.expert(layer, e) if r is None else self._quantized(layer, e, r)
+        for i, expert in experts:
+            tokens = batches.tokens[i]
             if self._on_layer_kernel(expert, len(tokens)):
                 fused.append((i, expert.resident))
             else:

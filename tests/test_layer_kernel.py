@@ -1,7 +1,8 @@
 """One kernel call for a layer's experts (StoreExperts with layer_kernel, the default) against one
 call per expert (layer_kernel=False, the per-expert path): the same logits bit for bit, in decode
 and in a prefill, with bfloat16 or float32 dense weights, with every expert resident or a cache
-that holds one expert (misses computed after the resident ones), on a store of mixed widths."""
+that holds one expert (misses computed after the resident ones), on a store of mixed widths. One
+thread: torch's products (the dense layers') may round differently at another thread count."""
 
 import json
 
@@ -29,7 +30,7 @@ def mixed_store(tiny_model, tmp_path_factory):
 
 
 def logits(store, layer_kernel, dtype, **options):
-    with edgemoe.load(store, dtype, preload="none", compute="fused-int", **options) as model:
+    with edgemoe.load(store, dtype, 1, preload="none", compute="fused-int", **options) as model:
         model.experts.layer_kernel = layer_kernel
         return decode(model, IDS), model.logits(IDS)
 
@@ -53,7 +54,7 @@ def test_one_token_at_a_time_verification_goes_through_the_layer_kernel_alike(mi
     path's bits for each token."""
     results = []
     for layer_kernel in (True, False):
-        with edgemoe.load(mixed_store, torch.float32, preload="none") as model:
+        with edgemoe.load(mixed_store, torch.float32, 1, preload="none") as model:
             model.experts.layer_kernel = layer_kernel
             cache = model.new_cache()
             model.logits(IDS[:4], cache)

@@ -201,15 +201,16 @@ def swiglu_experts_int(x: np.ndarray, layouts: np.ndarray, starts: np.ndarray,
     being starts[a] <= p < starts[a + 1]. Returns float32 [P, D], each pair's row bit-identical to
     swiglu_expert_int of its expert on its token. The caller keeps the experts' tensors alive."""
     code = _int_path(path)
-    shapes = layouts[:, cpu_int.INNER:]
-    if len(layouts) and (shapes != shapes[0]).any():
+    problem = cpu_int.layout_problem(layouts, starts, x.shape[0])
+    if problem == 1:
+        shapes = layouts[:, cpu_int.INNER:]
         raise ValueError(f"layouts: experts of one call must share their shape, got (I, D) {np.unique(shapes, axis=0).tolist()}")
-    if len(starts) != len(layouts) + 1 or starts[0] != 0 or starts[-1] != x.shape[0] or (np.diff(starts) < 0).any():
+    if problem == 2:
         raise ValueError(f"starts: expected {len(layouts) + 1} ascending offsets from 0 to {x.shape[0]}, got {starts.tolist()}")
     y = np.empty(x.shape, np.float32)
     if len(layouts):
-        _check_x("x", x, int(shapes[0, 1]))
-        cpu_int.swiglu_experts_int_kernel(code, layouts, starts, x, int(shapes[0, 0]), y, cpu.row_blocks())
+        _check_x("x", x, int(layouts[0, cpu_int.HIDDEN]))
+        cpu_int.swiglu_experts_int_kernel(code, layouts, starts, x, int(layouts[0, cpu_int.INNER]), y, cpu.row_blocks())
     return y
 
 
