@@ -95,6 +95,13 @@ def test_cgroup_v1_without_a_limit_falls_back_to_memavailable(tmp_path):
     assert facts.available == 4000000 * 1024 and facts.source == "/proc/meminfo MemAvailable"
 
 
+def test_cgroup_v1_with_an_unreadable_limit_falls_back_to_memavailable(tmp_path):
+    g = "sys/fs/cgroup/memory/jobs/one"
+    root = _tree(tmp_path, {"proc/self/cgroup": "5:memory:/jobs/one\n", "proc/meminfo": MEMINFO,
+                            f"{g}/memory.limit_in_bytes": "", f"{g}/memory.stat": ""})
+    assert read_memory_facts(root).source == "/proc/meminfo MemAvailable"
+
+
 def test_cgroup_v1_in_a_namespace_reads_the_mount_itself(tmp_path):
     """A cgroup namespace shows the process's group as "/": the controller's mount is the group."""
     m = "sys/fs/cgroup/memory"

@@ -92,10 +92,11 @@ def _cgroup_v1(root: Path) -> MemoryFacts | None:
         return None
     stat = _stat(group / "memory.stat")
     # hierarchical_memory_limit: the smallest limit of this group and its ancestors, the one that bites.
-    limit = min(x for x in (_read_int(group / "memory.limit_in_bytes"), stat.get("hierarchical_memory_limit"))
-                if x is not None)
-    if limit >= UNLIMITED_V1:
+    limits = [x for x in (_read_int(group / "memory.limit_in_bytes"), stat.get("hierarchical_memory_limit"))
+              if x is not None]
+    if not limits or min(limits) >= UNLIMITED_V1:
         return None
+    limit = min(limits)
     usage = _read_int(group / "memory.usage_in_bytes")
     return _under_limit(limit, usage, stat.get("total_inactive_file", stat.get("inactive_file", 0)), group)
 
