@@ -246,6 +246,7 @@ def run(
     path = _model_path(model)
     m = edgemoe.load(path, _dtype(dtype), threads, store=store, dense_bits=dense_bits,
                      context=_run_context(prompt, chat, max_new_tokens, speculate if draft else 0), batch=beams or 1)
+    _warn_ram_auto(m)
     for flag, given in (("--beams", beams is not None), ("--replay", replay is not None),
                         ("--draft", draft is not None)):
         if given:
@@ -339,6 +340,13 @@ def _print_run_stats(model, speculation=None) -> None:
         print(f"[stats] {_ram_breakdown_text(breakdown)}", file=sys.stderr)
     for line in format_stats(run_stats(model, speculation)):
         print(f"[stats] {line}", file=sys.stderr)
+
+
+def _warn_ram_auto(model) -> None:
+    """Say so when --ram auto found no room for experts, or could not read the free memory."""
+    breakdown = getattr(model.store, "ram_breakdown", None)
+    if breakdown and "note" in breakdown:
+        _warn(f"--ram auto: {breakdown['note']} (edgemoe inspect STORE --ram auto shows why)")
 
 
 def _auto_ram_of(store: Path) -> tuple[int, dict]:
@@ -792,6 +800,7 @@ def eval_(
 
     path = _model_path(model)
     m = edgemoe.load(path, _dtype(dtype), threads, store=store, dense_bits=dense_bits, context=context)
+    _warn_ram_auto(m)
     require_decoder_only(m.spec, path, "edgemoe eval (next-token perplexity)")
     options.window_length(context, "--context", m.context_length)
     if stride is not None and stride > (context or m.context_length):
@@ -836,6 +845,7 @@ def _load_served(model: Optional[Path], dtype: str, dense_bits: str, threads, st
 
     path = _model_path(model)
     m = edgemoe.load(path, _dtype(dtype), threads, store=store, dense_bits=dense_bits)
+    _warn_ram_auto(m)
     require_decoder_only(m.spec, path, "serving and chat (edgemoe serve / chat)")
     if m.tokenizer is None:
         raise EdgeMoEError(f"{path}: no tokenizer.json, cannot generate text")

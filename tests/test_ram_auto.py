@@ -243,4 +243,5 @@ def test_auto_finishes_inside_a_limit_that_kills_an_unbounded_cache(tmp_path):
     assert code == -9                          # the limit bites: the OOM killer ended it
     code, peak, err = _run_confined(store, limit)
     assert code == 0, err
-    assert "--ram auto:" in err and peak <= limit
+    assert "[stats] --ram auto:" in err and peak <= limit
+    assert "warning: --ram auto: no room for experts" in err    # the limit leaves none: said, and it streams
