@@ -290,7 +290,7 @@ def _prompt_seen(model, prompt: str, chat: bool, max_new_tokens: int, truncate: 
 
 def _run_context(prompt: str, chat: bool, max_new_tokens: int, speculate: int) -> int:
     """The tokens a run's KV cache may hold, for --ram auto, before the prompt is tokenized: its UTF-8
-    bytes (no tokenizer here makes more tokens than bytes), an allowance for special tokens and the
+    bytes (a byte-level BPE or a byte-fallback tokenizer makes at most one token per byte), an allowance for special tokens and the
     chat template, the new tokens and a speculative round's draft tokens."""
     return len(prompt.encode("utf-8")) + (CHAT_TEMPLATE_TOKENS if chat else SPECIAL_TOKENS) + max_new_tokens + speculate
 
