@@ -244,8 +244,9 @@ def run(
 
     _check_draft_flags(draft, speculate, draft_ram, beams, replay)
     path = _model_path(model)
-    m = edgemoe.load(path, _dtype(dtype), threads, store=store, dense_bits=dense_bits,
-                     context=_run_context(prompt, chat, max_new_tokens, speculate if draft else 0), batch=beams or 1)
+    context = _run_context(prompt, chat, max_new_tokens, (speculate or 4) if draft else 0)
+    m = edgemoe.load(path, _dtype(dtype), threads, store=store, dense_bits=dense_bits, context=context,
+                     batch=beams or 1)
     _warn_ram_auto(m)
     for flag, given in (("--beams", beams is not None), ("--replay", replay is not None),
                         ("--draft", draft is not None)):
@@ -290,9 +291,11 @@ def _prompt_seen(model, prompt: str, chat: bool, max_new_tokens: int, truncate: 
 
 def _run_context(prompt: str, chat: bool, max_new_tokens: int, speculate: int) -> int:
     """The tokens a run's KV cache may hold, for --ram auto, before the prompt is tokenized: its UTF-8
-    bytes (a byte-level BPE or a byte-fallback tokenizer makes at most one token per byte), an allowance for special tokens and the
-    chat template, the new tokens and a speculative round's draft tokens."""
-    return len(prompt.encode("utf-8")) + (CHAT_TEMPLATE_TOKENS if chat else SPECIAL_TOKENS) + max_new_tokens + speculate
+    bytes (a byte-level BPE or a byte-fallback tokenizer makes at most one token per byte), an
+    allowance for special tokens and the chat template, the new tokens and a speculative round's
+    draft tokens."""
+    allowance = CHAT_TEMPLATE_TOKENS if chat else SPECIAL_TOKENS
+    return len(prompt.encode("utf-8")) + allowance + max_new_tokens + speculate
 
 
 def _check_draft_flags(draft, speculate, draft_ram, beams, replay) -> None:
