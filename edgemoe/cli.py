@@ -123,6 +123,10 @@ def _dtype(name: str):
 
 
 MODEL_HELP = "Checkpoint directory or store (default: the bundled model)."
+# --ram auto's allowance for tokens a prompt gains past its text: BOS/EOS-like specials, and a chat
+# template's role markers and system text (the bundled templates add well under this).
+SPECIAL_TOKENS = 16
+CHAT_TEMPLATE_TOKENS = 256
 
 
 def _model_path(model: Optional[Path]) -> Path:
@@ -132,8 +136,9 @@ def _model_path(model: Optional[Path]) -> Path:
     return bundled_model_path()
 
 
-def _ram_option(default=None, help_text="Store only: RAM for experts, bytes (512MiB) or a share of the store's "
-               "expert bytes (25%) (default: unlimited)."):
+def _ram_option(default="auto", help_text="Store only: RAM for experts, bytes (512MiB), a share of the store's "
+               "expert bytes (25%) or auto (default: what the memory free to this process leaves after the dense "
+               "weights, KV cache and a margin; docs/scheduling.md)."):
     return typer.Option(default, "--ram", help=help_text)
 
 
@@ -233,8 +238,6 @@ CANNOT_ACT = (
       for other in ("beams", "replay")],
     CannotAct(MODEL_COMMANDS, "device", lambda a: not a.given("vram"), "only with --vram (the device holds "
               "the VRAM tier)"),
-    CannotAct(MODEL_COMMANDS, "policy", lambda a: not (a.given("ram") or a.given("vram")), "only with --ram or "
-              "--vram (without a capacity no expert is ever evicted)"),
     *_every(("bench",), ("skip_below", "fallback_below"),
             lambda a: a.given("mode") and "predictive" not in a.mode,
             "only with --mode predictive (the other modes run without quality trade-offs)"),
@@ -343,7 +346,10 @@ def run(
     from .loader import require_decoder_only
 
     path = _model_path(model)
-    m = edgemoe.load(path, _dtype(dtype), threads, store=store, dense_bits=dense_bits)
+    context = _run_context(prompt, chat, max_new_tokens, (speculate or 4) if draft else 0)
+    m = edgemoe.load(path, _dtype(dtype), threads, store=store, dense_bits=dense_bits, context=context,
+                     batch=beams or 1)
+    _warn_ram_auto(m)
     for flag, given in (("--beams", beams is not None), ("--replay", replay is not None),
                         ("--draft", draft is not None)):
         if given:
@@ -386,6 +392,15 @@ def _prompt_seen(model, prompt: str, chat: bool, max_new_tokens: int, truncate: 
     return seen
 
 
+def _run_context(prompt: str, chat: bool, max_new_tokens: int, speculate: int) -> int:
+    """The tokens a run's KV cache may hold, for --ram auto, before the prompt is tokenized: its UTF-8
+    bytes (a byte-level BPE or a byte-fallback tokenizer makes at most one token per byte), an
+    allowance for special tokens and the chat template, the new tokens and a speculative round's
+    draft tokens."""
+    allowance = CHAT_TEMPLATE_TOKENS if chat else SPECIAL_TOKENS
+    return len(prompt.encode("utf-8")) + allowance + max_new_tokens + speculate
+
+
 def _best_beam_text(model, prompt_ids: list[int], beams: int, max_new_tokens: int, length_penalty,
                     early_stopping: bool, truncate: bool) -> str:
     from .beam import beam_search
@@ -409,8 +424,37 @@ def _warn(message: str) -> None:
 def _print_run_stats(model, speculation=None) -> None:
     from .stats import format_stats, run_stats
 
+    breakdown = getattr(model.store, "ram_breakdown", None)
+    if breakdown:
+        print(f"[stats] {_ram_breakdown_text(breakdown)}", file=sys.stderr)
     for line in format_stats(run_stats(model, speculation)):
         print(f"[stats] {line}", file=sys.stderr)
+
+
+def _warn_ram_auto(model) -> None:
+    """Say so when --ram auto found no room for experts, or could not read the free memory."""
+    breakdown = getattr(model.store, "ram_breakdown", None)
+    if breakdown and "note" in breakdown:
+        _warn(f"--ram auto: {breakdown['note']} (edgemoe inspect STORE --ram auto shows why)")
+
+
+def _auto_ram_of(store: Path) -> tuple[int, dict]:
+    """--ram auto for `edgemoe inspect`: the budget a run here would get (the commands' default
+    --dense-bits, the model's whole context)."""
+    from edgemoe.store import read_manifest
+
+    from .loader import auto_ram
+    return auto_ram(read_manifest(store))
+
+
+def _ram_breakdown_text(b: dict) -> str:
+    """--ram auto's choice in one line: the budget, then what it was taken from (auto_ram's breakdown)."""
+    held = ", ".join(f"{name.replace('_', ' ')} {_size(b[name])}"
+                     for name in ("dense", "kv_cache", "activations", "read_buffers", "runtime", "margin"))
+    available = "unknown" if b["available"] is None else _size(b["available"])
+    note = f"; {b['note']}" if "note" in b else ""
+    return (f"--ram auto: {_size(b['budget'])} of {_size(b['expert_bytes'])} of experts in RAM = "
+            f"available {available} ({b['source']}) - {held}{note}")
 
 
 @app.command()
@@ -517,8 +561,9 @@ def _budget(text: str, metric: str) -> float:
 @app.command()
 def inspect(
     store: Path = typer.Argument(..., help="Store directory."),
-    ram: Optional[str] = _ram_option(help_text="Show where experts would be placed with this RAM capacity "
-                                     "(bytes or a share of the expert bytes)."),
+    ram: Optional[str] = _ram_option(None, help_text="Show where experts would be placed with this RAM capacity "
+                                     "(bytes, a share of the expert bytes, or auto: the budget `edgemoe run` "
+                                     "would choose here, and why)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Draw the width map (layer x expert) to this PNG "
                                         "(needs matplotlib: pip install 'edgemoe[plot]')."),
     as_json: bool = typer.Option(False, "--json"),
@@ -529,10 +574,13 @@ def inspect(
 
     from edgemoe.store import inspect_store, parse_bytes
 
-    parse_bytes(ram, "--ram", allow_share=True)
+    parse_bytes(ram, "--ram", allow_share=True, allow_auto=True)
     if plot is not None:
         _refuse_overwrite(plot, [store], force)
-    summary = inspect_store(store, ram=ram)
+    budget = _auto_ram_of(store) if ram == "auto" else None
+    summary = inspect_store(store, ram=budget[0] if budget else ram)
+    if budget:
+        summary["ram_auto"] = budget[1]
     if plot is not None:
         from .plots import plot_width_map
         plot_width_map(summary, plot)
@@ -549,6 +597,8 @@ def inspect(
                   f"{_quantization_text(summary['quantization'])}")
     console.print(f"experts {_size(summary['expert_bytes'])} at {summary['bits_per_weight']:.3f} bits/weight, "
                   f"dense {_size(summary['dense_bytes'])}")
+    if budget:
+        console.print(_ram_breakdown_text(budget[1]))
     if summary["fallback"]:
         f = summary["fallback"]
         console.print(f"fallback copies: {f['experts']} experts at INT{f['bits']}, {_size(f['bytes'])}")
@@ -846,7 +896,8 @@ def eval_(
     # runs) measures what they do.
     decode = decode or bool(store.skip_below or store.fallback_below)
     path = _model_path(model)
-    m = edgemoe.load(path, _dtype(dtype), threads, store=store, dense_bits=dense_bits)
+    m = edgemoe.load(path, _dtype(dtype), threads, store=store, dense_bits=dense_bits, context=context)
+    _warn_ram_auto(m)
     require_decoder_only(m.spec, path, "edgemoe eval (next-token perplexity)")
     options.window_length(context, "--context", m.context_length)
     if stride is not None and stride > (context or m.context_length):
@@ -891,6 +942,7 @@ def _load_served(model: Optional[Path], dtype: str, dense_bits: str, threads, st
 
     path = _model_path(model)
     m = edgemoe.load(path, _dtype(dtype), threads, store=store, dense_bits=dense_bits)
+    _warn_ram_auto(m)
     require_decoder_only(m.spec, path, "serving and chat (edgemoe serve / chat)")
     if m.tokenizer is None:
         raise EdgeMoEError(f"{path}: no tokenizer.json, cannot generate text")

@@ -4,6 +4,7 @@ encoder-decoder spec (spec.is_encoder_decoder)."""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -17,11 +18,13 @@ from edgemoe.scheduling.policies import DEFAULT_POLICY, POLICIES
 from edgemoe.scheduling.preload import PREDICTORS
 from edgemoe.store import TieredStore
 from edgemoe.store.disk import IO_MODES, drop_page_cache
-from edgemoe.store.format import DENSE_FILE, MANIFEST, StoreError, file_crc32
+from edgemoe.store.format import DENSE_FILE, MANIFEST, Manifest, StoreError, file_crc32, read_manifest
+from edgemoe.store.memory import RUNTIME_GROWTH, ram_budget, read_buffer_bytes, read_memory_facts
 
-from .checkpoint import Checkpoint, check_finite, read_json
+from .checkpoint import TORCH_DTYPES, Checkpoint, check_finite, read_json
 from .errors import EdgeMoEError
 from .dense import DENSE_BITS, dense_bits_for
+from .generate import GenerationOptions
 from .experts import DenseExpert, InMemoryExperts, expert_activations
 from .model import MoEModel
 from .seq2seq import Seq2SeqModel
@@ -43,7 +46,8 @@ class StoreOptions:
     `name` spells it (python_name: "ram=", cli_flag: "--ram").
 
     ram, vram: bytes, sizes like "512MiB", or shares of the store's expert bytes like "25%" (resolved
-    when the store opens; ram None: unlimited, vram None or 0: no VRAM tier). device: the VRAM tier's torch
+    when the store opens; ram None: unlimited, vram None or 0: no VRAM tier); ram "auto" (the commands'
+    default): sized from the memory this process may still take (auto_ram). device: the VRAM tier's torch
     device. policy: eviction (edgemoe.scheduling.policies). preload: predictor
     (edgemoe.scheduling.preload). compute: the experts' path (edgemoe.quantized). skip_below:
     adaptive top-k, a non-resident expert chosen only below this weight is not read. fallback_below:
@@ -67,7 +71,7 @@ class StoreOptions:
 
     def __post_init__(self):
         n = self.name
-        parse_bytes(self.ram, n("ram"), allow_share=True)
+        parse_bytes(self.ram, n("ram"), allow_share=True, allow_auto=True)
         parse_bytes(self.vram, n("vram"), allow_share=True)
         check_device(self.device, n("device"))
         one_of(self.policy, n("policy"), sorted(POLICIES))
@@ -78,9 +82,11 @@ class StoreOptions:
         routing_weight(self.fallback_below, n("fallback_below"))
 
     def given(self) -> list[str]:
-        """The options set to something other than their defaults, as `name` spells them."""
+        """The options set to something other than their defaults, as `name` spells them (ram="auto",
+        the commands' default, asks for nothing a checkpoint directory lacks: it holds every expert)."""
         return [self.name(f.name) for f in fields(self)
-                if f.name != "name" and getattr(self, f.name) != f.default]
+                if f.name != "name" and getattr(self, f.name) != f.default
+                and not (f.name == "ram" and self.ram == "auto")]
 
 
 def model_class(spec: ModelSpec) -> type:
@@ -155,13 +161,21 @@ def is_store(path: str | os.PathLike) -> bool:
 
 
 def load_store(path: str | os.PathLike, options: StoreOptions | None = None, dtype: torch.dtype | None = None,
-               threads: int | None = None, manifest=None) -> MoEModel:
+               threads: int | None = None, manifest=None, dense_bits: int | str | None = None,
+               context: int | None = None, batch: int = 1) -> MoEModel:
     """A model whose experts stay in a tiered store, held and run as `options` say (default
     StoreOptions()); the model owns the store: close it with model.close() or use the model as a
-    context manager. manifest: the store's, already parsed (the converter's store before commit)."""
+    context manager. manifest: the store's, already parsed (the converter's store before commit).
+    dense_bits, context, batch: what ram="auto" reserves for the dense weights and the KV cache
+    (auto_ram); the store's breakdown of that choice is store.ram_breakdown (None without "auto")."""
     o = options or StoreOptions()
-    store = TieredStore(path, ram=o.ram, vram=o.vram, device=o.device, policy=o.policy, io=o.io,
+    ram, ram_breakdown = o.ram, None
+    if ram == "auto":
+        manifest = manifest if manifest is not None else read_manifest(Path(path))
+        ram, ram_breakdown = auto_ram(manifest, dtype, dense_bits, context, batch)
+    store = TieredStore(path, ram=ram, vram=o.vram, device=o.device, policy=o.policy, io=o.io,
                         place_popular=o.place_popular, routing_profile=o.routing_profile, manifest=manifest)
+    store.ram_breakdown = ram_breakdown
     if o.fallback_below and not store.manifest.fallback:
         store.close()
         raise OptionError(o.name("fallback_below"), o.fallback_below, f"{store.path} has no fallback copies "
@@ -190,22 +204,80 @@ def load_store(path: str | os.PathLike, options: StoreOptions | None = None, dty
                                    threads=threads, store=store, preload=o.preload)
 
 
+def auto_ram(manifest: Manifest, dtype: torch.dtype | None = None, dense_bits: int | str | None = "auto",
+             context: int | None = None, batch: int = 1, root: str | os.PathLike = "/") -> tuple[int, dict]:
+    """ram="auto": the RAM tier's capacity for this store and run, and its breakdown (ram_budget): the
+    memory this process may still take (read under `root`), less what the run holds besides experts."""
+    return ram_budget(read_memory_facts(root), manifest.expert_bytes,
+                      run_needs(manifest, dtype, dense_bits, context, batch))
+
+
+def run_needs(manifest: Manifest, dtype: torch.dtype | None, dense_bits: int | str | None, context: int | None,
+              batch: int) -> dict[str, int]:
+    """Bytes a run of `batch` sequences of up to `context` tokens (None or more: the model's context
+    length) holds besides cached experts, by name."""
+    spec = manifest.spec
+    tokens = min(context or spec.max_position_embeddings, spec.max_position_embeddings)
+    bits = dense_bits_for(dense_bits, True, spec)
+    return {"dense": dense_load_bytes(manifest.path / manifest.data["dense"]["file"], dtype, bits),
+            "kv_cache": batch * kv_cache_bytes(spec, tokens),
+            "activations": batch * activation_bytes(spec, tokens),
+            "read_buffers": read_buffer_bytes(manifest),
+            "runtime": RUNTIME_GROWTH}
+
+
+def dense_load_bytes(dense_path: Path, dtype: torch.dtype | None, bits: int | None) -> int:
+    """The dense weights at their peak while loading: as load_store keeps them (weight_in: vectors in
+    float32, matrices in the compute dtype) plus, with `bits`, their quantized copies, made while the
+    loaded ones are still held (MoEModel.quantize_dense). Every matrix is counted as quantized
+    (the embedding and routers are not: a little more than the truth)."""
+    total = 0
+    with safe_open(str(dense_path), framework="pt") as f:
+        for name in f.keys():
+            tensor = f.get_slice(name)
+            shape, stored = tensor.get_shape(), TORCH_DTYPES.get(tensor.get_dtype(), torch.float32)
+            numel = math.prod(shape)
+            kept = torch.float32 if len(shape) < 2 else compute_dtype(stored, dtype)
+            total += numel * kept.itemsize
+            if bits and len(shape) >= 2:
+                total += numel * bits * 9 // 64   # codes, and a scale and zero per row or group: at most 1/8 more
+    return total
+
+
+def kv_cache_bytes(spec: ModelSpec, tokens: int) -> int:
+    """One sequence's KVCache (float32) at `tokens`: it grows by doubling from 64 positions, so its
+    capacity may reach twice the tokens held."""
+    per_token = spec.num_layers * spec.num_kv_heads * (spec.key_dim + spec.value_dim) * 4
+    return per_token * max(64, 2 * tokens)
+
+
+def activation_bytes(spec: ModelSpec, tokens: int) -> int:
+    """One sequence's float32 activations in its largest step, a prefill chunk against `tokens` of
+    context: a few hidden-sized tensors per token, the logits, and the attention scores with their softmax."""
+    step = min(tokens, GenerationOptions().prefill_chunk)
+    widest = max(spec.hidden_size, spec.expert_hidden, spec.num_heads * spec.head_dim)
+    return 4 * step * (spec.vocab_size + 8 * widest + 2 * spec.num_heads * tokens)
+
+
 def load(path: str | os.PathLike, dtype: torch.dtype | None = None, threads: int | None = None,
-         store: StoreOptions | None = None, dense_bits: int | None = None, **options) -> MoEModel:
+         store: StoreOptions | None = None, dense_bits: int | None = None, context: int | None = None,
+         batch: int = 1, **options) -> MoEModel:
     """A model from a Hugging Face checkpoint directory (all in RAM) or from a store (experts tiered,
     held and run as `store` says, or StoreOptions(**options): load(path, ram="25%", policy="lfu")).
     Dense weight matrices in `dtype`, by default as the checkpoint stores them where the CPU
     computes that type natively, else float32; activations float32. threads: the kernels' thread
     count (None: the cores other processes leave free, followed as the machine's load changes).
     dense_bits: 8 or 4 quantizes the dense projections and the LM head at load (edgemoe.dense);
-    "auto" (the commands' default) is 8 for a store of a decoder-only model, else as loaded."""
+    "auto" (the commands' default) is 8 for a store of a decoder-only model, else as loaded.
+    context, batch: the tokens of KV cache per sequence (None: the model's context length) and the
+    sequences the caller will run at once, reserved by ram="auto" (auto_ram)."""
     if store is not None and options:
         raise TypeError("load: give store=StoreOptions(...) or option keywords, not both")
     if dense_bits not in (None, "auto", "none", *DENSE_BITS):
         raise OptionError("dense_bits=", dense_bits, f"expected one of {DENSE_BITS}, 'auto' or None (as loaded)")
     store = store if store is not None else StoreOptions(**options)
     if is_store(path):
-        model = load_store(path, store, dtype, threads)
+        model = load_store(path, store, dtype, threads, dense_bits=dense_bits, context=context, batch=batch)
     else:
         given = store.given()
         if given:

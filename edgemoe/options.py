@@ -133,12 +133,13 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb"
 
 
 def parse_bytes(value: int | str | None, option: str, share_of: int | None = None,
-              allow_share: bool = False) -> int | str | None:
+              allow_share: bool = False, allow_auto: bool = False) -> int | str | None:
     """'512MiB', '2GB', '1.5G', 1048576 -> bytes; '25%' -> that share of `share_of` bytes (a store's
     expert bytes). Without `share_of`, a valid share is returned as given (allow_share), to be resolved
-    where the total is known. None stays None (no limit)."""
-    if value is None:
-        return None
+    where the total is known. None stays None (no limit). allow_auto: 'auto' is returned as given (a
+    RAM budget chosen when the store opens: edgemoe.loader.auto_ram)."""
+    if value is None or (allow_auto and value == "auto"):
+        return value
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         if value < 0:
             raise OptionError(option, value, "expected a size >= 0")
@@ -153,7 +154,8 @@ def parse_bytes(value: int | str | None, option: str, share_of: int | None = Non
     amount, unit = _finite(number), _UNITS.get(text[len(number):])
     if amount is None or unit is None or amount < 0:
         shares = " or a share of the store's expert bytes like 25%" if allow_share or share_of is not None else ""
-        raise OptionError(option, value, f"expected a size like 512MiB, 2GB or 1048576{shares}")
+        auto = ", or auto" if allow_auto else ""
+        raise OptionError(option, value, f"expected a size like 512MiB, 2GB or 1048576{shares}{auto}")
     return int(amount * unit)
 
 

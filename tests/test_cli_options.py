@@ -229,7 +229,6 @@ CANNOT_ACT_EXAMPLES = {
     ("run", "draft_ram"): [["CKPT", "--draft-ram", "1MiB"], ["CKPT", "--draft", "CKPT", "--draft-ram", "1MiB"]],
     ("run", "draft"): [["CKPT", "--draft", "self", "--beams", "2"], ["CKPT", "--draft", "self", "--replay", "TRACE"]],
     **{(c, "device"): [[*COMMAND_ARGS[c], "--device", "cpu"]] for c in ("run", "eval", "serve", "chat")},
-    **{(c, "policy"): [[*COMMAND_ARGS[c], "--policy", "lfu"]] for c in ("run", "eval", "serve", "chat")},
     ("bench", "skip_below"): [["STORE", "--mode", "on-demand-lru", "--skip-below", "0.2"]],
     ("bench", "fallback_below"): [["STORE", "--mode", "all-in-ram", "--fallback-below", "0.2"]],
     ("bench", "routing"): [["STORE", "--replay", "TRACE", "--routing", "model"]],

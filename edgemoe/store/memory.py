@@ -1,0 +1,173 @@
+"""The RAM budget chosen for you (ram="auto"): how many bytes of experts the RAM tier may cache, from
+the memory this process may still take and what the run holds besides experts (docs/scheduling.md,
+"The RAM budget chosen for you").
+
+Two parts: read_memory_facts reads the machine (a cgroup's limit, else /proc/meminfo), and ram_budget
+is pure arithmetic on those facts and the run's sizes, so both are tested against hand-made cases.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .disk import POOL_KEEP
+
+MIB = 1 << 20
+# Memory a run takes after its store opens besides dense weights, KV cache, activations and read
+# buffers: numba's compiled kernels, torch's workspaces, thread stacks. Measured on the bundled model:
+# 99 to 108 MiB from store open to the end of `run -n 4` less the dense weights and experts it held
+# (docs/scheduling.md); 128 MiB leaves room above that.
+RUNTIME_GROWTH = 128 * MIB
+# Allocator fragmentation, kernel memory charged to a cgroup (page tables, socket buffers) and
+# run-to-run variation (8 MiB between identical runs): a fixed floor plus a share of what is available.
+MARGIN_FIXED = 64 * MIB
+MARGIN_SHARE = 0.05
+UNLIMITED_V1 = 1 << 60   # cgroup v1 writes "no limit" as a huge page-rounded number
+
+
+@dataclass(frozen=True)
+class MemoryFacts:
+    """What this process may still allocate. available: bytes (None: could not be read); source: where
+    it came from. Under a cgroup limit: limit, usage (the group's, this process included) and the
+    part of usage the kernel reclaims before killing anything (inactive file pages)."""
+
+    available: int | None
+    source: str
+    limit: int | None = None
+    usage: int | None = None
+    reclaimable: int | None = None
+
+
+def ram_budget(facts: MemoryFacts, expert_bytes: int, needs: dict[str, int]) -> tuple[int, dict]:
+    """The RAM tier's capacity in bytes and why: available - sum(needs) - margin, within
+    [0, expert_bytes]. needs: the run's other holdings by name (dense, kv_cache, activations,
+    read_buffers, runtime). Unknown memory (facts.available None): every expert, as an unbounded
+    cache would hold, with the reason in the breakdown's "note"."""
+    breakdown = {"source": facts.source, "limit": facts.limit, "usage": facts.usage,
+                 "reclaimable": facts.reclaimable, "available": facts.available, **needs,
+                 "expert_bytes": expert_bytes}
+    if facts.available is None:
+        breakdown.update(margin=0, budget=expert_bytes,
+                         note="free memory could not be read: every expert may be cached")
+        return expert_bytes, breakdown
+    margin = MARGIN_FIXED + int(MARGIN_SHARE * facts.available)
+    budget = min(max(facts.available - sum(needs.values()) - margin, 0), expert_bytes)
+    breakdown.update(margin=margin, budget=budget)
+    if budget == 0:
+        breakdown["note"] = "no room for experts: every expert is read from disk when used (slow, but it runs)"
+    return budget, breakdown
+
+
+def read_memory_facts(root: str | os.PathLike = "/") -> MemoryFacts:
+    """This process's memory facts under `root` (the file system root; tests pass a fake tree): its
+    cgroup's limit where one is set (v2, then v1), else MemAvailable, else unknown (macOS)."""
+    root = Path(root)
+    for read in (_cgroup_v2, _cgroup_v1):
+        facts = read(root)
+        if facts is not None:
+            return facts
+    available = _meminfo_available(root / "proc/meminfo")
+    if available is None:
+        return MemoryFacts(None, "unknown (no cgroup limit, no /proc/meminfo)")
+    return MemoryFacts(available, "/proc/meminfo MemAvailable")
+
+
+def _cgroup_v2(root: Path) -> MemoryFacts | None:
+    group = _group_dir(root, root / "sys/fs/cgroup", "")
+    if group is None or not (group / "memory.max").exists():
+        return None
+    limit = _limit_along(group, root / "sys/fs/cgroup", "memory.max")
+    if limit is None:
+        return None
+    usage = _read_int(group / "memory.current")
+    return _under_limit(limit, usage, _stat(group / "memory.stat").get("inactive_file", 0), group)
+
+
+def _cgroup_v1(root: Path) -> MemoryFacts | None:
+    mount = root / "sys/fs/cgroup/memory"
+    group = _group_dir(root, mount, "memory")
+    if group is None or not (group / "memory.limit_in_bytes").exists():
+        return None
+    stat = _stat(group / "memory.stat")
+    # hierarchical_memory_limit: the smallest limit of this group and its ancestors, the one that bites.
+    limits = [x for x in (_read_int(group / "memory.limit_in_bytes"), stat.get("hierarchical_memory_limit"))
+              if x is not None]
+    if not limits or min(limits) >= UNLIMITED_V1:
+        return None
+    limit = min(limits)
+    usage = _read_int(group / "memory.usage_in_bytes")
+    return _under_limit(limit, usage, stat.get("total_inactive_file", stat.get("inactive_file", 0)), group)
+
+
+def _under_limit(limit: int, usage: int | None, inactive_file: int, group: Path) -> MemoryFacts:
+    """Room left under a cgroup limit. Only inactive file pages count as reclaimable: active ones and
+    dirty ones the kernel may not free in time, and tmpfs pages (counted as cache) it cannot free at all."""
+    usage = usage or 0
+    reclaimable = min(inactive_file, usage)
+    return MemoryFacts(max(limit - (usage - reclaimable), 0), f"cgroup {group}", limit, usage, reclaimable)
+
+
+def _group_dir(root: Path, mount: Path, controller: str) -> Path | None:
+    """This process's group directory under `mount` from /proc/self/cgroup (line "0::/path" for v2,
+    "N:memory:/path" for v1); the mount itself where the path is not under it (a cgroup namespace
+    shows its own group as "/")."""
+    try:
+        lines = (root / "proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if (controller in controllers.split(",")) if controller else not controllers:
+            group = mount / path.lstrip("/")
+            return group if group.is_dir() else mount
+    return None
+
+
+def _limit_along(group: Path, mount: Path, name: str) -> int | None:
+    """The smallest numeric `name` ("max" is none) of `group` and its ancestors up to `mount`."""
+    limits = []
+    while True:
+        text = _read_text(group / name)
+        if text is not None and text != "max":
+            limits.append(int(text))
+        if group == mount or mount not in group.parents:
+            break
+        group = group.parent
+    return min(limits) if limits else None
+
+
+def _meminfo_available(path: Path) -> int | None:
+    text = _read_text(path)
+    for line in (text or "").splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def _stat(path: Path) -> dict[str, int]:
+    pairs = (line.split() for line in (_read_text(path) or "").splitlines())
+    return {p[0]: int(p[1]) for p in pairs if len(p) == 2 and p[1].isdigit()}
+
+
+def _read_int(path: Path) -> int | None:
+    text = _read_text(path)
+    return int(text) if text is not None and text.isdigit() else None
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def read_buffer_bytes(manifest) -> int:
+    """Read buffers held outside the RAM tier's capacity: a whole layer's experts in use by one step
+    (a prefill chunk may route to every expert; with a small cache they are read, used, then
+    dropped) and the disk tier's pool of released buffers (POOL_KEEP of each blob size)."""
+    lengths = [e.length for e in manifest.experts.values()]
+    if not lengths:
+        return 0
+    return max(lengths) * (manifest.spec.num_experts + POOL_KEEP * len(set(lengths)))

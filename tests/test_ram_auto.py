@@ -1,0 +1,249 @@
+"""--ram auto: the RAM tier sized from the memory this process may still take (docs/scheduling.md,
+"The RAM budget chosen for you")."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import edgemoe
+from edgemoe.convert import convert
+from edgemoe.loader import StoreOptions, auto_ram, run_needs
+from edgemoe.options import OptionError
+from edgemoe.store import read_manifest
+from edgemoe.store.memory import MARGIN_FIXED, MIB, MemoryFacts, ram_budget, read_memory_facts
+
+from helpers import run_cli
+
+GIB = 1024 * MIB
+CGROUP_V1 = Path("/sys/fs/cgroup/memory")
+
+
+# ---- the pure computation -----------------------------------------------------------------------
+
+def test_under_a_cgroup_limit_the_budget_is_what_the_run_leaves():
+    facts = MemoryFacts(1000 * MIB, "cgroup /g", limit=1200 * MIB, usage=400 * MIB, reclaimable=200 * MIB)
+    needs = {"dense": 100 * MIB, "kv_cache": 10 * MIB, "runtime": 128 * MIB}
+    budget, breakdown = ram_budget(facts, 2 * GIB, needs)
+    # margin 64 MiB + 5% of 1000 MiB = 114 MiB; 1000 - 238 - 114 = 648 MiB.
+    assert budget == 648 * MIB
+    assert breakdown["margin"] == 114 * MIB and breakdown["budget"] == budget
+    assert breakdown["dense"] == 100 * MIB and breakdown["limit"] == 1200 * MIB and "note" not in breakdown
+
+
+def test_without_a_cgroup_memavailable_counts_and_more_than_enough_gives_every_expert():
+    facts = MemoryFacts(8 * GIB, "/proc/meminfo MemAvailable")
+    budget, _ = ram_budget(facts, 1 * GIB, {"dense": 200 * MIB, "runtime": 128 * MIB})
+    assert budget == 1 * GIB    # 8 GiB - 328 MiB - 473.6 MiB leaves more than the experts
+
+
+def test_a_tiny_limit_gives_zero_never_less_and_says_every_expert_is_streamed():
+    budget, breakdown = ram_budget(MemoryFacts(150 * MIB, "cgroup /g"), GIB, {"runtime": 128 * MIB})
+    assert budget == 0 and breakdown["budget"] == 0
+    assert "read from disk" in breakdown["note"]
+    # 74 MiB available, nothing else held: 74 - 64 - 3.7 MiB of margin.
+    assert ram_budget(MemoryFacts(MARGIN_FIXED + 10 * MIB, "x"), GIB, {})[0] == 10 * MIB - int(0.05 * 74 * MIB)
+
+
+def test_unknown_memory_falls_back_to_every_expert_with_the_reason():
+    budget, breakdown = ram_budget(MemoryFacts(None, "unknown"), 3 * GIB, {"runtime": 128 * MIB})
+    assert budget == 3 * GIB and "could not be read" in breakdown["note"]
+
+
+# ---- the reader, on fake /proc and /sys trees ----------------------------------------------------
+
+def _tree(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+MEMINFO = "MemTotal:       16000000 kB\nMemFree:  1000 kB\nMemAvailable:    4000000 kB\n"
+
+
+def test_cgroup_v1_limit_less_usage_with_only_inactive_file_pages_reclaimable(tmp_path):
+    g = "sys/fs/cgroup/memory/jobs/one"
+    root = _tree(tmp_path, {"proc/self/cgroup": "5:memory:/jobs/one\n1:cpu:/\n0::/\n", "proc/meminfo": MEMINFO,
+                            f"{g}/memory.limit_in_bytes": str(GIB), f"{g}/memory.usage_in_bytes": str(600 * MIB),
+                            f"{g}/memory.stat": f"cache {300 * MIB}\ntotal_inactive_file {100 * MIB}\n"
+                                                f"total_active_file {150 * MIB}\n"
+                                                f"hierarchical_memory_limit {GIB}\n"})
+    facts = read_memory_facts(root)
+    assert facts.available == GIB - (600 - 100) * MIB      # active file pages are not counted as free
+    assert (facts.limit, facts.usage, facts.reclaimable) == (GIB, 600 * MIB, 100 * MIB)
+    assert facts.source.endswith("memory/jobs/one")
+
+
+def test_cgroup_v1_a_parent_limit_smaller_than_the_group_s_is_the_one_that_bites(tmp_path):
+    g = "sys/fs/cgroup/memory/jobs/one"
+    root = _tree(tmp_path, {"proc/self/cgroup": "5:memory:/jobs/one\n", f"{g}/memory.limit_in_bytes": str(1 << 62),
+                            f"{g}/memory.usage_in_bytes": str(100 * MIB),
+                            f"{g}/memory.stat": f"hierarchical_memory_limit {512 * MIB}\n"})
+    assert read_memory_facts(root).available == 412 * MIB
+
+
+def test_cgroup_v1_without_a_limit_falls_back_to_memavailable(tmp_path):
+    g = "sys/fs/cgroup/memory/jobs/one"
+    root = _tree(tmp_path, {"proc/self/cgroup": "5:memory:/jobs/one\n", "proc/meminfo": MEMINFO,
+                            f"{g}/memory.limit_in_bytes": "9223372036854771712",
+                            f"{g}/memory.usage_in_bytes": str(100 * MIB), f"{g}/memory.stat": ""})
+    facts = read_memory_facts(root)
+    assert facts.available == 4000000 * 1024 and facts.source == "/proc/meminfo MemAvailable"
+
+
+def test_cgroup_v1_with_an_unreadable_limit_falls_back_to_memavailable(tmp_path):
+    g = "sys/fs/cgroup/memory/jobs/one"
+    root = _tree(tmp_path, {"proc/self/cgroup": "5:memory:/jobs/one\n", "proc/meminfo": MEMINFO,
+                            f"{g}/memory.limit_in_bytes": "", f"{g}/memory.stat": ""})
+    assert read_memory_facts(root).source == "/proc/meminfo MemAvailable"
+
+
+def test_cgroup_v1_in_a_namespace_reads_the_mount_itself(tmp_path):
+    """A cgroup namespace shows the process's group as "/": the controller's mount is the group."""
+    m = "sys/fs/cgroup/memory"
+    root = _tree(tmp_path, {"proc/self/cgroup": "5:memory:/\n", f"{m}/memory.limit_in_bytes": str(GIB),
+                            f"{m}/memory.usage_in_bytes": str(GIB // 2), f"{m}/memory.stat": ""})
+    assert read_memory_facts(root).available == GIB // 2
+
+
+def test_cgroup_v2_smallest_limit_up_the_tree_less_usage_plus_inactive_file(tmp_path):
+    g = "sys/fs/cgroup/user.slice/app"
+    root = _tree(tmp_path, {"proc/self/cgroup": "0::/user.slice/app\n", "proc/meminfo": MEMINFO,
+                            f"{g}/memory.max": "max\n", "sys/fs/cgroup/user.slice/memory.max": f"{2 * GIB}\n",
+                            f"{g}/memory.current": str(GIB),
+                            f"{g}/memory.stat": f"file {500 * MIB}\ninactive_file {200 * MIB}\n"
+                                                f"active_file {300 * MIB}\n"})
+    facts = read_memory_facts(root)
+    assert facts.available == 2 * GIB - (1024 - 200) * MIB and facts.limit == 2 * GIB
+
+
+def test_cgroup_v2_with_no_limit_anywhere_uses_memavailable(tmp_path):
+    g = "sys/fs/cgroup/user.slice/app"
+    root = _tree(tmp_path, {"proc/self/cgroup": "0::/user.slice/app\n", "proc/meminfo": MEMINFO,
+                            f"{g}/memory.max": "max\n", f"{g}/memory.current": str(GIB)})
+    assert read_memory_facts(root).available == 4000000 * 1024
+
+
+def test_nothing_readable_is_unknown(tmp_path):
+    facts = read_memory_facts(tmp_path)
+    assert facts.available is None and facts.source.startswith("unknown")
+
+
+# ---- the options and the run's sizes ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def store(tiny_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ram-auto") / "store"
+    convert(tiny_model("mixtral"), out, bits=4)
+    return out
+
+
+def test_store_options_take_auto_and_refuse_a_wrong_word_naming_the_option():
+    assert StoreOptions(ram="auto").ram == "auto"
+    assert StoreOptions(ram="auto").given() == []    # the commands' default asks nothing of a checkpoint
+    with pytest.raises(OptionError, match=r"ram='automatic'.*or auto"):
+        StoreOptions(ram="automatic")
+
+
+def test_cli_refuses_a_wrong_ram_in_one_line(store, monkeypatch, capsys):
+    code, err = run_cli(monkeypatch, capsys, "run", str(store), "-n", "1", "--ram", "lots")
+    assert code == 2 and err.count("\n") == 0 and "--ram 'lots'" in err and "or auto" in err
+
+
+def test_loading_with_auto_sets_the_capacity_to_the_budget(store):
+    with edgemoe.load(store, ram="auto", context=32) as model:
+        b = model.store.ram_breakdown
+        assert model.store.ram_capacity == b["budget"]
+        assert 0 <= b["budget"] <= b["expert_bytes"] == read_manifest(store).expert_bytes
+        assert b["kv_cache"] == run_needs(read_manifest(store), None, "auto", 32, 1)["kv_cache"]
+    with edgemoe.load(store, ram="1MiB") as model:
+        assert model.store.ram_breakdown is None
+
+
+def test_run_needs_follow_the_context_the_batch_and_the_dense_width(store):
+    manifest = read_manifest(store)
+    spec = manifest.spec
+    per_token = spec.num_layers * spec.num_kv_heads * (spec.key_dim + spec.value_dim) * 4
+    needs = run_needs(manifest, None, "auto", 100, 3)
+    assert needs["kv_cache"] == 3 * per_token * 200              # doubling: room for twice the tokens
+    capped = run_needs(manifest, None, "auto", 10 ** 9, 1)["kv_cache"]
+    assert capped == per_token * 2 * spec.max_position_embeddings
+    as_loaded, int8 = (run_needs(manifest, None, bits, 100, 1)["dense"] for bits in ("none", 8))
+    assert as_loaded < int8 < 2 * as_loaded    # the INT8 copies are made while the loaded weights are held
+
+
+def test_auto_under_a_fake_cgroup_far_too_small_is_zero(store, tmp_path):
+    m = "sys/fs/cgroup/memory"
+    root = _tree(tmp_path, {"proc/self/cgroup": "5:memory:/\n", f"{m}/memory.limit_in_bytes": str(300 * MIB),
+                            f"{m}/memory.usage_in_bytes": str(290 * MIB), f"{m}/memory.stat": ""})
+    budget, breakdown = auto_ram(read_manifest(store), root=root)
+    assert budget == 0 and breakdown["available"] == 10 * MIB
+
+
+def test_inspect_prints_the_breakdown(store, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["edgemoe", "inspect", str(store), "--ram", "auto", "--json"])
+    from edgemoe.cli import main
+    with pytest.raises(SystemExit) as done:
+        main()
+    assert done.value.code in (0, None)
+    shown = json.loads(capsys.readouterr().out)["ram_auto"]
+    terms = {"available", "dense", "kv_cache", "activations", "read_buffers", "runtime", "margin", "budget"}
+    assert terms <= set(shown) and 0 <= shown["budget"] <= shown["expert_bytes"]
+
+
+# ---- a real run inside a cgroup v1 memory limit -----------------------------------------------------
+
+def _cgroup_v1_writable() -> str | None:
+    if sys.platform != "linux" or os.geteuid() != 0:
+        return "needs Linux and root"
+    if not os.access(CGROUP_V1 / "cgroup.procs", os.W_OK):
+        return f"no writable cgroup v1 memory controller at {CGROUP_V1}"
+    return None
+
+
+def _run_confined(store: Path, limit: int | None, *flags: str) -> tuple[int, int, str]:
+    """`python -m edgemoe run STORE` in a fresh cgroup v1 memory group (limit bytes, None: unlimited):
+    its exit status (negative: killed by that signal), the group's peak charge and its stderr."""
+    group = CGROUP_V1 / f"edgemoe-test-ram-auto-{os.getpid()}"
+    group.mkdir()
+    try:
+        if limit is not None:
+            (group / "memory.limit_in_bytes").write_text(str(limit))
+        command = (f'echo $$ > {group}/cgroup.procs && exec "$0" -m edgemoe run "$1" -n 4 --stats '
+                   f'--prompt To_be_or_not_to_be_that_is_the_question_whether_tis_nobler_in_the_mind "${{@:2}}"')
+        done = subprocess.run(["bash", "-c", command, sys.executable, str(store), *flags],
+                              capture_output=True, text=True, timeout=120)
+        return done.returncode, int((group / "memory.max_usage_in_bytes").read_text()), done.stderr
+    finally:
+        group.rmdir()
+
+
+@pytest.mark.skipif(_cgroup_v1_writable() is not None, reason=str(_cgroup_v1_writable()))
+def test_auto_finishes_inside_a_limit_that_kills_an_unbounded_cache(tmp_path):
+    """A store of 98 MiB of experts (4 layers x 8 experts of 3 MiB at INT8): streaming every expert
+    (--ram 0) peaks at some P; inside P + 40 MiB caching every expert it reads (--ram 100%, what no
+    --ram did before) is killed, and the default, --ram auto, finishes."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from make_tiny_model import make_tiny_model
+    checkpoint = make_tiny_model(tmp_path / "ckpt", "mixtral", dtype="bfloat16", hidden_size=256,
+                                 intermediate_size=4096, num_local_experts=8, num_hidden_layers=4)
+    convert(checkpoint, tmp_path / "store", bits=8)
+    store = tmp_path / "store"
+    # First unbounded: it also calibrates the compute path (--compute auto), once, into the test's cache.
+    code, caching_peak, err = _run_confined(store, None, "--ram", "100%")
+    assert code == 0, err
+    code, streaming_peak, err = _run_confined(store, None, "--ram", "0")
+    assert code == 0, err
+    limit = streaming_peak + 40 * MIB
+    assert caching_peak > limit
+    code, _, _ = _run_confined(store, limit, "--ram", "100%")
+    assert code == -9                          # the limit bites: the OOM killer ended it
+    code, peak, err = _run_confined(store, limit)
+    assert code == 0, err
+    assert "[stats] --ram auto:" in err and peak <= limit
+    assert "warning: --ram auto: no room for experts" in err    # the limit leaves none: said, and it streams
