@@ -59,8 +59,8 @@ FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 SERIAL = dict(fastmath=FASTMATH, cache=True, nogil=True)
 PARALLEL = dict(SERIAL, parallel=True)
 EXACT = dict(cache=True, nogil=True)  # elementwise, bit-exact vs torch: no fastmath
-# Small helpers called once per row: inlined into their caller, numba passes no array structs by
-# value per call (the integer kernels' small rows ran 1.5x faster inlined, docs/benchmarks.md).
+# Small helpers called once per row: inlined into their caller, so that numba passes no array
+# structs by value per call (the small rows of fine-grained experts are bound by such overhead).
 EXACT_INLINE = dict(EXACT, inline="always")
 
 

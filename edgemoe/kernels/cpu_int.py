@@ -95,8 +95,8 @@ def _group_dot(path, bits, packed, b0, plane, xq, x0):
     """isum of one group: its plane bytes start at packed[b0], its activations at xq[x0] (flat, uint64
     offsets). VNNI: 64-byte blocks, then 32-byte ones on AVX2 (every VNNI CPU has AVX2); the bytes
     past the last block on the portable loop. INT2 stays on AVX2 blocks: its four planes summed in
-    int16 before one widening beat four vpdpbusd (measured on a Zen 4 EPYC, 1-token 4096x4096:
-    13.9 against 9.9 GB/s; docs/benchmarks.md)."""
+    int16 before one widening beat four vpdpbusd on a Zen 4 EPYC (tools/bench_kernels.py --parts
+    layer; docs/benchmarks.md)."""
     acc = np.int64(0)
     done = U0
     if path == VNNI and bits != 2:
