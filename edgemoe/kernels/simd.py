@@ -17,12 +17,19 @@ trick: codes zero-extended and activations sign-extended to int16 (vpmovzxbw, vp
 vpmaddwd (int16 x int16, pairs summed to int32; a pair is at most 64770). The int32 accumulators
 cannot overflow for the group sizes edgemoe/kernels/ops.py admits (|sum| <= 255 * 127 * G < 2^31).
 
-They run on AVX2 CPUs only: edgemoe/kernels/cpu_int.py calls them on the "avx2" path, which edgemoe/kernels/ops.py
-offers only when numba compiles for a CPU with AVX2. For any other target (aarch64, old x86) they
-compile to a RuntimeError, so that the kernels holding them still compile for the portable path.
+vnni_dot(bits): the same sum over 64-byte blocks (NB = P // 64) with AVX-512 VNNI's vpdpbusd (u8
+code x s8 activation, four adjacent products added into each int32 lane, no saturation: exact at
+every width, INT8 included), one accumulator per plane.
+
+They run on CPUs with their feature only: edgemoe/kernels/cpu_int.py calls them on the "avx2" and
+"avx512vnni" paths, which edgemoe/kernels/ops.py offers only when numba compiles for such a CPU.
+For any other target (aarch64, old x86) they compile to a RuntimeError, so that the kernels holding
+them still compile for the portable path.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 from llvmlite import ir
 from numba import types
@@ -88,34 +95,41 @@ def _block_int8(builder, pbase, xbase, poff, xoff):
     return total
 
 
-def _make_avx2_dot(bits: int):
+def _dot_intrinsic(feature: str, body):
+    """An intrinsic (packed, b0, xq, x0, plane, nblocks) -> int32 whose code `body` writes
+    (builder, packed base, xq base, b0, x0, plane, nblocks); compiled for a CPU without `feature`
+    it raises instead of failing to compile."""
     @intrinsic
-    def avx2_dot(typingctx, packed, b0, xq, x0, plane, nblocks):
+    def dot(typingctx, packed, b0, xq, x0, plane, nblocks):
         sig = types.int32(packed, b0, xq, x0, plane, nblocks)
 
         def codegen(context, builder, sig, args):
-            if not target_has("avx2"):  # compiled for another CPU: raise instead of failing to compile
+            if not target_has(feature):
                 with builder.if_then(cgutils.true_bit):
-                    context.call_conv.return_user_exc(builder, RuntimeError, ("AVX2 code on a CPU without AVX2",))
+                    context.call_conv.return_user_exc(builder, RuntimeError, (f"{feature} code on a CPU without it",))
                 return ir.Constant(I32, 0)
             packed_a, b0_v, xq_a, x0_v, plane_v, nblocks_v = args
             pbase = cgutils.create_struct_proxy(sig.args[0])(context, builder, value=packed_a).data
             xbase = cgutils.create_struct_proxy(sig.args[2])(context, builder, value=xq_a).data
-            acc = cgutils.alloca_once_value(builder, _splat(I32, 8, 0))
-            with cgutils.for_range(builder, nblocks_v) as loop:
-                step = builder.mul(loop.index, ir.Constant(loop.index.type, BLOCK))
-                poff, xoff = builder.add(b0_v, step), builder.add(x0_v, step)
-                block = (_block_int8(builder, pbase, xbase, poff, xoff) if bits == 8
-                         else _block_small(builder, bits, pbase, xbase, poff, xoff, plane_v))
-                builder.store(builder.add(builder.load(acc), block), acc)
-            return _hsum(builder, builder.load(acc))
+            return body(builder, pbase, xbase, b0_v, x0_v, plane_v, nblocks_v)
 
         return sig, codegen
 
-    return avx2_dot
+    return dot
 
 
-avx2_dot2, avx2_dot4, avx2_dot8 = (_make_avx2_dot(b) for b in (2, 4, 8))
+def _avx2_body(bits, builder, pbase, xbase, b0, x0, plane, nblocks):
+    acc = cgutils.alloca_once_value(builder, _splat(I32, 8, 0))
+    with cgutils.for_range(builder, nblocks) as loop:
+        step = builder.mul(loop.index, ir.Constant(loop.index.type, BLOCK))
+        poff, xoff = builder.add(b0, step), builder.add(x0, step)
+        block = (_block_int8(builder, pbase, xbase, poff, xoff) if bits == 8
+                 else _block_small(builder, bits, pbase, xbase, poff, xoff, plane))
+        builder.store(builder.add(builder.load(acc), block), acc)
+    return _hsum(builder, builder.load(acc))
+
+
+avx2_dot2, avx2_dot4, avx2_dot8 = (_dot_intrinsic("avx2", partial(_avx2_body, b)) for b in (2, 4, 8))
 
 
 def _block_vnni(builder, bits, pbase, xbase, poff, xoff, plane, accs):
@@ -136,34 +150,18 @@ def _block_vnni(builder, bits, pbase, xbase, poff, xoff, plane, accs):
     return out
 
 
-def _make_vnni_dot(bits: int):
-    @intrinsic
-    def vnni_dot(typingctx, packed, b0, xq, x0, plane, nblocks):
-        sig = types.int32(packed, b0, xq, x0, plane, nblocks)
-
-        def codegen(context, builder, sig, args):
-            if not target_has("avx512vnni"):
-                with builder.if_then(cgutils.true_bit):
-                    context.call_conv.return_user_exc(builder, RuntimeError, ("AVX-512 VNNI code on a CPU without it",))
-                return ir.Constant(I32, 0)
-            packed_a, b0_v, xq_a, x0_v, plane_v, nblocks_v = args
-            pbase = cgutils.create_struct_proxy(sig.args[0])(context, builder, value=packed_a).data
-            xbase = cgutils.create_struct_proxy(sig.args[2])(context, builder, value=xq_a).data
-            accs = [cgutils.alloca_once_value(builder, _splat(I32, VNNI_BLOCK // 4, 0)) for _ in range(8 // bits)]
-            with cgutils.for_range(builder, nblocks_v) as loop:
-                step = builder.mul(loop.index, ir.Constant(loop.index.type, VNNI_BLOCK))
-                sums = _block_vnni(builder, bits, pbase, xbase, builder.add(b0_v, step),
-                                   builder.add(x0_v, step), plane_v, [builder.load(a) for a in accs])
-                for acc, total in zip(accs, sums):
-                    builder.store(total, acc)
-            total = builder.load(accs[0])
-            for acc in accs[1:]:
-                total = builder.add(total, builder.load(acc))
-            return _call(builder, "llvm.vector.reduce.add.v16i32", I32, [total])
-
-        return sig, codegen
-
-    return vnni_dot
+def _vnni_body(bits, builder, pbase, xbase, b0, x0, plane, nblocks):
+    accs = [cgutils.alloca_once_value(builder, _splat(I32, VNNI_BLOCK // 4, 0)) for _ in range(8 // bits)]
+    with cgutils.for_range(builder, nblocks) as loop:
+        step = builder.mul(loop.index, ir.Constant(loop.index.type, VNNI_BLOCK))
+        sums = _block_vnni(builder, bits, pbase, xbase, builder.add(b0, step), builder.add(x0, step), plane,
+                           [builder.load(a) for a in accs])
+        for acc, total in zip(accs, sums):
+            builder.store(total, acc)
+    total = builder.load(accs[0])
+    for acc in accs[1:]:
+        total = builder.add(total, builder.load(acc))
+    return _call(builder, "llvm.vector.reduce.add.v16i32", I32, [total])
 
 
-vnni_dot2, vnni_dot4, vnni_dot8 = (_make_vnni_dot(b) for b in (2, 4, 8))
+vnni_dot2, vnni_dot4, vnni_dot8 = (_dot_intrinsic("avx512vnni", partial(_vnni_body, b)) for b in (2, 4, 8))
