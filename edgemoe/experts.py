@@ -12,7 +12,7 @@ Shapes: T tokens, D hidden, I expert hidden, E experts, A active experts per tok
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Protocol
 
@@ -79,6 +79,15 @@ class ExpertBatches:
     experts: list[int]            # active experts, ascending
     tokens: list[torch.Tensor]    # per active expert: indices into the step's tokens [S]
     weights: list[torch.Tensor]   # per active expert: routing weights [S], float32
+    # The same, every (token, expert) pair in order [P] (made from the lists when not given).
+    pair_tokens: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    pair_weights: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    def pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token index, routing weight) of every pair, expert after expert: [P], [P]."""
+        if self.pair_tokens is None:
+            return torch.cat(self.tokens), torch.cat(self.weights)
+        return self.pair_tokens, self.pair_weights
 
     @classmethod
     def from_routing(cls, weights: torch.Tensor, experts: torch.Tensor) -> "ExpertBatches":
@@ -103,7 +112,7 @@ class ExpertBatches:
                 tokens.append(token_of[start:start + n])
                 ws.append(weight_of[start:start + n])
                 start += n
-        return cls(active, tokens, ws)
+        return cls(active, tokens, ws, token_of, weight_of)
 
     @classmethod
     def _one_token(cls, weights: torch.Tensor, experts: torch.Tensor) -> "ExpertBatches":
@@ -111,7 +120,9 @@ class ExpertBatches:
         chosen = experts.tolist()
         order = sorted(range(len(chosen)), key=chosen.__getitem__)
         token = torch.zeros(1, dtype=torch.long)
-        return cls([chosen[i] for i in order], [token] * len(order), [weights[i:i + 1] for i in order])
+        sorted_weights = weights[torch.tensor(order)]                      # [A]
+        return cls([chosen[i] for i in order], [token] * len(order), list(sorted_weights.split(1)),
+                   torch.zeros(len(order), dtype=torch.long), sorted_weights)
 
     def __iter__(self):
         return iter(zip(self.experts, self.tokens, self.weights))

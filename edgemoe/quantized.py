@@ -131,13 +131,17 @@ class StoreExperts(ExpertProvider):
         return self._choices[key]
 
     def expert(self, layer: int, expert: int) -> QuantizedExpert:
+        return self._quantized(layer, expert, self._fetch(layer, expert))
+
+    def _fetch(self, layer: int, expert: int) -> ResidentExpert:
+        """The expert from the store, waiting for its read if need be (the wait counted)."""
         start = time.perf_counter()
         resident = self.store.get(layer, expert, fallback=(layer, expert) in self._weak)
         self.io_wait_seconds += time.perf_counter() - start
-        return self._quantized(layer, expert, resident)
+        self.fallback_uses += resident.narrowed
+        return resident
 
     def _quantized(self, layer: int, expert: int, resident: ResidentExpert) -> QuantizedExpert:
-        self.fallback_uses += resident.narrowed
         return QuantizedExpert(resident, self.choose, self.store.device, self.activations(layer, expert))
 
     def prepare(self, layer: int, batches: ExpertBatches) -> None:
@@ -159,44 +163,48 @@ class StoreExperts(ExpertProvider):
         then their weighted sum in expert order. The resident experts compute first, those on
         "fused-int" in one kernel call, while the missing ones load; then the missing ones."""
         starts = np.cumsum([0] + [len(t) for t in batches.tokens])
-        pair_tokens = torch.cat(batches.tokens)                                     # [P]
+        pair_tokens, pair_weights = batches.pairs()                                 # [P], [P]
         y = np.empty((len(pair_tokens), x.shape[1]), np.float32)
         weak = {e for _, e in self._weak}
         resident = self.store.get_resident(layer, batches.experts, weak)
         waiting = [i for i, r in enumerate(resident) if r is None]
         if self.overlap and waiting:   # read in the background while the resident ones compute
             self.store.prefetch(((layer, batches.experts[i]) for i in waiting), urgent=True)
-        ready = [(i, self._quantized(layer, batches.experts[i], r)) for i, r in enumerate(resident) if r is not None]
-        self._compute_pairs(x, batches, ready, starts, pair_tokens, y)
+        self.fallback_uses += sum(r.narrowed for r in resident if r is not None)
+        ready = [(i, r) for i, r in enumerate(resident) if r is not None]
+        self._compute_pairs(layer, x, batches, ready, starts, pair_tokens, y)
         if waiting:
-            arrived = [(i, self.expert(layer, batches.experts[i])) for i in waiting]
-            self._compute_pairs(x, batches, arrived, starts, pair_tokens, y)
+            arrived = [(i, self._fetch(layer, batches.experts[i])) for i in waiting]
+            self._compute_pairs(layer, x, batches, arrived, starts, pair_tokens, y)
         out = torch.zeros_like(x)
-        weighted_sum(y, pair_tokens.numpy(), torch.cat(batches.weights).numpy(), out.numpy())
+        weighted_sum(y, pair_tokens.numpy(), pair_weights.numpy(), out.numpy())
         return out
 
-    def _compute_pairs(self, x: torch.Tensor, batches: ExpertBatches, experts: list[tuple[int, QuantizedExpert]],
-                       starts: np.ndarray, pair_tokens: torch.Tensor, y: np.ndarray) -> None:
-        """y's rows of the pairs of the experts (i, expert of batches.experts[i])."""
+    def _compute_pairs(self, layer: int, x: torch.Tensor, batches: ExpertBatches,
+                       experts: list[tuple[int, ResidentExpert]], starts: np.ndarray, pair_tokens: torch.Tensor,
+                       y: np.ndarray) -> None:
+        """y's rows of the pairs of the experts (i, batches.experts[i] as resident)."""
         fused = []
-        for i, expert in experts:
+        for i, resident in experts:
             tokens = batches.tokens[i]
-            if self._on_layer_kernel(expert, len(tokens)):
-                fused.append((i, expert.resident))
+            if self._on_layer_kernel(layer, batches.experts[i], resident, len(tokens)):
+                fused.append(resident)
             else:
-                y[starts[i]:starts[i + 1]] = expert(x[tokens]).numpy()
-        if len(fused) == len(starts) - 1:   # the whole layer (the usual case): every pair, in order
-            y[:] = swiglu_experts_int(x[pair_tokens].numpy(), np.stack([r.layout for _, r in fused]), starts)
-        elif fused:
-            rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i, _ in fused])
-            sizes = np.cumsum([0] + [starts[i + 1] - starts[i] for i, _ in fused])
-            y[rows] = swiglu_experts_int(x[pair_tokens[rows]].numpy(), np.stack([r.layout for _, r in fused]), sizes)
+                fused.append(None)
+                y[starts[i]:starts[i + 1]] = self._quantized(layer, batches.experts[i], resident)(x[tokens]).numpy()
+        rows = [i for (i, _), r in zip(experts, fused) if r is not None]
+        layouts = [r.layout for r in fused if r is not None]
+        if len(rows) == len(starts) - 1:   # the whole layer (the usual case): every pair, in order
+            y[:] = swiglu_experts_int(x[pair_tokens].numpy(), np.stack(layouts), starts)
+        elif rows:
+            pairs = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in rows])
+            sizes = np.cumsum([0] + [starts[i + 1] - starts[i] for i in rows])
+            y[pairs] = swiglu_experts_int(x[pair_tokens[pairs]].numpy(), np.stack(layouts), sizes)
 
-    def _on_layer_kernel(self, expert: QuantizedExpert, tokens: int) -> bool:
+    def _on_layer_kernel(self, layer: int, expert: int, resident: ResidentExpert, tokens: int) -> bool:
         """Whether this expert computes on "fused-int" on the host, where the layer kernel gives its bits."""
-        r = expert.resident
-        return (expert.activation is None and r.device is None
-                and self.choose(r.bits, tokens, r.nbytes) == "fused-int")
+        return (resident.device is None and self.choose(resident.bits, tokens, resident.nbytes) == "fused-int"
+                and self.activations(layer, expert) is None)
 
     def _skip_weak_misses(self, layer: int, batches: ExpertBatches) -> ExpertBatches:
         """Adaptive top-k: an expert that is not resident and that every one of its tokens chose with
