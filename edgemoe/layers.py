@@ -9,10 +9,12 @@ sequence, E experts, A active per token, G expert groups.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from .dense import QuantizedLinear
+from .kernels.cpu import rms_norm_kernel
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -30,6 +32,14 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension. float32 rows on the CPU take one numba call
+    (kernels.cpu.rms_norm_kernel), anything else the torch ops."""
+    if (x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu" and weight.dim() == 1
+            and x.shape[-1] == weight.shape[0] and x.is_contiguous()):
+        rows = x.numpy().reshape(-1, x.shape[-1])
+        out = np.empty_like(rows)
+        rms_norm_kernel(rows, weight.numpy(), eps, out)
+        return torch.from_numpy(out).view(x.shape)
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)

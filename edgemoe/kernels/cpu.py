@@ -287,3 +287,17 @@ def parallel_sum(a):
     for i in numba.prange(a.shape[0]):
         part[i] = _sum(a[i])
     return part.sum()
+
+
+@njit_serial
+def rms_norm_kernel(x, weight, eps, out):
+    """out[t] = weight * (x[t] * 1 / sqrt(mean(x[t]^2) + eps)) for float32 rows x [T, C], weight [C]:
+    one call where torch makes five small ops (a decode step runs two to four norms a layer)."""
+    cols = x.shape[1]
+    for t in range(x.shape[0]):
+        acc = np.float32(0)
+        for c in range(cols):
+            acc += x[t, c] * x[t, c]
+        inv = np.float32(1) / np.sqrt(acc / np.float32(cols) + eps)
+        for c in range(cols):
+            out[t, c] = weight[c] * (x[t, c] * inv)
