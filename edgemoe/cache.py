@@ -45,13 +45,6 @@ class KVCache:
         self._v[layer][:, self.length:end] = v
         return self._k[layer][:, :end], self._v[layer][:, :end]
 
-    def storage(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's key and value storage [K, C, Dk / Dv], grown to hold `n` positions after the
-        cached ones (a kernel writes them in place; advance() counts them, as after append)."""
-        if self.length + n > self._k[layer].shape[1]:
-            self._grow(layer, self.length + n)
-        return self._k[layer], self._v[layer]
-
     def advance(self, n: int) -> None:
         self.length += n
 

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 
 from .dense import QuantizedLinear
-from .kernels.attention import one_query_attention_kernel
 from .kernels.cpu import rms_norm_kernel
 
 
@@ -108,18 +107,6 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
     queries = q.reshape(groups, -1, q.shape[-1])                                # [K, H/K, Dk]
     probs = torch.softmax(torch.bmm(queries, k.transpose(1, 2)) * scale, dim=-1)   # [K, H/K, L]
     return torch.bmm(probs, v).reshape(1, -1)                                    # [1, H*Dv]
-
-
-def attend_one_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, layer: int,
-                      scale: float | None) -> torch.Tensor:
-    """A decode step's attention, keys and values appended to `cache` at its length, in one numba
-    call (edgemoe.kernels.attention): q [1, H, Dk], k [1, K, Dk], v [1, K, Dv] float32 -> [1, H*Dv].
-    The same as cache.append then attend() without a mask, to float32 rounding."""
-    kcache, vcache = cache.storage(layer, 1)
-    out = np.empty(q.shape[1] * v.shape[2], np.float32)
-    one_query_attention_kernel(q[0].numpy(), k[0].numpy(), v[0].numpy(), kcache.numpy(), vcache.numpy(),
-                               cache.length, np.float32(q.shape[-1] ** -0.5 if scale is None else scale), out)
-    return torch.from_numpy(out).view(1, -1)
 
 
 def attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

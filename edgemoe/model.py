@@ -24,7 +24,7 @@ from .attention import QKV_PROJECTIONS
 from .cache import KVCache
 from .dense import quantize_layer, quantize_matrix
 from .experts import ExpertBatches, ExpertProvider
-from .layers import attend, attend_one_cached, attention_mask, layer_norm, linear, rms_norm, rope_tables, route_by_spec, swiglu
+from .layers import attend, attention_mask, layer_norm, linear, rms_norm, rope_tables, route_by_spec, swiglu
 from .spec import ModelSpec
 from .scheduling.preload import Preloader
 from .threads import ThreadGovernor
@@ -276,10 +276,6 @@ class MoEModel(StoreOwner):
                    sin: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
         q, k, v = self._qkv(self.spec, w, x, cos, sin)
         window = self.spec.sliding_windows[l]
-        if self._one_query(segments, window, w, q):   # a decode step: one numba call
-            out = attend_one_cached(q.contiguous(), k.contiguous(), v.contiguous(), segments[0].cache, l,
-                                    self.spec.attention_scale)
-            return linear(out, w["o"], w.get("o_bias"))
         outputs, start = [], 0
         for seg in segments:
             end = start + seg.num_tokens
@@ -289,13 +285,6 @@ class MoEModel(StoreOwner):
                                   w.get("sinks")))   # [S, H*Dv]
             start = end
         return linear(torch.cat(outputs), w["o"], w.get("o_bias"))
-
-    @staticmethod
-    def _one_query(segments: Sequence[Segment], window: int | None, w: dict, q: torch.Tensor) -> bool:
-        """A step attend_one_cached computes: one token of one sequence that sees every cached key (no
-        window, no sinks), float32 queries and cache."""
-        return (len(segments) == 1 and segments[0].num_tokens == 1 and window is None and "sinks" not in w
-                and q.dtype == segments[0].cache.dtype == torch.float32)
 
     def _mlp(self, l: int, w: dict, x: torch.Tensor, positions: torch.Tensor, segments) -> torch.Tensor:
         if not self.spec.moe_layers[l]:

@@ -50,7 +50,6 @@ def instrument() -> None:
     """Timers around every kernel the decode step calls (module attributes, so the callers see them)."""
     F.linear = timed("dense matmul", F.linear)
     model_module.attend = timed("attention", model_module.attend)    # over the KV cache, any path
-    model_module.attend_one_cached = timed("attention", model_module.attend_one_cached)   # a decode step's
     kernels.qmatmul_int = timed("dense matmul", kernels.qmatmul_int)      # QuantizedLinear (--dense-bits)
     kernels.dequantize = timed("dense matmul", kernels.dequantize)
     for path, fn in list(quantized.FUSED.items()):
