@@ -35,10 +35,14 @@ KERNEL_MAX_TOKENS = {8: 16, 4: 1}   # INT4's groups of 128 make its kernel deare
 
 
 class QuantizedLinear:
-    """A weight [R, C] as packed codes; called on x [T, C] it returns float32 [T, R] (edgemoe.layers.linear)."""
+    """A weight [R, C] as packed codes; called on x [T, C] it returns float32 [T, R] (edgemoe.layers.linear).
+    gemm_dtype: the GEMM's type for long steps, the dtype of the matrix it replaces where that is
+    bfloat16 (loaded so because the CPU multiplies it natively: 2.2x float32's speed on a 512-token
+    step here, docs/benchmarks.md), else float32."""
 
-    def __init__(self, qt: QuantizedTensor):
+    def __init__(self, qt: QuantizedTensor, gemm_dtype: torch.dtype = torch.float32):
         self.qt = qt
+        self.gemm_dtype = gemm_dtype
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -52,11 +56,12 @@ class QuantizedLinear:
         x = x.float()
         if x.shape[0] <= KERNEL_MAX_TOKENS[self.qt.bits]:
             return torch.from_numpy(kernels.qmatmul_int(x.contiguous().numpy(), self.qt))
-        return F.linear(x, kernels.dequantize(self.qt))
+        return F.linear(x.to(self.gemm_dtype), kernels.dequantize(self.qt, self.gemm_dtype)).float()
 
 
 def quantize_matrix(weight: torch.Tensor, bits: int) -> QuantizedLinear:
-    return QuantizedLinear(quantize(weight, bits, GROUP_SIZE[bits]))
+    gemm_dtype = torch.bfloat16 if weight.dtype == torch.bfloat16 else torch.float32
+    return QuantizedLinear(quantize(weight, bits, GROUP_SIZE[bits]), gemm_dtype)
 
 
 def quantize_layer(weights: dict, bits: int) -> dict:
@@ -68,7 +73,8 @@ def quantize_layer(weights: dict, bits: int) -> dict:
     if "router" in out:   # small, and torch's bfloat16 product of one row takes 3.5x float32's (28 vs 8 us)
         out["router"] = out["router"].float()
     if all(role in out for role in ("q", "k", "v")):
-        out["qkv"] = QuantizedLinear(_stacked([out.pop(role).qt for role in ("q", "k", "v")]))
+        parts = [out.pop(role) for role in ("q", "k", "v")]
+        out["qkv"] = QuantizedLinear(_stacked([p.qt for p in parts]), parts[0].gemm_dtype)
     return out
 
 

@@ -166,3 +166,15 @@ def test_commands_quantize_the_dense_matrices_when_asked(tiny_model, tmp_path, m
     status, err = run_cli(monkeypatch, capsys, command[0], str(store), *command[1:], "--dense-bits", "8")
     assert status == 0, err
     assert widths and set(widths) == {8}
+
+
+def test_a_long_step_multiplies_in_the_dtype_of_the_matrix_it_replaced(tiny_model):
+    """Past KERNEL_MAX_TOKENS a QuantizedLinear dequantizes and runs one GEMM: in bfloat16 for a model
+    loaded in bfloat16 (the type the CPU was chosen to multiply in), float32 otherwise; plain torch
+    on the dequantized weight is the reference, bit for bit."""
+    for dtype in (torch.bfloat16, torch.float32):
+        matrix = edgemoe.load(tiny_model("mixtral"), dtype, dense_bits=8).layers[0]["o"]
+        assert matrix.gemm_dtype == dtype
+        x = torch.randn(KERNEL_MAX_TOKENS[8] + 5, matrix.shape[1])
+        expected = F.linear(x.to(dtype), dequantize_reference(matrix.qt).to(dtype)).float()
+        assert torch.equal(matrix(x), expected)

@@ -2,7 +2,8 @@
 weights (float32 activations cast as edgemoe.layers.linear does), and of the INT8 / INT4 matrices of
 --dense-bits (edgemoe.dense) on the integer kernel and by dequantize + GEMM, per token count and
 thread count. Why `--dtype auto` widens reduced-precision matrices to float32 on CPUs without native
-support, and where a QuantizedLinear switches from the kernel to the GEMM (KERNEL_MAX_TOKENS).
+support, and where a QuantizedLinear switches from the kernel to the GEMM (KERNEL_MAX_TOKENS); the
+last column is the GEMM of a bfloat16 model's INT8 matrix (dequantized to bfloat16).
 
     python tools/bench_dense_dtype.py [--size 1024] [--rows R] [--tokens 1 4 8 16 256] [--threads 1 2]
 """
@@ -48,7 +49,7 @@ def main() -> None:
     print(f"{cpu}; native reduced precision: {sorted(str(t) for t in native_types()) or 'none'}; "
           f"load average {os.getloadavg()[0]:.2f}; {rows}x{args.size} weight; ms, medians of 15")
     print(f"{'threads':>7} {'tokens':>6} {'float32':>8} {'bfloat16':>8} {'float16':>8} "
-          f"{'int8 kernel':>11} {'int8 GEMM':>9} {'int4 kernel':>11} {'int4 GEMM':>9}")
+          f"{'int8 kernel':>11} {'int8 GEMM':>9} {'int4 kernel':>11} {'int4 GEMM':>9} {'int8 bf16 GEMM':>14}")
     weight = torch.randn(rows, args.size)
     quantized = {bits: quantize_matrix(weight, bits).qt for bits in (8, 4)}
     for threads in args.threads:
@@ -62,7 +63,10 @@ def main() -> None:
             for qt in quantized.values():
                 ms.append(median_ms(lambda qt=qt: kernels.qmatmul_int(xn, qt)))
                 ms.append(median_ms(lambda qt=qt: F.linear(x, kernels.dequantize(qt))))
-            print(f"{threads:7} {tokens:6} " + " ".join(f"{v:{w}.3f}" for v, w in zip(ms, (8, 8, 8, 11, 9, 11, 9))))
+            # a bfloat16 model's QuantizedLinear on a long step: dequantized to bfloat16, one bfloat16 GEMM
+            xb = x.to(torch.bfloat16)
+            ms.append(median_ms(lambda: F.linear(xb, kernels.dequantize(quantized[8], torch.bfloat16)).float()))
+            print(f"{threads:7} {tokens:6} " + " ".join(f"{v:{w}.3f}" for v, w in zip(ms, (8, 8, 8, 11, 9, 11, 9, 14))))
 
 if __name__ == "__main__":
     main()
