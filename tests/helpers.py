@@ -10,6 +10,26 @@ from edgemoe.cli import main
 from edgemoe.quant import get_format
 
 
+REMOVED = object()   # a mutation that deletes the entry (mutated)
+
+
+def mutated(document, path: tuple, value):
+    """A deep copy of nested dicts and lists with the entry at `path` set to `value`, or deleted
+    when `value` is REMOVED (generated bad-input tables: configs, manifests)."""
+    import copy
+
+    changed = copy.deepcopy(document)
+    *parents, last = path
+    target = changed
+    for key in parents:
+        target = target[key]
+    if value is REMOVED:
+        del target[last]
+    else:
+        target[last] = value
+    return changed
+
+
 def weights(rows, cols, seed=0):
     """A weight matrix like a trained one's: Gaussian with 1% outliers 20x larger."""
     g = torch.Generator().manual_seed(seed)

@@ -3,7 +3,6 @@ every architecture's tiny config, and every entry key of a header, mutated to ea
 case ends in a CheckpointError of one line naming the file and the field (or tensor), or, where the
 value is acceptable, in a parsed model; never in another exception. Parsing only: no model is built."""
 
-import copy
 import json
 import re
 import shutil
@@ -17,6 +16,8 @@ from edgemoe.checkpoint import Checkpoint, read_safetensors_header
 from edgemoe.errors import CheckpointError
 from edgemoe.models import ARCHITECTURES, architecture, parse_spec
 
+from helpers import REMOVED, mutated
+
 
 def config_fields(config: dict, section: tuple[str, ...] = ()):
     """(path of keys, value) of every field of a config, inside objects too (rope_parameters)."""
@@ -26,7 +27,6 @@ def config_fields(config: dict, section: tuple[str, ...] = ()):
             yield from config_fields(value, section + (key,))
 
 
-REMOVED = object()
 
 
 def wrong_kinds(value) -> dict:
@@ -55,19 +55,6 @@ def mutations(value):
     if isinstance(value, float):   # a float field given as an integer is a number like any other
         cases.append(("integer", max(1, round(value)), "accepted"))
     return cases
-
-
-def mutated(config: dict, path: tuple[str, ...], new) -> dict:
-    config = copy.deepcopy(config)
-    *outer, key = path
-    target = config
-    for name in outer:
-        target = target[name]
-    if new is REMOVED:
-        del target[key]
-    else:
-        target[key] = new
-    return config
 
 
 def outcome(config: dict):

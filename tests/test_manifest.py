@@ -3,7 +3,6 @@ manifest.json, the entry (layer and expert) and the field: never met mid-generat
 generated from a real store's manifest: every field of an expert entry, of a fallback entry and the
 top-level fields, deleted, of the wrong type, and out of range for what each field means."""
 
-import copy
 import json
 import shutil
 
@@ -12,9 +11,8 @@ import pytest
 from edgemoe.convert import convert
 from edgemoe.store import StoreError, open_store
 from edgemoe.store.format import MANIFEST
-from helpers import run_cli
+from helpers import REMOVED, mutated, run_cli
 
-DELETE = object()
 
 
 @pytest.fixture(scope="module")
@@ -77,14 +75,14 @@ def _leaves(record: dict, prefix=()):
 
 
 def entry_mutations(manifest: dict, sizes: dict, listed_as: tuple):
-    """(path from the manifest's root, new value or DELETE, field the error must name) for every field of
+    """(path from the manifest's root, new value or REMOVED, field the error must name) for every field of
     the second entry of `listed_as`."""
     entry = manifest[listed_as[0]] if len(listed_as) == 1 else manifest[listed_as[0]][listed_as[1]]
     entry = entry[1]
     root = (*listed_as, 1)
     for path, value in _leaves(entry):
         field = ".".join(path)
-        yield (*root, *path), DELETE, field
+        yield (*root, *path), REMOVED, field
         yield (*root, *path), _wrong_type(value), field
         for bad in _out_of_range(path[-1], value, entry if len(path) == 1 else {}, sizes):
             yield (*root, *path), bad, field
@@ -93,20 +91,20 @@ def entry_mutations(manifest: dict, sizes: dict, listed_as: tuple):
 def top_level_mutations(manifest: dict):
     first_offset = manifest["experts"][0]["offset"]
     return [
-        (("version",), 2, "version"), (("version",), "1", "version"), (("version",), DELETE, "version"),
-        (("complete",), False, "incomplete"), (("complete",), DELETE, "incomplete"),
-        (("format",), DELETE, "format"), (("spec",), DELETE, "spec"), (("spec", "hidden_size"), DELETE, "spec"),
-        (("alignment",), 512, "alignment"), (("alignment",), "4096", "alignment"), (("alignment",), DELETE, "alignment"),
-        (("checksum",), "md5", "checksum"), (("checksum",), DELETE, "checksum"),
-        (("dense",), DELETE, "dense"), (("dense", "file"), DELETE, "dense.file"), (("dense", "file"), "../x", "dense.file"),
+        (("version",), 2, "version"), (("version",), "1", "version"), (("version",), REMOVED, "version"),
+        (("complete",), False, "incomplete"), (("complete",), REMOVED, "incomplete"),
+        (("format",), REMOVED, "format"), (("spec",), REMOVED, "spec"), (("spec", "hidden_size"), REMOVED, "spec"),
+        (("alignment",), 512, "alignment"), (("alignment",), "4096", "alignment"), (("alignment",), REMOVED, "alignment"),
+        (("checksum",), "md5", "checksum"), (("checksum",), REMOVED, "checksum"),
+        (("dense",), REMOVED, "dense"), (("dense", "file"), REMOVED, "dense.file"), (("dense", "file"), "../x", "dense.file"),
         (("dense", "file"), 5, "dense.file"), (("dense", "size"), -1, "dense.size"), (("dense", "size"), "x", "dense.size"),
         (("dense", "crc32"), -1, "dense.crc32"), (("dense", "crc32"), 2**32, "dense.crc32"),
-        (("quantization",), DELETE, "quantization"), (("quantization", "array_alignment"), 32, "array_alignment"),
-        (("data_files",), "x", "data_files"), (("data_files",), DELETE, "data_files"), (("data_files",), [], "file"),
-        (("data_files", 0, "name"), DELETE, "data_files[0].name"), (("data_files", 0, "name"), 5, "data_files[0].name"),
+        (("quantization",), REMOVED, "quantization"), (("quantization", "array_alignment"), 32, "array_alignment"),
+        (("data_files",), "x", "data_files"), (("data_files",), REMOVED, "data_files"), (("data_files",), [], "file"),
+        (("data_files", 0, "name"), REMOVED, "data_files[0].name"), (("data_files", 0, "name"), 5, "data_files[0].name"),
         (("data_files", 0, "name"), "../x", "data_files[0].name"), (("data_files", 0, "size"), -1, "data_files[0].size"),
         (("data_files", 0, "size"), "x", "data_files[0].size"), (("data_files", 0, "size"), 1, "the manifest says 1"),
-        (("experts",), "x", "experts"), (("experts",), DELETE, "experts"),
+        (("experts",), "x", "experts"), (("experts",), REMOVED, "experts"),
         (("experts", 1, "offset"), first_offset, "overlaps"),              # two blobs on one byte range
         (("experts", 1), manifest["experts"][0], "listed twice"),
         (("fallback", "bits"), 3, "fallback.bits"), (("fallback", "bits"), 8, "fallback.bits"),
@@ -114,19 +112,6 @@ def top_level_mutations(manifest: dict):
         (("fallback", "experts", 1, "bits"), 4, "bits: 4, expected 2"),    # a copy as wide as its expert
         (("fallback", "experts"), manifest["fallback"]["experts"][1:], "no 2-bit copy"),
     ]
-
-
-def _mutated(manifest: dict, path: tuple, value) -> dict:
-    changed = copy.deepcopy(manifest)
-    *parents, last = path
-    target = changed
-    for key in parents:
-        target = target[key]
-    if value is DELETE:
-        del target[last]
-    else:
-        target[last] = value
-    return changed
 
 
 def _entry_label(manifest: dict, path: tuple) -> str | None:
@@ -170,10 +155,10 @@ def test_every_field_of_every_kind_of_entry_mutated_is_refused_naming_it(scratch
     assert len(cases) > 200
     failures = []
     for path, value, field in cases:
-        (scratch / MANIFEST).write_text(json.dumps(_mutated(original, path, value)))
+        (scratch / MANIFEST).write_text(json.dumps(mutated(original, path, value)))
         message = _open_error(scratch, monkeypatch, capsys)
         names = [field] + ([label] if (label := _entry_label(original, path)) else [])
-        shown = "DELETE" if value is DELETE else repr(value)
+        shown = "REMOVED" if value is REMOVED else repr(value)
         if not message or MANIFEST not in message or any(name not in message for name in names):
             failures.append(f"{'.'.join(map(str, path))} = {shown}: {message or 'opened'} (want {names})")
     assert not failures, f"{len(failures)} of {len(cases)} mutations:\n" + "\n".join(failures)
