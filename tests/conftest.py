@@ -43,3 +43,18 @@ def private_latency_cache(tmp_path_factory):
     """Latency calibrations go to a per-session directory, not the user's cache."""
     import os
     os.environ["EDGEMOE_CACHE_DIR"] = str(tmp_path_factory.mktemp("edgemoe-cache"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_thread_for_automatic_counts():
+    """Models loaded in a test without a thread count run on one thread. The automatic count follows
+    the machine's load (edgemoe.threads), and torch's products round by thread count, so two loads
+    compared bit for bit could otherwise run at different counts while the suite itself loads the
+    machine. The kernels' own results do not depend on the count (tests/test_int_kernels.py), and
+    tests that set a count keep it."""
+    import edgemoe.threads
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(edgemoe.threads, "physical_cores", lambda: 1)
+    yield
+    patch.undo()
