@@ -70,7 +70,7 @@ def quantize_layer(weights: dict, bits: int) -> dict:
     v projections of grouped-query attention become one matrix "qkv" (their rows stacked): one kernel
     call a step instead of three, the same bits (rows are quantized and multiplied independently)."""
     out = {name: quantize_matrix(w, bits) if name in QUANTIZED_ROLES else w for name, w in weights.items()}
-    if "router" in out:   # small, and torch's bfloat16 product of one row takes 3.5x float32's (28 vs 8 us)
+    if "router" in out:   # small, and torch's bfloat16 product of one row takes 4x float32's (docs/benchmarks.md)
         out["router"] = out["router"].float()
     if all(role in out for role in ("q", "k", "v")):
         parts = [out.pop(role) for role in ("q", "k", "v")]

@@ -276,7 +276,8 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None, threads: int
     if dense_bits not in (None, "auto", "none", *DENSE_BITS):
         raise OptionError("dense_bits=", dense_bits, f"expected one of {DENSE_BITS}, 'auto' or None (as loaded)")
     store = store if store is not None else StoreOptions(**options)
-    if is_store(path):
+    from_store = is_store(path)
+    if from_store:
         model = load_store(path, store, dtype, threads, dense_bits=dense_bits, context=context, batch=batch)
     else:
         given = store.given()
@@ -285,7 +286,7 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None, threads: int
             raise EdgeMoEError(f"{path}: {', '.join(given)} {verb} to stores, and this is a checkpoint directory "
                                f"(make a store with edgemoe convert)")
         model = load_checkpoint(path, dtype, threads)
-    dense_bits = dense_bits_for(dense_bits, is_store(path), model.spec)
+    dense_bits = dense_bits_for(dense_bits, from_store, model.spec)
     if dense_bits is not None:
         if model.spec.is_encoder_decoder:
             model.close()

@@ -131,7 +131,8 @@ class StoreExperts(ExpertProvider):
         return self._choices[key]
 
     def expert(self, layer: int, expert: int) -> QuantizedExpert:
-        return self._quantized(layer, expert, self._fetch(layer, expert))
+        return QuantizedExpert(self._fetch(layer, expert), self.choose, self.store.device,
+                               self.activations(layer, expert))
 
     def _fetch(self, layer: int, expert: int) -> ResidentExpert:
         """The expert from the store, waiting for its read if need be (the wait counted)."""
@@ -140,9 +141,6 @@ class StoreExperts(ExpertProvider):
         self.io_wait_seconds += time.perf_counter() - start
         self.fallback_uses += resident.narrowed
         return resident
-
-    def _quantized(self, layer: int, expert: int, resident: ResidentExpert) -> QuantizedExpert:
-        return QuantizedExpert(resident, self.choose, self.store.device, self.activations(layer, expert))
 
     def prepare(self, layer: int, batches: ExpertBatches) -> None:
         self._kept = self._skip_weak_misses(layer, batches) if self.skip_below else batches
@@ -186,12 +184,15 @@ class StoreExperts(ExpertProvider):
         """y's rows of the pairs of the experts (i, batches.experts[i] as resident)."""
         fused = []
         for i, resident in experts:
-            tokens = batches.tokens[i]
-            if self._on_layer_kernel(layer, batches.experts[i], resident, len(tokens)):
+            tokens, activation = batches.tokens[i], self.activations(layer, batches.experts[i])
+            # "fused-int" SwiGLU on the host: the layer kernel gives that path's bits
+            if (activation is None and resident.device is None
+                    and self.choose(resident.bits, len(tokens), resident.nbytes) == "fused-int"):
                 fused.append(resident)
             else:
                 fused.append(None)
-                y[starts[i]:starts[i + 1]] = self._quantized(layer, batches.experts[i], resident)(x[tokens]).numpy()
+                expert = QuantizedExpert(resident, self.choose, self.store.device, activation)
+                y[starts[i]:starts[i + 1]] = expert(x[tokens]).numpy()
         rows = [i for (i, _), r in zip(experts, fused) if r is not None]
         layouts = [r.layout for r in fused if r is not None]
         if len(rows) == len(starts) - 1:   # the whole layer (the usual case): every pair, in order
@@ -200,11 +201,6 @@ class StoreExperts(ExpertProvider):
             pairs = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in rows])
             sizes = np.cumsum([0] + [starts[i + 1] - starts[i] for i in rows])
             y[pairs] = swiglu_experts_int(x[pair_tokens[pairs]].numpy(), np.stack(layouts), sizes)
-
-    def _on_layer_kernel(self, layer: int, expert: int, resident: ResidentExpert, tokens: int) -> bool:
-        """Whether this expert computes on "fused-int" on the host, where the layer kernel gives its bits."""
-        return (resident.device is None and self.choose(resident.bits, tokens, resident.nbytes) == "fused-int"
-                and self.activations(layer, expert) is None)
 
     def _skip_weak_misses(self, layer: int, batches: ExpertBatches) -> ExpertBatches:
         """Adaptive top-k: an expert that is not resident and that every one of its tokens chose with
