@@ -45,6 +45,13 @@ class KVCache:
         self._v[layer][:, self.length:end] = v
         return self._k[layer][:, :end], self._v[layer][:, :end]
 
+    def layer_arrays(self, layer: int, end: int):
+        """numpy views of layer's keys [K, C, Dk] and values [K, C, Dv], C >= end (grown if need be):
+        what the decode engine's kernel writes position end - 1 into and attends over."""
+        if end > self._k[layer].shape[1]:
+            self._grow(layer, end)
+        return self._k[layer].numpy(), self._v[layer].numpy()
+
     def advance(self, n: int) -> None:
         self.length += n
 

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cached_property, partial
 from typing import Callable, Protocol
 
+import numpy as np
 import torch
 
 from .kernels.activations import Matmul, gpt_oss_expert, relu_expert
@@ -74,26 +75,43 @@ class DenseExpert:
 
 @dataclass(frozen=True)
 class ExpertBatches:
-    """One layer's routing, grouped by expert."""
+    """One layer's routing, grouped by expert: every (token, expert) pair, sorted by expert (token
+    order kept within one), and where each expert's pairs start."""
 
     experts: list[int]            # active experts, ascending
-    tokens: list[torch.Tensor]    # per active expert: indices into the step's tokens [S]
-    weights: list[torch.Tensor]   # per active expert: routing weights [S], float32
-    # The same, every (token, expert) pair in order [P] (made from the lists when not given).
-    pair_tokens: torch.Tensor | None = field(default=None, repr=False, compare=False)
-    pair_weights: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    pair_tokens: torch.Tensor     # [P] int64: the token index of each pair
+    pair_weights: torch.Tensor    # [P] float32: its routing weight
+    starts: np.ndarray = field(repr=False, compare=False)   # int64 [A + 1]: expert i's pairs are starts[i]:starts[i + 1]
+
+    @classmethod
+    def from_lists(cls, experts: list[int], tokens: list[torch.Tensor], weights: list[torch.Tensor]) -> "ExpertBatches":
+        """From each active expert's token indices [S] and routing weights [S]."""
+        starts = np.cumsum([0] + [len(t) for t in tokens], dtype=np.int64)
+        empty = torch.zeros(0)
+        return cls(list(experts), torch.cat(tokens) if tokens else empty.long(),
+                   torch.cat(weights) if weights else empty, starts)
+
+    @cached_property
+    def tokens(self) -> list[torch.Tensor]:
+        """Per active expert: indices into the step's tokens [S]."""
+        return list(self.pair_tokens.split(np.diff(self.starts).tolist()))
+
+    @cached_property
+    def weights(self) -> list[torch.Tensor]:
+        """Per active expert: routing weights [S], float32."""
+        return list(self.pair_weights.split(np.diff(self.starts).tolist()))
 
     def pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(token index, routing weight) of every pair, expert after expert: [P], [P]."""
-        if self.pair_tokens is None:
-            return torch.cat(self.tokens), torch.cat(self.weights)
         return self.pair_tokens, self.pair_weights
 
     @classmethod
     def from_routing(cls, weights: torch.Tensor, experts: torch.Tensor) -> "ExpertBatches":
         """weights, experts [T, A] -> batches sorted by expert (stable: token order kept within one)."""
-        if experts.shape[0] == 1 and len(set(experts[0].tolist())) == experts.shape[1]:
-            return cls._one_token(weights[0], experts[0])
+        if experts.shape[0] == 1:
+            one = cls._one_token(weights[0], experts[0])
+            if one is not None:
+                return one
         return cls._sorted(weights, experts)
 
     @classmethod
@@ -102,27 +120,25 @@ class ExpertBatches:
         top_k = experts.shape[1]
         flat = experts.reshape(-1)                       # [T*A]
         order = torch.argsort(flat, stable=True)         # pair indices sorted by expert
-        counts = torch.bincount(flat, minlength=1).tolist()
+        counts = torch.bincount(flat, minlength=1).numpy()
         token_of = order // top_k                        # [T*A] token index of each sorted pair
         weight_of = weights.reshape(-1)[order]
-        active, tokens, ws, start = [], [], [], 0
-        for e, n in enumerate(counts):
-            if n:
-                active.append(e)
-                tokens.append(token_of[start:start + n])
-                ws.append(weight_of[start:start + n])
-                start += n
-        return cls(active, tokens, ws, token_of, weight_of)
+        active = np.flatnonzero(counts)
+        return cls(active.tolist(), token_of, weight_of, np.concatenate(([0], np.cumsum(counts[active]))))
 
     @classmethod
-    def _one_token(cls, weights: torch.Tensor, experts: torch.Tensor) -> "ExpertBatches":
-        """A decode step's routing, weights, experts [A] (distinct): no sort or count over tokens."""
-        chosen = experts.tolist()
-        order = sorted(range(len(chosen)), key=chosen.__getitem__)
-        token = torch.zeros(1, dtype=torch.long)
-        sorted_weights = weights[torch.tensor(order)]                      # [A]
-        return cls([chosen[i] for i in order], [token] * len(order), list(sorted_weights.split(1)),
-                   torch.zeros(len(order), dtype=torch.long), sorted_weights)
+    def _one_token(cls, weights: torch.Tensor, experts: torch.Tensor) -> "ExpertBatches | None":
+        """A decode step's routing, weights, experts [A]: no sort or count over tokens, numpy on
+        the A ids (torch's per-op overhead is most of a small layer's routing time). None if an
+        expert is chosen twice (a replayed trace may do it): the general path then."""
+        chosen = experts.numpy()
+        order = np.argsort(chosen, kind="stable")
+        ids = chosen[order]
+        if (ids[1:] == ids[:-1]).any():
+            return None
+        sorted_weights = torch.from_numpy(np.ascontiguousarray(weights.numpy()[order], np.float32))   # [A]
+        return cls(ids.tolist(), torch.zeros(len(ids), dtype=torch.long), sorted_weights,
+                   np.arange(len(ids) + 1, dtype=np.int64))   # one pair each
 
     def __iter__(self):
         return iter(zip(self.experts, self.tokens, self.weights))

@@ -206,7 +206,12 @@ ROUTERS = {"softmax": route_softmax, "softmax_group": route_softmax_group, "sigm
 def route_by_spec(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | None, spec) -> tuple[torch.Tensor, torch.Tensor]:
     """The spec's router: x [T, D], router [E, D] (bias [E] for sigmoid_group, topk_softmax) -> (weights [T, A]
     float32, experts [T, A] int64), weights scaled by routed_scaling_factor."""
-    weights, experts = ROUTERS[spec.router](linear(x, router).float(), spec, bias)
+    return choose_experts(linear(x, router).float(), bias, spec)
+
+
+def choose_experts(logits: torch.Tensor, bias: torch.Tensor | None, spec) -> tuple[torch.Tensor, torch.Tensor]:
+    """route_by_spec from the router's float32 logits [T, E] (the decode engine computes them in its kernel)."""
+    weights, experts = ROUTERS[spec.router](logits, spec, bias)
     if spec.routed_scaling_factor != 1.0:
         weights = weights * spec.routed_scaling_factor
     return weights, experts

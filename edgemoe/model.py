@@ -22,9 +22,11 @@ import torch
 
 from .attention import QKV_PROJECTIONS
 from .cache import KVCache
+from .decode import DecodeEngine
 from .dense import quantize_layer, quantize_matrix
 from .experts import ExpertBatches, ExpertProvider
-from .layers import attend, attention_mask, layer_norm, linear, rms_norm, rope_tables, route_by_spec, swiglu
+from .layers import (attend, attention_mask, layer_norm, linear, rms_norm, rope_tables,
+                     route_by_spec, swiglu)
 from .spec import ModelSpec
 from .scheduling.preload import Preloader
 from .threads import ThreadGovernor
@@ -126,6 +128,9 @@ class MoEModel(StoreOwner):
         self.context_length = spec.max_position_embeddings   # positions a sequence may occupy
         self.preloader = (Preloader(self, store, preload, store.routing_profile).attach()
                           if store is not None else None)
+        # One-token steps of one sequence run each layer's attention block in one kernel call
+        # (edgemoe/decode.py) where the layers are its kind; None: the generic forward.
+        self.decode_engine = DecodeEngine.for_model(spec, self.layers)
 
     # ---- public API -------------------------------------------------------------------------------
     def quantize_dense(self, bits: int) -> None:
@@ -134,6 +139,7 @@ class MoEModel(StoreOwner):
         self.layers = [quantize_layer(w, bits) for w in self.layers]
         self.lm_head = quantize_matrix(self.lm_head, bits)
         self.dense_bits = bits
+        self.decode_engine = DecodeEngine.for_model(self.spec, self.layers)
 
     def new_cache(self) -> KVCache:
         s = self.spec
@@ -222,12 +228,17 @@ class MoEModel(StoreOwner):
 
     def _layer(self, l: int, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                segments: Sequence[Segment]) -> torch.Tensor:
-        """Decoder layer l on hidden states x [T, D]: attention, then the MLP or MoE block."""
+        """Decoder layer l on hidden states x [T, D]: attention, then the MLP or MoE block. One token
+        of one sequence: the attention block by the decode engine, when the model has one."""
         t, w = self.timings, self.layers[l]
         t0 = time.perf_counter()
-        x = x + self._attention(l, w, self._norm(x, w, "attn_norm"), positions, cos, sin, segments)
+        if self.decode_engine is not None and x.shape[0] == 1 and len(segments) == 1:
+            x, h, logits = self.decode_engine.layer(l, x, int(positions[0]), cos, sin, segments[0].cache)
+        else:
+            x = x + self._attention(l, w, self._norm(x, w, "attn_norm"), positions, cos, sin, segments)
+            h, logits = self._norm(x, w, "mlp_norm"), None
         t1 = time.perf_counter()
-        x = x + self._mlp(l, w, self._norm(x, w, "mlp_norm"), positions, segments)
+        x = x + self._mlp(l, w, h, positions, segments, logits)
         t.attention += t1 - t0
         t.experts += time.perf_counter() - t1
         return x
@@ -286,13 +297,16 @@ class MoEModel(StoreOwner):
             start = end
         return linear(torch.cat(outputs), w["o"], w.get("o_bias"))
 
-    def _mlp(self, l: int, w: dict, x: torch.Tensor, positions: torch.Tensor, segments) -> torch.Tensor:
+    def _mlp(self, l: int, w: dict, x: torch.Tensor, positions: torch.Tensor, segments,
+             router_logits: torch.Tensor | None = None) -> torch.Tensor:
         if not self.spec.moe_layers[l]:
             return swiglu(x, w["mlp.gate"], w["mlp.up"], w["mlp.down"])
         for hook in self.moe_input_hooks:
             hook(l, x)
         if self.routing_override is not None:
             weights, experts = self.routing_override(l, positions)
+        elif router_logits is not None:
+            weights, experts = self.decode_engine.choose(router_logits, w.get("router_bias"))
         else:
             weights, experts = self.route(l, x)
         batches = ExpertBatches.from_routing(weights, experts)

@@ -160,47 +160,47 @@ class StoreExperts(ExpertProvider):
         """ExpertProvider.run's result, bit for bit: each (token, expert) pair's output into y [P, D],
         then their weighted sum in expert order. The resident experts compute first, those on
         "fused-int" in one kernel call, while the missing ones load; then the missing ones."""
-        starts = np.cumsum([0] + [len(t) for t in batches.tokens])
+        starts = batches.starts
         pair_tokens, pair_weights = batches.pairs()                                 # [P], [P]
-        y = np.empty((len(pair_tokens), x.shape[1]), np.float32)
-        weak = {e for _, e in self._weak}
+        pair_x = x.numpy()[pair_tokens.numpy()]                                     # [P, D]
+        y = np.empty(pair_x.shape, np.float32)
+        weak = {e for _, e in self._weak} if self._weak else ()
         resident = self.store.get_resident(layer, batches.experts, weak)
         waiting = [i for i, r in enumerate(resident) if r is None]
         if self.overlap and waiting:   # read in the background while the resident ones compute
             self.store.prefetch(((layer, batches.experts[i]) for i in waiting), urgent=True)
-        self.fallback_uses += sum(r.narrowed for r in resident if r is not None)
         ready = [(i, r) for i, r in enumerate(resident) if r is not None]
-        self._compute_pairs(layer, x, batches, ready, starts, pair_tokens, y)
+        self.fallback_uses += sum(r.narrowed for _, r in ready)
+        self._compute_pairs(layer, x, pair_x, batches, ready, starts, y)
         if waiting:
             arrived = [(i, self._fetch(layer, batches.experts[i])) for i in waiting]
-            self._compute_pairs(layer, x, batches, arrived, starts, pair_tokens, y)
+            self._compute_pairs(layer, x, pair_x, batches, arrived, starts, y)
         out = torch.zeros_like(x)
         weighted_sum(y, pair_tokens.numpy(), pair_weights.numpy(), out.numpy())
         return out
 
-    def _compute_pairs(self, layer: int, x: torch.Tensor, batches: ExpertBatches,
-                       experts: list[tuple[int, ResidentExpert]], starts: np.ndarray, pair_tokens: torch.Tensor,
-                       y: np.ndarray) -> None:
-        """y's rows of the pairs of the experts (i, batches.experts[i] as resident)."""
-        fused = []
+    def _compute_pairs(self, layer: int, x: torch.Tensor, pair_x: np.ndarray, batches: ExpertBatches,
+                       experts: list[tuple[int, ResidentExpert]], starts: np.ndarray, y: np.ndarray) -> None:
+        """y's rows of the pairs of the experts (i, batches.experts[i] as resident); pair_x [P, D]:
+        each pair's token."""
+        fused, layouts = [], []
         for i, resident in experts:
-            tokens, activation = batches.tokens[i], self.activations(layer, batches.experts[i])
+            activation = self.activations(layer, batches.experts[i])
+            count = int(starts[i + 1] - starts[i])
             # "fused-int" SwiGLU on the host: the layer kernel gives that path's bits
             if (activation is None and resident.device is None
-                    and self.choose(resident.bits, len(tokens), resident.nbytes) == "fused-int"):
-                fused.append(resident)
+                    and self.choose(resident.bits, count, resident.nbytes) == "fused-int"):
+                fused.append(i)
+                layouts.append(resident.layout)
             else:
-                fused.append(None)
                 expert = QuantizedExpert(resident, self.choose, self.store.device, activation)
-                y[starts[i]:starts[i + 1]] = expert(x[tokens]).numpy()
-        rows = [i for (i, _), r in zip(experts, fused) if r is not None]
-        layouts = [r.layout for r in fused if r is not None]
-        if len(rows) == len(starts) - 1:   # the whole layer (the usual case): every pair, in order
-            y[:] = swiglu_experts_int(x[pair_tokens].numpy(), np.stack(layouts), starts)
-        elif rows:
-            pairs = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in rows])
-            sizes = np.cumsum([0] + [starts[i + 1] - starts[i] for i in rows])
-            y[pairs] = swiglu_experts_int(x[pair_tokens[pairs]].numpy(), np.stack(layouts), sizes)
+                y[starts[i]:starts[i + 1]] = expert(x[batches.tokens[i]]).numpy()
+        if len(fused) == len(starts) - 1:   # the whole layer (the usual case): every pair, in order
+            y[:] = swiglu_experts_int(pair_x, np.array(layouts), starts)
+        elif fused:
+            pairs = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in fused])
+            sizes = np.cumsum([0] + [starts[i + 1] - starts[i] for i in fused])
+            y[pairs] = swiglu_experts_int(pair_x[pairs], np.array(layouts), sizes)
 
     def _skip_weak_misses(self, layer: int, batches: ExpertBatches) -> ExpertBatches:
         """Adaptive top-k: an expert that is not resident and that every one of its tokens chose with
@@ -218,7 +218,7 @@ class StoreExperts(ExpertProvider):
         remaining = torch.zeros(count).index_add_(0, torch.cat([t for _, t, _ in kept]),
                                                   torch.cat([w for _, _, w in kept]))
         scale = total / remaining
-        return ExpertBatches([e for e, _, _ in kept], [t for _, t, _ in kept], [w * scale[t] for _, t, w in kept])
+        return ExpertBatches.from_lists([e for e, _, _ in kept], [t for _, t, _ in kept], [w * scale[t] for _, t, w in kept])
 
 
 def _weakly_chosen(batches: ExpertBatches, below: float) -> set[int]:

@@ -290,4 +290,4 @@ class Seq2SeqModel(StoreOwner):
         rank = (one_hot.cumsum(0) * one_hot).sum(-1)                                     # 1-based, per expert
         kept = torch.nonzero(rank <= capacity).reshape(-1)
         batches = ExpertBatches.from_routing(weights[kept], experts[kept])
-        return ExpertBatches(batches.experts, [kept[t] for t in batches.tokens], batches.weights)
+        return ExpertBatches.from_lists(batches.experts, [kept[t] for t in batches.tokens], batches.weights)

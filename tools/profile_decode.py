@@ -5,10 +5,10 @@ Loads STORE with every expert in RAM, prefills a prompt, then times decode steps
 around each kernel entry point (a few hundred calls a token; the timers cost well under 1%).
 
     python tools/profile_decode.py STORE [--prefill 512] [--tokens 32] [--dense-bits 8] [--threads N] [--cpu-time]
-                                         [--per-expert]
+                                         [--per-expert] [--generic]
 
 --per-expert computes each expert in its own kernel call (StoreExperts.layer_kernel off), to set
-beside the default of one call per layer.
+beside the default of one call per layer. --generic runs without the decode engine (edgemoe/decode.py).
 
 --cpu-time counts this thread's CPU time instead of wall time: with --threads 1 every kernel runs on
 the calling thread, so the split holds even on a busy machine (where wall time also counts the
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 import edgemoe
 from edgemoe import kernels, quantized
+from edgemoe.kernels import cpu_layer
 from edgemoe import model as model_module
 from edgemoe.model import Segment
 
@@ -50,6 +51,8 @@ def instrument() -> None:
     """Timers around every kernel the decode step calls (module attributes, so the callers see them)."""
     F.linear = timed("dense matmul", F.linear)
     model_module.attend = timed("attention", model_module.attend)    # over the KV cache, any path
+    # the decode engine's one call per layer: norms, projections, rotary, attention, router logits
+    cpu_layer.attention_block_kernel = timed("attention block", cpu_layer.attention_block_kernel)
     kernels.qmatmul_int = timed("dense matmul", kernels.qmatmul_int)      # QuantizedLinear (--dense-bits)
     kernels.dequantize = timed("dense matmul", kernels.dequantize)
     for path, fn in list(quantized.FUSED.items()):
@@ -67,12 +70,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--cpu-time", action="store_true")
     parser.add_argument("--per-expert", action="store_true")
+    parser.add_argument("--generic", action="store_true", help="without the decode engine (the generic forward)")
     args = parser.parse_args()
     global CLOCK
     CLOCK = time.thread_time if args.cpu_time else time.perf_counter
     quantize = {"dense_bits": args.dense_bits} if args.dense_bits else {}   # (runs on older versions without)
     model = edgemoe.load(args.store, threads=args.threads, **quantize)
     model.experts.layer_kernel = not args.per_expert
+    if args.generic:
+        model.decode_engine = None
     for entry in model.store.experts():          # every expert resident before the timing
         model.store.get(*entry.key)
     cache = model.new_cache()
@@ -91,7 +97,7 @@ def main() -> None:
           f"prefill {args.prefill}, {args.tokens} tokens, {'CPU' if args.cpu_time else 'wall'} time; load average {os.getloadavg()[0]:.2f}")
     print(f"{'part':>14} {'ms/token':>9} {'share':>6} {'calls/token':>11}")
     inside = 0.0
-    for kind in ("dense matmul", "attention", "experts"):
+    for kind in ("dense matmul", "attention", "attention block", "experts"):
         ms = TOTALS[kind] / args.tokens
         inside += ms
         print(f"{kind:>14} {ms * 1e3:9.2f} {ms / total:6.1%} {CALLS[kind] / args.tokens:11.0f}")

@@ -1,0 +1,235 @@
+"""A decoder layer's attention block for one token in one numba call (the decode engine's kernel).
+
+One call does, for a token's hidden state x [D] (the residual stream, updated in place):
+
+    n = RMSNorm(x) -> qkv = n @ Wqkv^T (integer path, int8 activations) (+ q/k/v biases)
+      -> q/k RMSNorm (per head or over the projection) -> clip -> rotary (cos/sin of the position)
+      -> k, v written into the KV cache at `pos` -> attention of each query head over its kv head's
+         keys [j0, pos] (sliding window; optional sink logit) -> o = attn @ Wo^T (+ bias)
+      -> x += o -> h = RMSNorm(x) -> router logits = Wr @ h (float32 Wr, when the layer routes)
+
+where the generic forward makes ~40 torch ops and kernel calls, each with its Python around it.
+The projections, norms, biases, clip, rotary and residual give the generic path's bits (the same
+integer kernel rows, _rows; the same norm loop; elementwise float32 ops in torch's order, compiled
+without fastmath). The attention's dot products and softmax and the router's products are
+fastmath loops: they differ from torch's in the last bits (docs/architecture.md, "The decode
+engine").
+
+A layer's arrays reach the kernel as addresses in an int64 table (edgemoe/kernels/views.py), built
+once per model by edgemoe/decode.py: one argument instead of twenty. Columns below; an address 0
+means "absent" (no bias, no norm, no sinks, no router).
+
+Shapes: D hidden, H query heads, K kv heads, Dk / Dv key / value dims per head, E experts,
+L cached positions (the cache's capacity), R output rows of a projection.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from ._jit import njit_exact, njit_exact_inline, njit_exact_parallel, njit_serial
+from .cpu import _block_size, rms_norm_kernel
+from .cpu_int import _quantize_row, _rows
+from .views import float32_view, uint8_view
+
+# The layer table's columns: addresses (float32 arrays unless said), then integers.
+(ATTN_NORM, QKV_P, QKV_S, QKV_Z, QKV_BITS, QKV_GROUP, QKV_NGROUPS, Q_BIAS, K_BIAS, V_BIAS, Q_NORM, K_NORM,
+ O_P, O_S, O_Z, O_BITS, O_GROUP, O_NGROUPS, O_BIAS, SINKS, MLP_NORM, ROUTER, EXPERTS, WINDOW) = range(24)
+TABLE_COLUMNS = 24
+# The model's dimensions (an int64 array).
+DIM_D, DIM_H, DIM_K, DIM_DK, DIM_DV, DIM_QK_NORM = range(6)
+DIMS = 6
+QK_NORM_NONE, QK_NORM_HEAD, QK_NORM_PROJ = 0, 1, 2
+
+
+@njit_exact_inline
+def _vector(address, n):
+    return float32_view(address, 1, n)[0]
+
+
+@njit_exact_inline
+def _rms_row(x, weight, eps, out):
+    """RMSNorm of one row x [C] into out [C] (may be x) by kernels.cpu.rms_norm_kernel itself, eps a
+    float64 as the generic path passes it: the generic path's bits, which the int8 quantization of
+    the next projection's input needs (a last-bit change can move a code by one)."""
+    rms_norm_kernel(x.reshape((1, x.shape[0])), weight, eps, out.reshape((1, out.shape[0])))
+
+
+@njit_exact_inline
+def _add_bias(v, address):
+    if address != 0:
+        bias = _vector(address, v.shape[0])
+        for c in range(v.shape[0]):
+            v[c] = v[c] + bias[c]
+
+
+@njit_exact_inline
+def _norm_heads(v, address, heads, dim, per_head, eps):
+    """The q or k RMSNorm in place: over each head's dims, or over the whole projection."""
+    if address == 0:
+        return
+    if per_head:
+        weight = _vector(address, dim)
+        rows = v.reshape((heads, dim))   # in place: the kernel reads x[t, c] before it writes out[t, c]
+        rms_norm_kernel(rows, weight, eps, rows)
+    else:
+        _rms_row(v, _vector(address, v.shape[0]), eps, v)
+
+
+@njit_exact_inline
+def _rope_heads(v, heads, dim, cos, sin):
+    """apply_rope in place on `heads` heads of `dim`: x * cos + rotate_half(x) * sin, each product
+    rounded, then the sum (torch's elementwise order)."""
+    half = dim // 2
+    for hd in range(heads):
+        base = hd * dim
+        first = v[base:base + half].copy()
+        for i in range(half):
+            second = v[base + half + i]
+            v[base + i] = first[i] * cos[i] + (-second) * sin[i]
+            v[base + half + i] = second * cos[half + i] + first[i] * sin[half + i]
+
+
+@njit_serial
+def _attend_head(q, keys, values, j0, j1, scale, sink, has_sink, scores, out):
+    """One query head over keys/values [j0, j1) of its kv head: softmax(q . k * scale) @ v into out [Dv];
+    `sink` (if has_sink) joins the softmax and is dropped after it."""
+    top = np.float32(-np.inf)
+    for j in range(j0, j1):
+        s = np.float32(0)
+        for d in range(q.shape[0]):
+            s += q[d] * keys[j, d]
+        s = s * scale
+        scores[j - j0] = s
+        top = max(top, s)
+    if has_sink:
+        top = max(top, sink)
+    total = np.float32(0)
+    for j in range(j1 - j0):
+        e = np.exp(scores[j] - top)
+        scores[j] = e
+        total += e
+    if has_sink:
+        total += np.exp(sink - top)
+    out[:] = 0
+    for j in range(j0, j1):
+        p = scores[j - j0] / total
+        for d in range(out.shape[0]):
+            out[d] += p * values[j, d]
+
+
+@njit_serial
+def _dot_rows(matrix, v, out, r0, r1):
+    for r in range(r0, r1):
+        s = np.float32(0)
+        for c in range(v.shape[0]):
+            s += matrix[r, c] * v[c]
+        out[r] = s
+
+
+@njit_exact
+def _projection_inputs(table, p, bits_col, v):
+    """v float32 [C] quantized for the matrix at table[p:p + 3] -> (xq flat, xs [1, NG], qs [1, NG])."""
+    g, ng = table[bits_col + 1], table[bits_col + 2]
+    xq = np.zeros(ng * g, np.int8)
+    xs = np.empty((1, ng), np.float32)
+    qs = np.empty((1, ng), np.int64)
+    _quantize_row(v, g, xq, xs[0], qs[0])
+    return xq, xs, qs
+
+
+@njit_exact_inline
+def _matrix(table, p, bits_col, rows):
+    bits, g, ng = table[bits_col], table[bits_col + 1], table[bits_col + 2]
+    packed = uint8_view(table[p], rows * ng * (g * bits // 8))
+    return packed, float32_view(table[p + 1], rows, ng), float32_view(table[p + 2], rows, ng)
+
+
+@njit_exact_parallel
+def attention_block_kernel(path, table, dims, eps, scale, clip, x, cos, sin, keys, values, pos, h, logits,
+                           nblocks):
+    """x float32 [D] (updated: x + attention), keys / values float32 [K, L, Dk / Dv] (position pos
+    written), cos / sin float32 [Dk] of the position, h float32 [D] (out: the MoE block's normed
+    input), logits float32 [E] (out, if table[ROUTER]); clip < 0: none. See the module docstring."""
+    dim, heads, kv_heads, dk, dv = dims[DIM_D], dims[DIM_H], dims[DIM_K], dims[DIM_DK], dims[DIM_DV]
+    normed = np.empty(dim, np.float32)
+    _rms_row(x, _vector(table[ATTN_NORM], dim), eps, normed)
+
+    nq, nk = heads * dk, kv_heads * dk
+    rows = nq + nk + kv_heads * dv
+    qkv = np.empty((1, rows), np.float32)
+    bits, g = table[QKV_BITS], table[QKV_GROUP]
+    xq, xs, qs = _projection_inputs(table, QKV_P, QKV_BITS, normed)
+    packed, sc, zr = _matrix(table, QKV_P, QKV_BITS, rows)
+    size = _block_size(rows, nblocks)
+    for b in numba.prange(-(-rows // size)):
+        _rows(path, bits, g, packed, sc, zr, xq, xq.shape[0], xs, qs, 0, 1, b * size, min(rows, (b + 1) * size), qkv)
+
+    q, k, v = qkv[0, :nq], qkv[0, nq:nq + nk], qkv[0, nq + nk:]
+    _add_bias(q, table[Q_BIAS])
+    _add_bias(k, table[K_BIAS])
+    _add_bias(v, table[V_BIAS])
+    per_head = dims[DIM_QK_NORM] == QK_NORM_HEAD
+    _norm_heads(q, table[Q_NORM], heads, dk, per_head, eps)
+    _norm_heads(k, table[K_NORM], kv_heads, dk, per_head, eps)
+    if clip >= 0:
+        for part in (q, k, v):
+            for c in range(part.shape[0]):
+                part[c] = min(max(part[c], -clip), clip)
+    _rope_heads(q, heads, dk, cos, sin)
+    _rope_heads(k, kv_heads, dk, cos, sin)
+    for kh in range(kv_heads):
+        keys[kh, pos, :] = k[kh * dk:(kh + 1) * dk]
+        values[kh, pos, :] = v[kh * dv:(kh + 1) * dv]
+
+    window = table[WINDOW]
+    j0 = max(0, pos + 1 - window) if window > 0 else 0
+    has_sink = table[SINKS] != 0
+    sinks = _vector(table[SINKS], heads) if has_sink else np.zeros(heads, np.float32)
+    attended = np.empty(heads * dv, np.float32)
+    group = heads // kv_heads
+    for hd in numba.prange(heads):
+        scores = np.empty(pos + 1 - j0, np.float32)
+        kh = hd // group
+        _attend_head(q[hd * dk:(hd + 1) * dk], keys[kh], values[kh], j0, pos + 1, scale, sinks[hd], has_sink,
+                     scores, attended[hd * dv:(hd + 1) * dv])
+
+    out = np.empty((1, dim), np.float32)
+    bits, g = table[O_BITS], table[O_GROUP]
+    xq, xs, qs = _projection_inputs(table, O_P, O_BITS, attended)
+    packed, sc, zr = _matrix(table, O_P, O_BITS, dim)
+    size = _block_size(dim, nblocks)
+    for b in numba.prange(-(-dim // size)):
+        _rows(path, bits, g, packed, sc, zr, xq, xq.shape[0], xs, qs, 0, 1, b * size, min(dim, (b + 1) * size), out)
+    o = out[0]
+    _add_bias(o, table[O_BIAS])
+    for c in range(dim):
+        x[c] = x[c] + o[c]
+
+    _rms_row(x, _vector(table[MLP_NORM], dim), eps, h)
+    experts = table[EXPERTS]
+    if table[ROUTER] != 0:
+        router = float32_view(table[ROUTER], experts, dim)
+        size = _block_size(experts, nblocks)
+        for b in numba.prange(-(-experts // size)):
+            _dot_rows(router, h, logits, b * size, min(experts, (b + 1) * size))
+
+
+@njit_exact
+def softmax_topk_kernel(logits, top_k, normalize, weights, experts):
+    """The softmax router's choice for one token: the top_k softmax probabilities of logits [E]
+    (renormalised to sum 1 if normalize) into weights float32 [A], their experts into experts int64
+    [A], strongest first (ties: the lower expert)."""
+    top = logits.max()
+    probs = np.exp(logits - top)
+    probs = probs / probs.sum()
+    order = np.argsort(-probs, kind="mergesort")
+    total = np.float32(0)
+    for a in range(top_k):
+        experts[a] = order[a]
+        weights[a] = probs[order[a]]
+        total += weights[a]
+    if normalize:
+        for a in range(top_k):
+            weights[a] = weights[a] / total

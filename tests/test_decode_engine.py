@@ -1,0 +1,119 @@
+"""The decode engine (edgemoe/decode.py): a one-token step's attention block in one kernel call per
+layer, against the generic forward it replaces.
+
+Where the token is the sequence's first, attention over one key is exact (softmax of one score is 1),
+so the engine's residual stream and MoE input must equal the generic forward's bit for bit: every
+other part (norms, integer projections, biases, q/k norms, clip, rotary, residual) is computed in
+the generic path's order. Later positions differ in the attention's last bits (fastmath sums), so
+decoding is compared within a tolerance, and greedy tokens must agree."""
+
+import pytest
+import torch
+
+import edgemoe
+from edgemoe.convert import convert
+from edgemoe.cache import KVCache
+from edgemoe.layers import linear
+from edgemoe.model import Segment
+
+ENGINE_ARCHS = [("mixtral", {}), ("qwen2_moe", {}), ("qwen3_moe", {}), ("olmoe", {}), ("gpt_oss", {})]
+GENERIC_ARCHS = [("deepseek_v2", {}), ("phimoe", {})]   # multi-head latent attention; LayerNorm
+
+
+@pytest.fixture
+def store_of(tiny_model, tmp_path):
+    def make(arch, **overrides):
+        path = tmp_path / arch
+        convert(tiny_model(arch, **overrides), path, bits=8)
+        return path
+    return make
+
+
+def load(path, engine=True):
+    model = edgemoe.load(path, dense_bits=8)
+    if not engine:
+        model.decode_engine = None
+    return model
+
+
+@pytest.mark.parametrize("arch, overrides", ENGINE_ARCHS + GENERIC_ARCHS)
+def test_the_engine_runs_the_layers_of_its_kind(store_of, tiny_model, arch, overrides):
+    with load(store_of(arch, **overrides)) as model:
+        assert (model.decode_engine is not None) == ((arch, overrides) in ENGINE_ARCHS)
+    with edgemoe.load(tiny_model(arch, **overrides)) as model:   # float matrices: not its kind
+        assert model.decode_engine is None
+
+
+def first_layer_step(model, token):
+    """Layer 0 on the first token of a fresh cache: (residual stream after attention, MoE input, logits)."""
+    x = model.embeddings(torch.tensor([token]))
+    positions = torch.tensor([0])
+    cos, sin = model._rope(positions)
+    cache, w = model.new_cache(), model.layers[0]
+    if model.decode_engine is not None:
+        return model.decode_engine.layer(0, x, 0, cos, sin, cache) + (cache,)
+    x = x + model._attention(0, w, model._norm(x, w, "attn_norm"), positions, cos, sin, [Segment(cache, 1)])
+    h = model._norm(x, w, "mlp_norm")
+    return x, h, linear(h, w["router"]).float(), cache
+
+
+@pytest.mark.parametrize("arch, overrides", ENGINE_ARCHS)
+def test_first_position_is_bit_identical_to_the_generic_forward(store_of, arch, overrides):
+    path = store_of(arch, **overrides)
+    with load(path) as engine, load(path, engine=False) as generic:
+        for token in (3, 17):
+            x, h, logits, cache = first_layer_step(engine, token)
+            rx, rh, rlogits, rcache = first_layer_step(generic, token)
+            if arch == "gpt_oss":   # its attention sink takes a share of the softmax: not exact
+                assert torch.allclose(x, rx, rtol=1e-5, atol=1e-6) and torch.allclose(h, rh, rtol=1e-5, atol=1e-6)
+            else:
+                assert torch.equal(x, rx) and torch.equal(h, rh)
+                assert torch.equal(cache._k[0][:, :1], rcache._k[0][:, :1])
+                assert torch.equal(cache._v[0][:, :1], rcache._v[0][:, :1])
+            assert torch.allclose(logits, rlogits, rtol=1e-5, atol=1e-5)
+
+
+def decode_logits(model, prompt, steps):
+    cache = model.new_cache()
+    logits = [model.forward(torch.tensor(prompt), [Segment(cache, len(prompt))], last_only=True)[-1]]
+    tokens = []
+    for _ in range(steps):
+        tokens.append(int(logits[-1].argmax()))
+        logits.append(model.forward(torch.tensor(tokens[-1:]), [Segment(cache, 1)], last_only=True)[-1])
+    return torch.stack(logits), tokens
+
+
+@pytest.mark.parametrize("arch, overrides", ENGINE_ARCHS + [("mixtral", {"sliding_window": 3})])
+def test_decoding_matches_the_generic_forward(store_of, arch, overrides):
+    path = store_of(arch, **overrides)
+    with load(path) as engine, load(path, engine=False) as generic:
+        prompt = [1, 5, 9, 2, 7]
+        logits, tokens = decode_logits(engine, prompt, 10)
+        reference, reference_tokens = decode_logits(generic, prompt, 10)
+    assert tokens == reference_tokens
+    assert (logits - reference).abs().max() <= 2e-3 * reference.abs().max()
+
+
+def test_the_engine_is_what_a_decode_step_runs(store_of, monkeypatch):
+    """One call per layer, and none of the generic attention's."""
+    calls = []
+    with load(store_of("qwen3_moe")) as model:
+        monkeypatch.setattr(model, "_attention", lambda *a: calls.append("generic"))
+        layer = model.decode_engine.layer
+        monkeypatch.setattr(model.decode_engine, "layer", lambda *a: calls.append("engine") or layer(*a))
+        cache = model.new_cache()
+        model.forward(torch.tensor([4]), [Segment(cache, 1)])
+    assert calls == ["engine"] * model.spec.num_layers
+
+
+def test_a_grown_cache_keeps_earlier_positions(store_of):
+    """The kernel writes into the cache's arrays: past the first capacity they are reallocated, and
+    decoding on must match a cache that was large from the start."""
+    path = store_of("mixtral")
+    with load(path) as model:
+        def run(capacity):
+            cache = KVCache(model.spec.num_layers, model.spec.num_kv_heads, model.spec.key_dim,
+                                          capacity=capacity)
+            out = [model.forward(torch.tensor([t]), [Segment(cache, 1)])[-1] for t in range(1, 12)]
+            return torch.stack(out)
+        assert torch.equal(run(2), run(64))
