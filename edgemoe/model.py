@@ -233,7 +233,8 @@ class MoEModel(StoreOwner):
         t, w = self.timings, self.layers[l]
         t0 = time.perf_counter()
         if self.decode_engine is not None and x.shape[0] == 1 and len(segments) == 1:
-            x, h, logits = self.decode_engine.layer(l, x, int(positions[0]), cos, sin, segments[0].cache)
+            cache = segments[0].cache   # the token goes where cache.append would put it
+            x, h, logits = self.decode_engine.layer(l, x, cache.length, cos, sin, cache)
         else:
             x = x + self._attention(l, w, self._norm(x, w, "attn_norm"), positions, cos, sin, segments)
             h, logits = self._norm(x, w, "mlp_norm"), None
