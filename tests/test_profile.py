@@ -220,13 +220,7 @@ def test_trace_recorder_matches_router(tiny_model):
     model = edgemoe.load(tiny_model("mixtral"))
     ids = torch.tensor([5, 17, 42, 9, 100, 3])
     hidden = {}                                  # layer -> the router's input, captured beside the recorder
-    original = model._mlp
-
-    def spy(l, w, x, positions, segments):
-        hidden[l] = x.clone()
-        return original(l, w, x, positions, segments)
-
-    model._mlp = spy
+    model.moe_input_hooks.append(lambda l, x: hidden.__setitem__(l, x.clone()))
     with TraceRecorder(model) as rec:
         model.logits(ids)
     assert model.routing_hooks == []
