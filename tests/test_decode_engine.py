@@ -15,6 +15,7 @@ from edgemoe.convert import convert
 from edgemoe.cache import KVCache
 from edgemoe.layers import linear
 from edgemoe.model import Segment
+from edgemoe.store import read_manifest
 
 ENGINE_ARCHS = [("mixtral", {}), ("qwen2_moe", {}), ("qwen3_moe", {}), ("olmoe", {}), ("gpt_oss", {})]
 GENERIC_ARCHS = [("deepseek_v2", {}), ("phimoe", {})]   # multi-head latent attention; LayerNorm
@@ -117,3 +118,16 @@ def test_a_grown_cache_keeps_earlier_positions(store_of):
             out = [model.forward(torch.tensor([t]), [Segment(cache, 1)])[-1] for t in range(1, 12)]
             return torch.stack(out)
         assert torch.equal(run(2), run(64))
+
+
+def test_greedy_text_is_the_same_whatever_the_budget_and_policy(store_of):
+    """The tiering invariant through the engine: what is resident never changes a token."""
+    path = store_of("qwen2_moe", num_experts=6)
+    entry = max(e.length for e in read_manifest(path).experts.values())
+    outputs = []
+    for options in (dict(), dict(ram=0), dict(ram=2 * entry, policy="lru"),
+                    dict(ram=3 * entry, policy="frequency-distance", preload="lookahead")):
+        with edgemoe.load(path, dense_bits=8, **options) as model:
+            assert model.decode_engine is not None
+            outputs.append(model.generate([1, 5, 9], max_new_tokens=12, temperature=0, stop_token_ids=[]))
+    assert outputs[1:] == outputs[:-1]
