@@ -113,9 +113,9 @@ def _fit(tokens, seconds) -> tuple[float, float]:
 
 
 def calibrate(shape: tuple[int, int], widths, repeats: int = 3, tokens=CALIBRATION_TOKENS,
-              device: str | None = None) -> LatencyModel:
+              device: str | None = None, gemm_dtype: torch.dtype = torch.float32) -> LatencyModel:
     """Time the paths on random weights of `shape` (I, D) at each width (and the device path when
-    `device` is given); fit a line per path."""
+    `device` is given); fit a line per path. gemm_dtype: what "dequant" dequantizes to and multiplies in."""
     from edgemoe import kernels
     from edgemoe.quant import quantize
     from edgemoe.kernels.device import expert_meta, swiglu_on_device, to_device
@@ -138,7 +138,7 @@ def calibrate(shape: tuple[int, int], widths, repeats: int = 3, tokens=CALIBRATI
             measured["fused-int"].append(median_time(lambda: kernels.swiglu_expert_int(xn, *qts.values()), repeats))
             measured["fused-float"].append(median_time(lambda: kernels.swiglu_expert(xn, *qts.values()), repeats))
             measured["dequant"].append(median_time(
-                lambda: swiglu(x, *(kernels.dequantize(q) for q in qts.values())), repeats))
+                lambda: swiglu(x, *(kernels.dequantize(q, gemm_dtype) for q in qts.values())), repeats))
             if device:
                 on_device = to_device(qts, torch.device(device))
                 measured["device"].append(median_time(
@@ -158,17 +158,18 @@ def _synced(result):
     return result
 
 
-def _cache_key(shape, machine: str, device: str | None) -> str:
-    return f"{machine}|{shape[0]}x{shape[1]}|{device or 'cpu only'}"
+def _cache_key(shape, machine: str, device: str | None, gemm_dtype: torch.dtype = torch.float32) -> str:
+    gemm = "" if gemm_dtype == torch.float32 else f"|dequant {str(gemm_dtype).removeprefix('torch.')}"
+    return f"{machine}|{shape[0]}x{shape[1]}|{device or 'cpu only'}{gemm}"
 
 
 def load_or_calibrate(shape: tuple[int, int], widths, path: Path | None = None,
-                      device: str | None = None) -> LatencyModel:
-    """The cached model for this machine, shape and device if it covers `widths`, else a fresh
-    calibration (cached)."""
+                      device: str | None = None, gemm_dtype: torch.dtype = torch.float32) -> LatencyModel:
+    """The cached model for this machine, shape, device and dequant GEMM type if it covers `widths`,
+    else a fresh calibration (cached)."""
     path = path or cache_file()
     machine = machine_fingerprint()
-    key = _cache_key(shape, machine, device)
+    key = _cache_key(shape, machine, device, gemm_dtype)
     try:
         cached = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
@@ -179,7 +180,7 @@ def load_or_calibrate(shape: tuple[int, int], widths, path: Path | None = None,
             if set(widths) <= set(model.fits[PATHS[0]]):
                 return model
             widths = set(widths) | set(model.fits[PATHS[0]])
-    model = calibrate(shape, widths, device=device)
+    model = calibrate(shape, widths, device=device, gemm_dtype=gemm_dtype)
     cached[key] = model.to_json()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -160,6 +160,14 @@ def is_store(path: str | os.PathLike) -> bool:
     return (path / MANIFEST).exists() or (path / DENSE_FILE).exists()
 
 
+def expert_gemm_dtype(dense: dict[str, torch.Tensor]) -> torch.dtype:
+    """The type the experts' "dequant" path multiplies in: the dense matrices' (weight_in chose it:
+    bfloat16 for a bfloat16 model where the CPU multiplies it natively, unless a dtype was forced),
+    so that a prefill's expert batches run at the dense part's speed and precision."""
+    matrices = {t.dtype for t in dense.values() if t.dim() >= 2}
+    return torch.bfloat16 if matrices == {torch.bfloat16} else torch.float32
+
+
 def load_store(path: str | os.PathLike, options: StoreOptions | None = None, dtype: torch.dtype | None = None,
                threads: int | None = None, manifest=None, dense_bits: int | str | None = None,
                context: int | None = None, batch: int = 1) -> MoEModel:
@@ -199,7 +207,8 @@ def load_store(path: str | os.PathLike, options: StoreOptions | None = None, dty
     tokenizer, generation_config = read_text_config(directory)
     # preload="none" is pure on-demand loading (the baseline): no background reads of any kind.
     experts = StoreExperts(store, o.compute, overlap=o.preload != "none", skip_below=o.skip_below,
-                           fallback_below=o.fallback_below, activations=expert_activations(store.spec, dense))
+                           fallback_below=o.fallback_below, activations=expert_activations(store.spec, dense),
+                           gemm_dtype=expert_gemm_dtype(dense))
     return model_class(store.spec)(store.spec, dense, experts, tokenizer, generation_config, name=directory.name,
                                    threads=threads, store=store, preload=o.preload)
 

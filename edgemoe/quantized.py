@@ -38,11 +38,13 @@ PER_MATRIX = {"fused-int": kernels.qmatmul_int, "fused-float": kernels.qmatmul} 
 
 class QuantizedExpert:
     def __init__(self, resident: ResidentExpert, choose: Callable[[int, int, int], str],
-                 device: torch.device | None = None, activation: Activation = None):
+                 device: torch.device | None = None, activation: Activation = None,
+                 gemm_dtype: torch.dtype = torch.float32):
         self.resident = resident
         self.choose = choose          # (bits, tokens, nbytes) -> a COMPUTE_CHOICES entry but "auto"
         self.device = device          # the VRAM tier's device, for the "device" path
         self.activation = activation  # None: SwiGLU
+        self.gemm_dtype = gemm_dtype  # what "dequant" dequantizes to and multiplies in (StoreExperts)
         self.nbytes = resident.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -58,7 +60,7 @@ class QuantizedExpert:
             t = r.tensors
             y = FUSED[path](x.float().contiguous().numpy(), t["gate"], t["up"], t["down"])
             return torch.from_numpy(y).to(x.dtype)
-        w = {role: kernels.dequantize(qt) for role, qt in r.tensors.items()}
+        w = {role: kernels.dequantize(qt, self.gemm_dtype) for role, qt in r.tensors.items()}
         return swiglu(x.float(), w["gate"], w["up"], w["down"]).to(x.dtype)
 
     def _activation(self, x: torch.Tensor) -> torch.Tensor:
@@ -77,7 +79,7 @@ class QuantizedExpert:
             def matmul(h: torch.Tensor, role: str) -> torch.Tensor:
                 return torch.from_numpy(PER_MATRIX[path](h.contiguous().numpy(), r.tensors[role]))
         else:
-            matmul = dense_matmul({role: kernels.dequantize(qt) for role, qt in r.tensors.items()})
+            matmul = dense_matmul({role: kernels.dequantize(qt, self.gemm_dtype) for role, qt in r.tensors.items()})
         return self.activation(x.float(), matmul).to(x.dtype)
 
 
@@ -86,11 +88,15 @@ class StoreExperts(ExpertProvider):
 
     def __init__(self, store: TieredStore, compute: str = "auto", overlap: bool = True, skip_below: float = 0.0,
                  activations: Callable[[int, int], Activation] | None = None, fallback_below: float = 0.0,
-                 layer_kernel: bool = True):
+                 layer_kernel: bool = True, gemm_dtype: torch.dtype = torch.float32):
         """activations: (layer, expert) -> the expert's Activation (edgemoe.experts.expert_activations),
         None for SwiGLU experts. skip_below, fallback_below: see edgemoe.loader.StoreOptions.
         layer_kernel: the experts of a layer that compute on "fused-int" go through one kernel call
-        (swiglu_experts_int) rather than one call each; results are the same bits either way."""
+        (swiglu_experts_int) rather than one call each; results are the same bits either way.
+        gemm_dtype: the "dequant" path's matrices and GEMM (float32 accumulation either way):
+        bfloat16 for a bfloat16 model on a CPU that multiplies it natively (the loader's choice, as
+        for the dense matrices), 2-4x float32's speed on a prefill's expert batches
+        (docs/benchmarks.md), else float32."""
         if compute == "device" and store.device is None:
             raise OptionError("compute=", compute, "needs a VRAM tier (a capacity for vram and its device)")
         self.store = store
@@ -107,6 +113,7 @@ class StoreExperts(ExpertProvider):
         self._kept: ExpertBatches | None = None
         self._weak: set[tuple[int, int]] = set()   # the running layer's weakly chosen experts
         self.layer_kernel = layer_kernel
+        self.gemm_dtype = gemm_dtype
 
     @property
     def latency(self):
@@ -117,7 +124,8 @@ class StoreExperts(ExpertProvider):
             widths = {e.bits for e in self.store.manifest.experts.values()} | {
                 e.bits for e in self.store.manifest.fallback.values()}
             device = str(self.store.device) if self.store.device is not None else None
-            self._latency = load_or_calibrate((spec.expert_hidden, spec.hidden_size), widths, device=device)
+            self._latency = load_or_calibrate((spec.expert_hidden, spec.hidden_size), widths, device=device,
+                                              gemm_dtype=self.gemm_dtype)
         return self._latency
 
     def choose(self, bits: int, tokens: int, nbytes: int = 0) -> str:
@@ -132,7 +140,7 @@ class StoreExperts(ExpertProvider):
 
     def expert(self, layer: int, expert: int) -> QuantizedExpert:
         return QuantizedExpert(self._fetch(layer, expert), self.choose, self.store.device,
-                               self.activations(layer, expert))
+                               self.activations(layer, expert), self.gemm_dtype)
 
     def _fetch(self, layer: int, expert: int) -> ResidentExpert:
         """The expert from the store, waiting for its read if need be (the wait counted)."""
@@ -193,7 +201,7 @@ class StoreExperts(ExpertProvider):
                 fused.append(i)
                 layouts.append(resident.layout)
             else:
-                expert = QuantizedExpert(resident, self.choose, self.store.device, activation)
+                expert = QuantizedExpert(resident, self.choose, self.store.device, activation, self.gemm_dtype)
                 y[starts[i]:starts[i + 1]] = expert(x[batches.tokens[i]]).numpy()
         if len(fused) == len(starts) - 1:   # the whole layer (the usual case): every pair, in order
             y[:] = swiglu_experts_int(pair_x, np.array(layouts), starts)

@@ -16,8 +16,9 @@ def fake_timings(monkeypatch, fused_slope=1e-3, dequant_base=5e-3):
     (as on a real CPU, roughly)."""
     calls = []
 
-    def fake_calibrate(shape, widths, repeats=3, tokens=latency.CALIBRATION_TOKENS, device=None):
-        calls.append(tuple(sorted(widths)))
+    def fake_calibrate(shape, widths, repeats=3, tokens=latency.CALIBRATION_TOKENS, device=None,
+                       gemm_dtype=torch.float32):
+        calls.append(tuple(sorted(widths)) + (() if gemm_dtype == torch.float32 else (str(gemm_dtype),)))
         fits = {"fused-int": {b: latency._fit(tokens, [s * fused_slope * b / 4 for s in tokens]) for b in widths},
                 "fused-float": {b: latency._fit(tokens, [1.5 * s * fused_slope * b / 4 for s in tokens])
                                 for b in widths},
@@ -46,6 +47,15 @@ def test_calibration_is_cached_per_shape_and_extended_for_new_widths(monkeypatch
     load_or_calibrate((48, 64), [4], path=path)          # another shape
     assert calls == [(4,), (2, 4), (4,)]
     assert len(json.loads(path.read_text())) == 2
+
+
+def test_a_bfloat16_dequant_path_is_calibrated_apart(monkeypatch, tmp_path):
+    """The "dequant" path's time depends on the type it multiplies in: each type its own entry."""
+    calls = fake_timings(monkeypatch)
+    path = tmp_path / "l.json"
+    for dtype in (torch.float32, torch.bfloat16, torch.float32, torch.bfloat16):
+        load_or_calibrate((96, 64), [4], path=path, gemm_dtype=dtype)
+    assert calls == [(4,), (4, "torch.bfloat16")] and len(json.loads(path.read_text())) == 2
 
 
 def test_corrupt_cache_is_recalibrated(monkeypatch, tmp_path):

@@ -442,3 +442,22 @@ def test_missing_lists_experts_neither_resident_nor_being_read(store):
         read.set()
         s.drain()
         assert (2, 3) in s.resident()
+
+
+def test_dequantized_experts_multiply_in_the_dense_matrices_type(tiny_model, tmp_path):
+    """A bfloat16 model on a CPU that multiplies bfloat16 natively: the "dequant" path's matrices and
+    GEMM in bfloat16, each expert's output that of plain torch on the reference dequantization in
+    bfloat16; forced to float32 (--dtype), float32 again."""
+    import torch.nn.functional as F
+    from edgemoe.precision import native_types
+    convert(tiny_model("mixtral", dtype="bfloat16"), tmp_path / "s", bits=4)
+    for dtype, expected in ((None, torch.bfloat16 if torch.bfloat16 in native_types() else torch.float32),
+                            (torch.float32, torch.float32)):
+        with edgemoe.load(tmp_path / "s", compute="dequant", dtype=dtype) as model:
+            assert model.experts.gemm_dtype == expected
+            expert = model.experts.expert(0, 1)
+            x = torch.randn(5, model.spec.hidden_size, generator=torch.Generator().manual_seed(0))
+            w = {role: dequantize_reference(qt).to(expected) for role, qt in expert.resident.tensors.items()}
+            plain = F.linear((F.silu(F.linear(x.to(expected), w["gate"]).float())
+                              * F.linear(x.to(expected), w["up"]).float()).to(expected), w["down"]).float()
+            assert torch.equal(expert(x), plain)
