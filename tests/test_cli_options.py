@@ -181,7 +181,8 @@ def checked_options():
 
     import typer
 
-    from edgemoe.cli import STORE_FLAGS, app
+    from edgemoe.cli import app
+    from edgemoe.commands.options import STORE_FLAGS
 
     for command in app.registered_commands:
         name = command.name or command.callback.__name__
@@ -213,7 +214,7 @@ def test_every_checked_option_names_its_flag(monkeypatch, capsys, paths, command
     assert code == 2 and err.count("\n") == 0 and err.startswith(f"error: {flag} "), err
 
 
-# ---- options that cannot act where they are given are refused (edgemoe.cli.CANNOT_ACT) ----
+# ---- options that cannot act where they are given are refused (edgemoe.commands.cannot_act.CANNOT_ACT) ----
 CANNOT_ACT_EXAMPLES = {
     ("run", "temperature"): [["CKPT", "--beams", "2", "--temperature", "0.7"]],
     ("run", "top_k"): [["CKPT", "--beams", "2", "--top-k", "5"], ["CKPT", "--temperature", "0", "--top-k", "5"]],
@@ -244,7 +245,7 @@ CANNOT_ACT_EXAMPLES = {
 
 
 def _cannot_act_cases():
-    from edgemoe.cli import CANNOT_ACT
+    from edgemoe.commands.cannot_act import CANNOT_ACT
 
     return sorted({(command, rule.option) for rule in CANNOT_ACT for command in rule.commands})
 
@@ -253,7 +254,7 @@ def _cannot_act_cases():
 def test_each_option_that_cannot_act_is_refused_naming_it_and_why(monkeypatch, capsys, paths, command, option):
     """Every (command, option) of the table has examples, and each example of a rule is refused with
     the flag and the rule's reason; together they give every reason the table has for that option."""
-    from edgemoe.cli import CANNOT_ACT
+    from edgemoe.commands.cannot_act import CANNOT_ACT
 
     reasons = {rule.why for rule in CANNOT_ACT if command in rule.commands and rule.option == option}
     flag = "--" + option.replace("_", "-")
