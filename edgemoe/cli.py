@@ -9,6 +9,7 @@ import typer
 
 from . import options
 from .commands import bench, chat, convert, eval as eval_command, inspect, profile, run, serve, simulate, trace
+from .commands.cannot_act import CheckedCommand
 from .errors import EdgeMoEError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -20,16 +21,11 @@ def _group() -> None:
     """Run Mixture-of-Experts LLMs on machines too small to hold them."""
 
 
-app.command()(run.run)
-app.command()(convert.convert)
-app.command()(inspect.inspect)
-app.command()(trace.trace)
-app.command()(profile.profile)
-app.command()(bench.bench)
-app.command()(simulate.simulate)
-app.command("eval")(eval_command.eval_)
-app.command()(serve.serve)
-app.command()(chat.chat)
+COMMANDS = {"run": run.run, "convert": convert.convert, "inspect": inspect.inspect, "trace": trace.trace,
+            "profile": profile.profile, "bench": bench.bench, "simulate": simulate.simulate,
+            "eval": eval_command.eval_, "serve": serve.serve, "chat": chat.chat}
+for name, command in COMMANDS.items():
+    app.command(name, cls=CheckedCommand)(command)
 
 
 def main() -> None:

@@ -8,12 +8,17 @@ from typing import List, Optional
 
 import typer
 
-from edgemoe import options
+import json
 
-from .cannot_act import refuse_options_that_cannot_act
+from rich.console import Console
+from rich.table import Table
+
+from edgemoe import options
+from edgemoe.progress import progress_bar
+
 from .common import replay_for, size
-from .options import (STORE_FLAGS, checked, dense_bits_option, dtype_option, quiet_option, ram_option,
-                      threads_option, torch_dtype)
+from .options import (COMPUTE, DENSE_BITS, DTYPE, FALLBACK_BELOW, JSON, QUIET, SKIP_BELOW, THREADS, as_store_options,
+                      checked, torch_dtype)
 
 
 def _bench_mode(value, flag):
@@ -21,15 +26,10 @@ def _bench_mode(value, flag):
     return options.one_of(value, flag, MODES)
 
 
-def _byte_size(value, flag):
-    from edgemoe.store import parse_bytes
-    return parse_bytes(value, flag)
-
-@refuse_options_that_cannot_act
 def bench(
-    store: Path = typer.Argument(..., help="Store directory."),
-    ram: str = ram_option("25%", "RAM for experts: bytes (e.g. 1GiB) or a share of the store's expert "
-                           "bytes (e.g. 25%)."),
+    store_path: Path = typer.Argument(..., metavar="STORE", help="Store directory."),
+    ram: str = typer.Option("25%", "--ram", help="RAM for experts: bytes (e.g. 1GiB) or a share of the store's "
+                            "expert bytes (e.g. 25%)."),
     mode: List[str] = typer.Option([], "--mode", callback=checked(_bench_mode),
                                    help="all-in-ram, on-demand-lru or predictive (repeatable; default: all three)."),
     prefill: List[int] = typer.Option([], "--prefill", callback=checked(options.integer_at_least, 1),
@@ -47,34 +47,28 @@ def bench(
     routing: str = typer.Option("generated", "--routing", callback=checked(options.one_of, ("generated", "model")),
                                 help="Without --replay: generated (Mixtral-like routing for the model's shape, "
                                 "and the profile of another generated text) or model (its own routers)."),
-    memory_limit: Optional[str] = typer.Option(None, "--memory-limit", callback=checked(_byte_size),
+    memory_limit: Optional[str] = typer.Option(None, "--memory-limit", callback=checked(options.parse_bytes),
                                                help="Run inside a cgroup v1 memory limit of this size, page cache "
                                                "included (Linux, root)."),
-    as_json: bool = typer.Option(False, "--json", help="Print the records as JSON."),
-    dtype: str = dtype_option(),
-    dense_bits: str = dense_bits_option(),
-    threads: Optional[int] = threads_option(),
-    quiet: bool = quiet_option(),
-    compute: str = STORE_FLAGS["compute"][1](),
-    skip_below: float = typer.Option(0.0, "--skip-below", callback=checked(options.routing_weight),
-                                     help="The predictive mode also skips weakly chosen misses (as run --skip-below)."),
-    fallback_below: float = typer.Option(0.0, "--fallback-below", callback=checked(options.routing_weight),
-                                         help="The predictive mode also reads weakly chosen misses as their fallback "
-                                         "copies (as run --fallback-below)."),
+    as_json: bool = JSON,
+    compute: str = COMPUTE,
+    skip_below: float = SKIP_BELOW,
+    fallback_below: float = FALLBACK_BELOW,
+    dtype: str = DTYPE,
+    dense_bits: str = DENSE_BITS,
+    threads: Optional[int] = THREADS,
+    quiet: bool = QUIET,
 ):
     """Time to first token and decode speed with a RAM capacity, per mode, next to the physical limit."""
-    import json
-
-    from edgemoe.store import read_manifest
-    from edgemoe.quantized import COMPUTE_CHOICES
-    from edgemoe.bench import (MODES, BenchConfig, bench as run_bench, confine_memory, default_prefill, generated_routing,
-                        leave_memory_group, machine_summary, measure_bandwidths, parse_ram)
-    from edgemoe.progress import progress_bar
-
+    from edgemoe.bench import (MODES, BenchConfig, bench as run_bench, confine_memory, default_prefill,
+                               generated_routing, leave_memory_group, machine_summary, measure_bandwidths, parse_ram)
     from edgemoe.loader import require_decoder_only
+    from edgemoe.store import read_manifest
 
-    spec = read_manifest(store).spec
-    require_decoder_only(spec, store, "edgemoe bench")
+    # The store's flags bench takes (its modes set the others), checked as every command checks them.
+    store_options = as_store_options(compute=compute, skip_below=skip_below, fallback_below=fallback_below)
+    spec = read_manifest(store_path).spec
+    require_decoder_only(spec, store_path, "edgemoe bench")
     steps = warmup_tokens + decode_tokens
     lengths = tuple(prefill) or default_prefill(spec.max_position_embeddings, steps)
     profile = None
@@ -85,19 +79,19 @@ def bench(
         replayer, profile = generated_routing(spec, max(lengths) + steps)
     else:
         routed_by, replayer = "the model's own routers", None
-    config = BenchConfig(ram=parse_ram(ram, store), modes=tuple(mode) or MODES, prefill_tokens=lengths,
+    config = BenchConfig(ram=parse_ram(ram, store_path), modes=tuple(mode) or MODES, prefill_tokens=lengths,
                          decode_tokens=decode_tokens, warmup_tokens=warmup_tokens, repeats=repeats, cold=cold,
                          replay=replayer, dtype=torch_dtype(dtype), dense_bits=dense_bits, threads=threads,
-                         routing_profile=profile, skip_below=skip_below, fallback_below=fallback_below,
-                         compute=options.one_of(compute, "--compute", COMPUTE_CHOICES))
+                         routing_profile=profile, skip_below=store_options.skip_below,
+                         fallback_below=store_options.fallback_below, compute=store_options.compute)
     # The bandwidths are measured first, outside the memory limit: their 1 GiB buffer is not the run's.
-    bandwidths = measure_bandwidths(store)
+    bandwidths = measure_bandwidths(store_path)
     group = confine_memory(memory_limit) if memory_limit is not None else None
     runs = len(config.modes) * len(config.prefill_tokens) * config.repeats
     done = []
     try:
         with progress_bar("benchmark runs", quiet) as report:
-            records, _ = run_bench(store, config, on_run=lambda record: (done.append(record),
+            records, _ = run_bench(store_path, config, on_run=lambda record: (done.append(record),
                                                                          report(len(done), runs)),
                                    bandwidths=bandwidths)
     finally:
@@ -117,9 +111,6 @@ def bench(
 
 
 def _print_bench_table(records: list) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table("mode", "RAM", "prompt", "TTFT s", "decode tok/s", "limit tok/s", "of limit", "hit rate",
                   "disk MiB/token")
     for r in records:

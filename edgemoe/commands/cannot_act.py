@@ -1,20 +1,20 @@
 """Options that cannot act where they are given: refused, never silently ignored. One table,
-CANNOT_ACT, checked before each command runs."""
+CANNOT_ACT, checked before each command runs (CheckedCommand, the class of every command)."""
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from inspect import Parameter, signature as signature_of
 from pathlib import Path
 from typing import Callable
 
 import typer
+import typer.core
 
 from edgemoe import options
 from edgemoe.errors import EdgeMoEError
 
-from .options import flag_of
+from .options import STORE_COMMANDS, flag_of
+
 
 @dataclass(frozen=True)
 class CannotAct:
@@ -48,7 +48,6 @@ def _every(commands, names, when, why) -> list[CannotAct]:
     return [CannotAct(commands, name, when, why) for name in names]
 
 
-MODEL_COMMANDS = ("run", "eval", "serve", "chat")   # those taking the store options
 CANNOT_ACT = (
     *_every(("run",), ("temperature", "top_k", "top_p", "seed", "stop"), lambda a: a.given("beams"),
             "cannot act with --beams (beam search neither samples nor stops on strings)"),
@@ -61,7 +60,7 @@ CANNOT_ACT = (
     *[CannotAct(("run",), "draft", lambda a, other=other: a.given(other), f"cannot act with --{other} "
                 "(speculative decoding is for greedy or sampled decoding with the model's own routers)")
       for other in ("beams", "replay")],
-    CannotAct(MODEL_COMMANDS, "device", lambda a: not a.given("vram"), "only with --vram (the device holds "
+    CannotAct(STORE_COMMANDS, "device", lambda a: not a.given("vram"), "only with --vram (the device holds "
               "the VRAM tier)"),
     *_every(("bench",), ("skip_below", "fallback_below"),
             lambda a: a.given("mode") and "predictive" not in a.mode,
@@ -79,23 +78,16 @@ CANNOT_ACT = (
 )
 
 
-def refuse_options_that_cannot_act(command):
-    """Check the command's arguments against CANNOT_ACT before it runs (typer passes the click
-    context, which knows which options were given, as the added parameter `typer_context`)."""
-    signature = signature_of(command)
+class CheckedCommand(typer.core.TyperCommand):
+    """A command whose arguments are checked against CANNOT_ACT once parsed, before it runs (the
+    click context knows which options were given)."""
 
-    @functools.wraps(command)
-    def checked(typer_context: typer.Context, **values):
-        arguments = GivenArguments(typer_context, values)
+    def invoke(self, ctx: typer.Context):
+        arguments = GivenArguments(ctx, ctx.params)
         for rule in CANNOT_ACT:
-            if typer_context.info_name in rule.commands and arguments.given(rule.option) and rule.when(arguments):
-                raise EdgeMoEError(_cannot_act_message(typer_context, rule, values[rule.option]))
-        return command(**values)
-
-    context = Parameter("typer_context", Parameter.KEYWORD_ONLY, annotation=typer.Context)
-    checked.__signature__ = signature.replace(parameters=[*signature.parameters.values(), context])
-    checked.__annotations__ = {**command.__annotations__, "typer_context": typer.Context}
-    return checked
+            if ctx.info_name in rule.commands and arguments.given(rule.option) and rule.when(arguments):
+                raise EdgeMoEError(_cannot_act_message(ctx, rule, ctx.params[rule.option]))
+        return super().invoke(ctx)
 
 
 def refuse_sampling_flags_if_greedy(model, path: Path, temperature, sampling_flags: dict) -> None:
@@ -115,7 +107,7 @@ def _cannot_act_message(context, rule: CannotAct, value) -> str:
     flag = flag_of(next(p for p in context.command.params if p.name == rule.option))
     if isinstance(value, bool):          # a switch: no value to show
         return f"{flag}: {rule.why}"
-    shown = value[0] if isinstance(value, list) and len(value) == 1 else value
+    shown = value[0] if isinstance(value, (list, tuple)) and len(value) == 1 else value
     return options.option_message(flag, shown, rule.why)
 
 

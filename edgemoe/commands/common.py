@@ -7,7 +7,10 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from edgemoe import files
+from edgemoe.bundled import BUNDLED_DIR
 from edgemoe.errors import EdgeMoEError
+from edgemoe.scheduling.profile import read_trace
 
 from .options import model_path, torch_dtype
 
@@ -23,15 +26,11 @@ def read_text(path: Path) -> str:
 
 def refuse_overwrite(path: Path, inputs, force: bool) -> None:
     """Before any work: never write over an input, nor over an existing file without --force."""
-    from edgemoe.files import refuse_overwrite as refuse
-
-    refuse(path, [p for p in inputs if p is not None], force, "--force")
+    files.refuse_overwrite(path, [p for p in inputs if p is not None], force, "--force")
 
 
-def bundled_text(model: Path, name: str) -> Optional[Path]:
+def bundled_text_for(model: Path, name: str) -> Optional[Path]:
     """The bundled model's calib.txt / eval.txt when `model` is the bundled checkpoint."""
-    from edgemoe.bundled import BUNDLED_DIR
-
     return BUNDLED_DIR / name if model.resolve() == BUNDLED_DIR and (BUNDLED_DIR / name).exists() else None
 
 
@@ -39,20 +38,18 @@ def replay_for(spec, trace: Optional[Path]):
     """The trace's routing laid over the model (refused here, naming the file, if it does not fit)."""
     if trace is None:
         return None
-    from edgemoe.scheduling.profile import read_trace
     from edgemoe.replay import RoutingReplay
 
     return RoutingReplay(read_trace(trace), spec.moe_layer_ids, spec.num_experts, spec.top_k, str(trace))
 
 
-def load_served(model: Optional[Path], dtype: str, dense_bits: str, threads, store):
-    """The model for serve and chat, with run's store options (refused for a checkpoint directory)."""
+def load_served(model: Optional[Path], dtype: str, dense_bits: str, threads, store_options):
+    """The model for serve and chat (store options given for a checkpoint directory are refused)."""
     import edgemoe
-
     from edgemoe.loader import require_decoder_only
 
     path = model_path(model)
-    m = edgemoe.load(path, torch_dtype(dtype), threads, store=store, dense_bits=dense_bits)
+    m = edgemoe.load(path, torch_dtype(dtype), threads, store=store_options, dense_bits=dense_bits)
     warn_ram_auto(m)
     require_decoder_only(m.spec, path, "serving and chat (edgemoe serve / chat)")
     if m.tokenizer is None:

@@ -9,10 +9,10 @@ import typer
 
 from edgemoe import options
 from edgemoe.errors import EdgeMoEError
+from edgemoe.progress import staged_progress
 
-from .cannot_act import refuse_options_that_cannot_act
-from .common import bundled_text, read_text, size
-from .options import checked, force_option, quiet_option, threads_option
+from .common import bundled_text_for, read_text, size
+from .options import QUIET, THREADS, checked, force_option
 
 METRICS = ("ppl", "top1", "kl")
 
@@ -22,7 +22,7 @@ def _confidence(value: float, flag: str) -> float:
         raise options.OptionError(flag, value, "expected a number in [0.5, 1)")
     return value
 
-@refuse_options_that_cannot_act
+
 def convert(
     model: Path = typer.Argument(..., help="Hugging Face checkpoint directory."),
     out: Path = typer.Option(..., "--out", "-o", help="Store directory to create."),
@@ -61,26 +61,27 @@ def convert(
     allow_no_tokenizer: bool = typer.Option(False, "--allow-no-tokenizer", help="Convert a checkpoint without "
                                             "tokenizer.json: a store for token ids only (bench, the Python API); "
                                             "run, eval and chat refuse it (default: refused here)."),
-    threads: Optional[int] = threads_option(),
-    quiet: bool = quiet_option(),
+    threads: Optional[int] = THREADS,
+    quiet: bool = QUIET,
 ):
     """Quantize a checkpoint's experts into a tiered store (and profile its routing on --calib)."""
     from edgemoe.convert import QualityBudget, check_destination, convert as convert_store
-    from edgemoe.progress import staged_progress
+    from edgemoe.convert.budget import parse_budget
     from edgemoe.threads import set_command_threads
 
-    calib = calib or bundled_text(model, "calib.txt")
+    calib = calib or bundled_text_for(model, "calib.txt")
     if budget is not None:
         if widths is not None:
             raise EdgeMoEError("--budget chooses the widths: give it or --widths, not both")
         if calib is None:
             raise EdgeMoEError("--budget needs calibration text: --calib FILE (the bundled model uses its calib.txt)")
-        heldout = heldout or bundled_text(model, "eval.txt")
+        heldout = heldout or bundled_text_for(model, "eval.txt")
     inputs = [p for p in (widths, calib, heldout) if p is not None]
     check_destination(out, force, [model, *inputs])
     calib_text = read_text(calib) if calib is not None else None      # every input read before any work
     quality = None if budget is None else QualityBudget(
-        _budget(budget, metric), metric, confidence, calib_tokens, read_text(heldout) if heldout else None)
+        _budget(parse_budget(budget), budget, metric), metric, confidence, calib_tokens,
+        read_text(heldout) if heldout else None)
     workers = workers or set_command_threads(threads)
     with staged_progress(quiet) as report:
         result = convert_store(model, out, bits=bits, widths=widths, group_size=group_size, method=method,
@@ -110,11 +111,9 @@ def _print_budget(result, metric: str) -> None:
         print("warning: even INT8 everywhere exceeds the budget on the calibration text; wrote all INT8")
 
 
-def _budget(text: str, metric: str) -> float:
-    """--budget as a fraction; ppl and top1 losses are shares (at most 100%), kl is in nats."""
-    from edgemoe.convert.budget import parse_budget
-
-    limit = parse_budget(text)
+def _budget(limit: float, text: str, metric: str) -> float:
+    """--budget (`text`, parsed as `limit`) as a fraction; ppl and top1 losses are shares (at most
+    100%), kl is in nats."""
     if limit <= 0 or (metric != "kl" and limit > 1):
         expected = "a loss above 0" if metric == "kl" else "a loss in (0%, 100%]"
         raise options.OptionError("--budget", text, f"expected {expected} for --metric {metric} (a budget that "

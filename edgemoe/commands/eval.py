@@ -7,18 +7,20 @@ from typing import Optional
 
 import typer
 
+import json
+
 from edgemoe import options
+from edgemoe.bundled import bundled_text
 from edgemoe.errors import EdgeMoEError
+from edgemoe.progress import progress_bar
 
-from .cannot_act import refuse_options_that_cannot_act
 from .common import read_text, warn_ram_auto
-from .options import (MODEL_HELP, checked, dense_bits_option, dtype_option, model_path, quiet_option, threads_option,
-                      torch_dtype, with_store_options)
+from .options import (COMPUTE, DENSE_BITS, DEVICE, DTYPE, FALLBACK_BELOW, JSON, MODEL, POLICY, PRELOAD, QUIET, RAM,
+                      SKIP_BELOW, THREADS, VRAM, as_store_options, checked, model_path, torch_dtype)
 
-@refuse_options_that_cannot_act
-@with_store_options("ram", "vram", "device", "policy", "preload", "skip_below", "fallback_below", "compute")
+
 def eval_(
-    model: Optional[Path] = typer.Argument(None, help=MODEL_HELP),
+    model: Optional[Path] = MODEL,
     text: Optional[Path] = typer.Option(None, "--text", help="UTF-8 text file (default with the bundled "
                                         "model: its held-out eval.txt)."),
     reference: Optional[Path] = typer.Option(None, "--reference", help="Also report top-1 agreement and KL "
@@ -31,34 +33,39 @@ def eval_(
     decode: bool = typer.Option(False, "--decode", help="Score token by token through the KV cache, as "
                                 "generation runs (slower; for options that act per step: --ram; implied by "
                                 "--skip-below and --fallback-below)."),
-    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
-    dtype: str = dtype_option(),
-    dense_bits: str = dense_bits_option(),
-    threads: Optional[int] = threads_option(),
-    quiet: bool = quiet_option(),
-    store=None,
+    as_json: bool = JSON,
+    ram: Optional[str] = RAM,
+    vram: Optional[str] = VRAM,
+    device: Optional[str] = DEVICE,
+    policy: str = POLICY,
+    preload: str = PRELOAD,
+    skip_below: float = SKIP_BELOW,
+    fallback_below: float = FALLBACK_BELOW,
+    compute: str = COMPUTE,
+    dtype: str = DTYPE,
+    dense_bits: str = DENSE_BITS,
+    threads: Optional[int] = THREADS,
+    quiet: bool = QUIET,
 ):
     """Perplexity over a text (sliding window); with --reference, agreement and KL too."""
-    import json
-
     import edgemoe
     from edgemoe.evaluate import evaluate_text
-    from edgemoe.progress import progress_bar
+    from edgemoe.loader import require_decoder_only
 
+    store_options = as_store_options(ram=ram, vram=vram, device=device, policy=policy, preload=preload,
+                                     skip_below=skip_below, fallback_below=fallback_below, compute=compute)
     if text is None:
         if model is not None:
             raise EdgeMoEError("--text is required for a model other than the bundled one")
-        from edgemoe.bundled import bundled_text
         text = bundled_text("eval.txt")
     content = read_text(text)
-    from edgemoe.loader import require_decoder_only
 
     # Skipping and fallback copies act on misses every token of a step chose weakly: a whole window's
     # tokens choose nearly every expert strongly at least once, so only token by token (as generation
     # runs) measures what they do.
-    decode = decode or bool(store.skip_below or store.fallback_below)
+    decode = decode or bool(skip_below or fallback_below)
     path = model_path(model)
-    m = edgemoe.load(path, torch_dtype(dtype), threads, store=store, dense_bits=dense_bits, context=context)
+    m = edgemoe.load(path, torch_dtype(dtype), threads, store=store_options, dense_bits=dense_bits, context=context)
     warn_ram_auto(m)
     require_decoder_only(m.spec, path, "edgemoe eval (next-token perplexity)")
     options.window_length(context, "--context", m.context_length)
@@ -68,10 +75,11 @@ def eval_(
     with progress_bar("evaluating windows", quiet) as report:
         result = evaluate_text(m, content, context=context, stride=stride, reference=ref, on_progress=report,
                                decode=decode)
-    store = getattr(m.experts, "store", None)
-    reads = {} if store is None else {"disk_bytes_per_token": store.stats.disk_bytes_read / m.timings.tokens,
-                                      "skipped_per_token": m.experts.skipped / m.timings.tokens,
-                                      "fallback_uses_per_token": m.experts.fallback_uses / m.timings.tokens}
+    tiered_store = getattr(m.experts, "store", None)
+    reads = {} if tiered_store is None else {
+        "disk_bytes_per_token": tiered_store.stats.disk_bytes_read / m.timings.tokens,
+        "skipped_per_token": m.experts.skipped / m.timings.tokens,
+        "fallback_uses_per_token": m.experts.fallback_uses / m.timings.tokens}
     if as_json:
         print(json.dumps({**result.to_dict(), **reads}))
         return

@@ -10,28 +10,28 @@ import typer
 
 from edgemoe import options
 from edgemoe.errors import EdgeMoEError
+from edgemoe.stats import format_stats, run_stats
 
-from .cannot_act import refuse_options_that_cannot_act, refuse_sampling_flags_if_greedy
+from .cannot_act import refuse_sampling_flags_if_greedy
 from .common import ram_breakdown_text, replay_for, warn, warn_ram_auto
-from .options import (MODEL_HELP, checked, dense_bits_option, dtype_option, model_path, threads_option, torch_dtype,
-                      with_store_options)
+from .options import (COMPUTE, DENSE_BITS, DEVICE, DTYPE, FALLBACK_BELOW, MODEL, POLICY, PRELOAD, RAM, SEED,
+                      SKIP_BELOW, TEMPERATURE, THREADS, TOP_K, TOP_P, VRAM, as_store_options, checked, model_path,
+                      sampling, torch_dtype)
 
 # --ram auto's allowance for tokens a prompt gains past its text: BOS/EOS-like specials, and a chat
 # template's role markers and system text (the bundled templates add well under this).
 SPECIAL_TOKENS = 16
 CHAT_TEMPLATE_TOKENS = 256
 
-@refuse_options_that_cannot_act
-@with_store_options("ram", "vram", "device", "policy", "preload", "skip_below", "fallback_below")
+
 def run(
-    model: Optional[Path] = typer.Argument(None, help=MODEL_HELP),
+    model: Optional[Path] = MODEL,
     prompt: str = typer.Option("", "--prompt", "-p", help="Text to continue (default: start from nothing)."),
     max_new_tokens: int = typer.Option(200, "--max-new-tokens", "-n", callback=checked(options.integer_at_least, 0)),
-    temperature: Optional[float] = typer.Option(None, callback=checked(options.finite_at_least),
-                                                help="0 = greedy (default: the model's generation_config)."),
-    top_k: Optional[int] = typer.Option(None, "--top-k", callback=checked(options.integer_at_least, 0)),
-    top_p: Optional[float] = typer.Option(None, "--top-p", callback=checked(options.probability)),
-    seed: Optional[int] = typer.Option(None, help="Seed for sampling."),
+    temperature: Optional[float] = TEMPERATURE,
+    top_k: Optional[int] = TOP_K,
+    top_p: Optional[float] = TOP_P,
+    seed: Optional[int] = SEED,
     stop: List[str] = typer.Option([], "--stop", callback=checked(lambda v, flag: options.unescape(v)),
                                    help="Stop when this text is produced (repeatable; \\n, \\t are read as "
                                    "newline and tab)."),
@@ -58,22 +58,30 @@ def run(
     draft_ram: Optional[str] = typer.Option(None, "--draft-ram", callback=checked(options.parse_bytes),
                                             help="With --draft self: RAM for the INT2 copy of the experts, bytes "
                                             "like 64MiB (default: unlimited; least recently used dropped first)."),
-    dtype: str = dtype_option(),
-    dense_bits: str = dense_bits_option(),
-    threads: Optional[int] = threads_option(),
-    store=None,
+    ram: Optional[str] = RAM,
+    vram: Optional[str] = VRAM,
+    device: Optional[str] = DEVICE,
+    policy: str = POLICY,
+    preload: str = PRELOAD,
+    skip_below: float = SKIP_BELOW,
+    fallback_below: float = FALLBACK_BELOW,
+    compute: str = COMPUTE,
+    dtype: str = DTYPE,
+    dense_bits: str = DENSE_BITS,
+    threads: Optional[int] = THREADS,
 ):
     """Generate text, streamed as it is produced, from a checkpoint directory or a store."""
     import edgemoe
-
+    from edgemoe.loader import require_decoder_only
+    from edgemoe.speculative import speculator_for
     from edgemoe.tokenizer import valid_text
 
+    store_options = as_store_options(ram=ram, vram=vram, device=device, policy=policy, preload=preload,
+                                     skip_below=skip_below, fallback_below=fallback_below, compute=compute)
     prompt, stop = valid_text(prompt, "--prompt"), [valid_text(s, "--stop") for s in stop]
-    from edgemoe.loader import require_decoder_only
-
     path = model_path(model)
     context = _run_context(prompt, chat, max_new_tokens, (speculate or 4) if draft else 0)
-    m = edgemoe.load(path, torch_dtype(dtype), threads, store=store, dense_bits=dense_bits, context=context,
+    m = edgemoe.load(path, torch_dtype(dtype), threads, store=store_options, dense_bits=dense_bits, context=context,
                      batch=beams or 1)
     warn_ram_auto(m)
     for flag, given in (("--beams", beams is not None), ("--replay", replay is not None),
@@ -87,16 +95,15 @@ def run(
     refuse_sampling_flags_if_greedy(m, path, temperature, {"--top-k": top_k, "--top-p": top_p, "--seed": seed})
     speculator = None
     if draft is not None:
-        from edgemoe.speculative import speculator_for
         speculator = speculator_for(m, draft, speculate or 4, draft_ram, torch_dtype(dtype), threads)
     seen = _prompt_seen(m, prompt, chat, max_new_tokens, truncate)
-    sampling = {k: v for k, v in dict(temperature=temperature, top_k=top_k, top_p=top_p).items() if v is not None}
     if beams is not None:
         sys.stdout.write(_best_beam_text(m, seen, beams, max_new_tokens, length_penalty, early_stopping, truncate))
     else:
         m.generate(seen, on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()),
                    on_warning=warn, max_new_tokens=max_new_tokens, seed=seed, stop_strings=tuple(stop),
-                   truncate=truncate, **({"token_stream": speculator.stream} if speculator else {}), **sampling)
+                   truncate=truncate, **({"token_stream": speculator.stream} if speculator else {}),
+                   **sampling(temperature, top_k, top_p))
     sys.stdout.write("\n")
     if stats:
         _print_run_stats(m, speculator.stats if speculator else None)
@@ -143,8 +150,6 @@ def _best_beam_text(model, prompt_ids: list[int], beams: int, max_new_tokens: in
 
 
 def _print_run_stats(model, speculation=None) -> None:
-    from edgemoe.stats import format_stats, run_stats
-
     breakdown = getattr(model.store, "ram_breakdown", None)
     if breakdown:
         print(f"[stats] {ram_breakdown_text(breakdown)}", file=sys.stderr)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Optional
 
@@ -9,9 +10,9 @@ import typer
 
 from edgemoe import options
 
-from .cannot_act import refuse_options_that_cannot_act
 from .common import load_served
-from .options import checked, dense_bits_option, dtype_option, threads_option, with_store_options
+from .options import (COMPUTE, DENSE_BITS, DEVICE, DTYPE, FALLBACK_BELOW, MODEL, POLICY, PRELOAD, RAM, SKIP_BELOW,
+                      THREADS, VRAM, as_store_options, checked)
 
 
 def _port(value: int, flag: str) -> int:
@@ -19,10 +20,9 @@ def _port(value: int, flag: str) -> int:
         raise options.OptionError(flag, value, "expected a TCP port in 0..65535")
     return value
 
-@refuse_options_that_cannot_act
-@with_store_options("ram", "vram", "device", "policy", "preload")
+
 def serve(
-    model: Optional[Path] = typer.Argument(None, help="Checkpoint directory or store (default: the bundled model)."),
+    model: Optional[Path] = MODEL,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     port: int = typer.Option(8000, "--port", callback=checked(_port), help="TCP port (0: any free one)."),
     model_name: Optional[str] = typer.Option(None, "--model-name", help="Name clients pass as `model` "
@@ -38,17 +38,24 @@ def serve(
     keep_alive_timeout: float = typer.Option(5.0, "--keep-alive-timeout",
                                              callback=checked(options.timeout_seconds),
                                              help="Seconds a connection may sit idle waiting for a request."),
-    dtype: str = dtype_option(),
-    dense_bits: str = dense_bits_option(),
-    threads: Optional[int] = threads_option(),
-    store=None,
+    ram: Optional[str] = RAM,
+    vram: Optional[str] = VRAM,
+    device: Optional[str] = DEVICE,
+    policy: str = POLICY,
+    preload: str = PRELOAD,
+    skip_below: float = SKIP_BELOW,
+    fallback_below: float = FALLBACK_BELOW,
+    compute: str = COMPUTE,
+    dtype: str = DTYPE,
+    dense_bits: str = DENSE_BITS,
+    threads: Optional[int] = THREADS,
 ):
     """OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) with continuous batching."""
-    import logging
-
     from edgemoe.server import serve as serve_http
 
+    store_options = as_store_options(ram=ram, vram=vram, device=device, policy=policy, preload=preload,
+                                     skip_below=skip_below, fallback_below=fallback_below, compute=compute)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    m = load_served(model, dtype, dense_bits, threads, store)
+    m = load_served(model, dtype, dense_bits, threads, store_options)
     serve_http(m, host, port, model_name=model_name, max_batch=max_batch, max_connections=max_connections,
                request_timeout=request_timeout, keep_alive_timeout=keep_alive_timeout)

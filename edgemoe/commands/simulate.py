@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import List, Optional
 
 import typer
 
 from edgemoe import options
+from edgemoe.scheduling.policies import POLICIES
+from edgemoe.scheduling.profile import read_trace
+from edgemoe.scheduling.routing_stats import routing_statistics
 
-from .options import checked
+from .options import JSON, checked
 
 
 def _unit_interval(value: float, flag: str) -> float:
@@ -19,8 +23,8 @@ def _unit_interval(value: float, flag: str) -> float:
 
 
 def _policy(value, flag):
-    from edgemoe.scheduling.policies import POLICIES
     return options.one_of(value, flag, sorted(POLICIES))
+
 
 def simulate(
     trace: Path = typer.Argument(..., help="JSON-lines routing trace (docs/trace-format.md)."),
@@ -34,24 +38,20 @@ def simulate(
                                   help="Profile back-off: a history seen fewer times falls back to a coarser table."),
     min_probability: float = typer.Option(0.5, "--min-probability", callback=checked(_unit_interval),
                                           help="Preload only predictions at least this probable (the runtime's 0.5)."),
-    policy: List[str] = typer.Option([], "--policy", callback=checked(_policy),
-                                     help="Eviction policies to compare (repeatable; default all; Belady always)."),
+    policies: List[str] = typer.Option([], "--policy", callback=checked(_policy),
+                                       help="Eviction policies to compare (repeatable; default all; Belady always)."),
     tokens: Optional[int] = typer.Option(None, "--tokens", callback=checked(options.integer_at_least, 1),
                                          help="Score only the first N tokens."),
     guard: bool = typer.Option(False, "--guard", help="Also run each scheme with the store's guard against a "
                                "ghost on-demand LRU cache."),
     stats: bool = typer.Option(False, "--stats", help="Print the trace's routing statistics first."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+    as_json: bool = JSON,
 ):
     """Replay a routing trace through the store's expert cache: reads per token per policy and preload."""
-    import json
-
-    from edgemoe.scheduling.profile import read_trace
-    from edgemoe.scheduling.routing_stats import routing_statistics
     from edgemoe.scheduling.simulate import POLICY_NAMES, simulate_trace, table
 
     results, note = simulate_trace(trace, cache_experts, profile_from, preload_k, min_count, min_probability,
-                                   tuple(policy) or POLICY_NAMES, tokens, guard)
+                                   tuple(policies) or POLICY_NAMES, tokens, guard)
     if stats:
         routing = routing_statistics(read_trace(trace))
         print(json.dumps(routing.to_dict()) if as_json else "\n".join(routing.lines()))

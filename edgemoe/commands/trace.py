@@ -8,9 +8,12 @@ from typing import Optional
 import typer
 
 from edgemoe import options
+from edgemoe.progress import progress_bar
+from edgemoe.scheduling.profile import write_trace
 
 from .common import read_text, refuse_overwrite
-from .options import checked, force_option, quiet_option, threads_option
+from .options import QUIET, THREADS, checked, force_option
+
 
 def trace(
     model: Path = typer.Argument(..., help="Store or checkpoint directory."),
@@ -18,16 +21,14 @@ def trace(
     out: Path = typer.Option(..., "--out", "-o", help="Trace file to write (JSON lines, docs/trace-format.md)."),
     context: Optional[int] = typer.Option(None, callback=checked(options.integer_at_least, 2),
                                           help="Window length in tokens (default: as edgemoe eval)."),
-    threads: Optional[int] = threads_option(),
-    quiet: bool = quiet_option(),
+    threads: Optional[int] = THREADS,
+    quiet: bool = QUIET,
     force: bool = force_option("trace file"),
 ):
     """Record the routers' choices over a text as a trace."""
     import edgemoe
-    from edgemoe.scheduling.profile import write_trace
     from edgemoe.loader import is_store
     from edgemoe.tracing import trace_text
-    from edgemoe.progress import progress_bar
 
     refuse_overwrite(out, [model, text], force)
     content = read_text(text)
