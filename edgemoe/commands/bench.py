@@ -59,7 +59,9 @@ def bench(
     threads: Optional[int] = THREADS,
     quiet: bool = QUIET,
 ):
-    """Time to first token and decode speed with a RAM capacity, per mode, next to the physical limit."""
+    """Time to first token and decode speed with a RAM capacity, per mode, next to the physical limit.
+
+    --skip-below and --fallback-below act in the predictive mode only (the others trade no quality)."""
     from edgemoe.bench import (MODES, BenchConfig, bench as run_bench, confine_memory, default_prefill,
                                generated_routing, leave_memory_group, machine_summary, measure_bandwidths, parse_ram)
     from edgemoe.loader import require_decoder_only
