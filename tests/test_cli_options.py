@@ -181,7 +181,8 @@ def checked_options():
 
     import typer
 
-    from edgemoe.cli import STORE_FLAGS, app
+    from edgemoe.cli import app
+    from edgemoe.commands.options import STORE_FLAGS
 
     for command in app.registered_commands:
         name = command.name or command.callback.__name__
@@ -213,7 +214,65 @@ def test_every_checked_option_names_its_flag(monkeypatch, capsys, paths, command
     assert code == 2 and err.count("\n") == 0 and err.startswith(f"error: {flag} "), err
 
 
-# ---- options that cannot act where they are given are refused (edgemoe.cli.CANNOT_ACT) ----
+# ---- a flag several commands take is one option, the same on each (edgemoe/commands/options.py) ----
+STORE_FLAGS = ("--ram", "--vram", "--device", "--policy", "--preload", "--skip-below", "--fallback-below", "--compute")
+STORE_COMMANDS = ("run", "eval", "serve", "chat")      # those that load a model with the store options
+COMPUTING_COMMANDS = ("run", "eval", "convert", "trace", "profile", "bench", "serve", "chat")
+SHARED_FLAGS = (*STORE_FLAGS, "--dtype", "--dense-bits", "--threads", "--temperature", "--top-k", "--top-p", "--seed")
+OWN_MEANING = {("bench", "--ram"): "a capacity every mode runs with, 25% by default, no auto",
+               ("inspect", "--ram"): "the capacity placement is shown for, none by default",
+               ("simulate", "--policy"): "the policies to compare, repeatable"}
+
+
+def declared_flags() -> dict:
+    """{command: {flag: what its declaration says (default, help, type, repeatable, checked)}}, as the
+    command line parses them."""
+    import typer.main
+
+    from edgemoe.cli import app
+
+    return {name: {max(p.opts, key=len): (p.default, p.help, p.type_descriptor.annotation, p.multiple,
+                                           p.callback is not None)
+                   for p in command.params if p.opts[0].startswith("-")}
+            for name, command in typer.main.get_command(app).commands.items()}
+
+
+def test_every_command_that_takes_the_store_options_takes_all_of_them():
+    flags = declared_flags()
+    assert {command: [f for f in STORE_FLAGS if f not in flags[command]] for command in STORE_COMMANDS} == \
+        {command: [] for command in STORE_COMMANDS}
+
+
+def test_every_command_that_computes_takes_threads():
+    flags = declared_flags()
+    assert [command for command in COMPUTING_COMMANDS if "--threads" not in flags[command]] == []
+
+
+def test_a_shared_flag_is_declared_alike_on_every_command_that_takes_it():
+    """Its default, help, type and check are the same wherever it is given (bench's --skip-below is
+    run's --skip-below), but for the few flags that mean something else on one command."""
+    by_flag = {}
+    for command, flags in declared_flags().items():
+        for flag, declaration in flags.items():
+            if flag in SHARED_FLAGS and (command, flag) not in OWN_MEANING:
+                by_flag.setdefault(flag, {}).setdefault(declaration, []).append(command)
+    assert {flag: list(declarations.values()) for flag, declarations in by_flag.items() if len(declarations) > 1} == {}
+
+
+def test_the_store_flags_new_to_serve_chat_and_run_act(monkeypatch, capsys, paths):
+    """serve and chat now take --skip-below, --fallback-below and --compute, run --compute, and pass
+    them to the model: each is refused for the library's reason where it cannot act, as on eval."""
+    cases = [(command, args, flag, reason) for command in ("serve", "chat") for args, flag, reason in (
+        (["CKPT", "--skip-below", "0.2"], "--skip-below", "applies to stores"),
+        (["STORE", "--fallback-below", "0.3"], "--fallback-below", "has no fallback copies"),
+        (["STORE", "--compute", "device"], "--compute", "needs a VRAM tier"))]
+    cases.append(("run", ["STORE", "--compute", "device"], "--compute", "needs a VRAM tier"))
+    for command, args, flag, reason in cases:
+        code, err = run_cli(monkeypatch, capsys, command, *[paths.get(a, a) for a in args])
+        assert code == 2 and err.count("\n") == 0 and flag in err and reason in err, (command, err)
+
+
+# ---- options that cannot act where they are given are refused (edgemoe.commands.cannot_act.CANNOT_ACT) ----
 CANNOT_ACT_EXAMPLES = {
     ("run", "temperature"): [["CKPT", "--beams", "2", "--temperature", "0.7"]],
     ("run", "top_k"): [["CKPT", "--beams", "2", "--top-k", "5"], ["CKPT", "--temperature", "0", "--top-k", "5"]],
@@ -244,7 +303,7 @@ CANNOT_ACT_EXAMPLES = {
 
 
 def _cannot_act_cases():
-    from edgemoe.cli import CANNOT_ACT
+    from edgemoe.commands.cannot_act import CANNOT_ACT
 
     return sorted({(command, rule.option) for rule in CANNOT_ACT for command in rule.commands})
 
@@ -253,7 +312,7 @@ def _cannot_act_cases():
 def test_each_option_that_cannot_act_is_refused_naming_it_and_why(monkeypatch, capsys, paths, command, option):
     """Every (command, option) of the table has examples, and each example of a rule is refused with
     the flag and the rule's reason; together they give every reason the table has for that option."""
-    from edgemoe.cli import CANNOT_ACT
+    from edgemoe.commands.cannot_act import CANNOT_ACT
 
     reasons = {rule.why for rule in CANNOT_ACT if command in rule.commands and rule.option == option}
     flag = "--" + option.replace("_", "-")

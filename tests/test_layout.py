@@ -18,7 +18,7 @@ LAYERS = [
     ("store", {"edgemoe.store"}),
     ("runtime", None),   # every module not named in another layer
     ("conversion", {"edgemoe.convert", "edgemoe.bench", "edgemoe.stats", "edgemoe.plots"}),
-    ("application", {"edgemoe.cli", "edgemoe.__main__", "edgemoe.server", "edgemoe.chat"}),
+    ("application", {"edgemoe.cli", "edgemoe.commands", "edgemoe.__main__", "edgemoe.server", "edgemoe.chat"}),
 ]
 
 
