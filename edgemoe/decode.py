@@ -1,17 +1,17 @@
 """The decode engine: a one-token step's attention block in one kernel call per layer.
 
-Contract. `DecodeEngine.for_model(model)` returns an engine, or None where the model is not one it
-runs (then the generic forward runs every step). It runs a model whose layers use grouped-query
-attention with RMSNorm and whose attention projections are QuantizedLinear ("qkv" stacked, "o"),
-which is what `--dense-bits 8` or `4` loads (the default for a store). `layer(l, x, position, cos,
-sin, cache)` takes one token's hidden state x float32 [1, D] at `position` (the cache holds the
-positions before it) and returns (x + attention [1, D], h [1, D], logits [1, E] or None): the
-residual stream after the attention block, the MoE block's normed input and the router's float32
-logits; it writes the token's keys and values into the cache. The model runs the MoE block on h
-(model.py). Against the generic forward on the same token: the projections, norms, rotary and
-residual are bit-identical, the attention and router logits differ in the last bits (fastmath
-sums), so the results match within float32 rounding (tested per architecture in
-tests/test_decode_engine.py).
+Contract. `DecodeEngine.for_model(spec, layers)` returns an engine, or None where the layers are
+not its kind (then the generic forward runs every step). Its kind: grouped-query attention (with
+RMSNorm or LayerNorm, rotary over the whole head) whose projections are QuantizedLinear ("qkv"
+stacked, "o"), which is what `--dense-bits 8` or `4` loads (the default for a store).
+`layer(l, x, position, cos, sin, cache)` takes one token's hidden state x float32 [1, D] at
+`position` (the cache holds the positions before it) and returns (x + attention [1, D], h [1, D],
+logits [1, E] or None): the residual stream after the attention block, the MoE block's normed
+input and the router's float32 logits; it writes the token's keys and values into the cache. The
+model runs the MoE block on h (model.py). Against the generic forward on the same token: the
+projections, RMSNorms, rotary and residual are bit-identical; the attention, the router logits and
+LayerNorm differ in the last bits, so the results match within float32 rounding (tested per
+architecture in tests/test_decode_engine.py).
 
 Why: the generic forward makes about 40 torch ops and kernel calls for a token's attention block,
 each with Python around it; on a fine-grained model that glue cost more than the kernels
@@ -37,8 +37,9 @@ class DecodeEngine:
         self._keep: list = []     # arrays the tables point into (float32 copies of norms and biases)
         self.tables = [self._table(l, w) for l, w in enumerate(layers)]
         qk_norm = {None: cpu_layer.QK_NORM_NONE, "head": cpu_layer.QK_NORM_HEAD, "proj": cpu_layer.QK_NORM_PROJ}
+        norm = {"rms": cpu_layer.NORM_RMS, "layer": cpu_layer.NORM_LAYER}[spec.norm]
         self.dims = np.array([spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.key_dim, spec.value_dim,
-                              qk_norm[spec.qk_norm]], np.int64)
+                              qk_norm[spec.qk_norm], norm], np.int64)
         self.scale = np.float32(spec.key_dim ** -0.5 if spec.attention_scale is None else spec.attention_scale)
         self.clip = np.float32(-1 if spec.clip_qkv is None else spec.clip_qkv)
         self.eps = float(spec.rms_norm_eps)   # a float64, as the generic path's norms take it
@@ -46,7 +47,7 @@ class DecodeEngine:
     @classmethod
     def for_model(cls, spec: ModelSpec, layers: list[dict]) -> "DecodeEngine | None":
         """An engine for these decoder layers (MoEModel.layers), or None if they are not its kind."""
-        if spec.attention != "gqa" or spec.norm != "rms" or spec.rope_dim != spec.head_dim:
+        if spec.attention != "gqa" or spec.rope_dim != spec.head_dim:
             return None
         if not all(isinstance(w.get("qkv"), QuantizedLinear) and isinstance(w.get("o"), QuantizedLinear)
                    for w in layers):
@@ -69,7 +70,8 @@ class DecodeEngine:
             table[first:first + 3] = [address(qt.packed), address(qt.scale), address(qt.zero)]
             bits_col = c.QKV_BITS if name == "qkv" else c.O_BITS
             table[bits_col:bits_col + 3] = [qt.bits, qt.group, qt.ngroups]
-        for column, name in ((c.ATTN_NORM, "attn_norm"), (c.MLP_NORM, "mlp_norm"), (c.Q_BIAS, "q_bias"),
+        for column, name in ((c.ATTN_NORM, "attn_norm"), (c.MLP_NORM, "mlp_norm"), (c.ATTN_NORM_BIAS, "attn_norm_bias"),
+                             (c.MLP_NORM_BIAS, "mlp_norm_bias"), (c.Q_BIAS, "q_bias"),
                              (c.K_BIAS, "k_bias"), (c.V_BIAS, "v_bias"), (c.O_BIAS, "o_bias"),
                              (c.Q_NORM, "q_norm"), (c.K_NORM, "k_norm"), (c.SINKS, "sinks")):
             table[column] = self._float32(w.get(name))

@@ -2,17 +2,17 @@
 
 One call does, for a token's hidden state x [D] (the residual stream, updated in place):
 
-    n = RMSNorm(x) -> qkv = n @ Wqkv^T (integer path, int8 activations) (+ q/k/v biases)
+    n = norm(x) -> qkv = n @ Wqkv^T (integer path, int8 activations) (+ q/k/v biases)
       -> q/k RMSNorm (per head or over the projection) -> clip -> rotary (cos/sin of the position)
       -> k, v written into the KV cache at `pos` -> attention of each query head over its kv head's
          keys [j0, pos] (sliding window; optional sink logit) -> o = attn @ Wo^T (+ bias)
-      -> x += o -> h = RMSNorm(x) -> router logits = Wr @ h (float32 Wr, when the layer routes)
+      -> x += o -> h = norm(x) -> router logits = Wr @ h (float32 Wr, when the layer routes)
 
 where the generic forward makes ~40 torch ops and kernel calls, each with its Python around it.
-The projections, norms, biases, clip, rotary and residual give the generic path's bits (the same
+The projections, RMSNorms, biases, clip, rotary and residual give the generic path's bits (the same
 integer kernel rows, _rows; the same norm loop; elementwise float32 ops in torch's order, compiled
-without fastmath). The attention's dot products and softmax and the router's products are
-fastmath loops: they differ from torch's in the last bits (docs/architecture.md, "The decode
+without fastmath). The attention's dot products and softmax, the router's products and LayerNorm
+(where the layer has it) differ from torch's in the last bits (docs/architecture.md, "The decode
 engine").
 
 A layer's arrays reach the kernel as addresses in an int64 table (edgemoe/kernels/views.py), built
@@ -35,12 +35,14 @@ from .views import float32_view, uint8_view
 
 # The layer table's columns: addresses (float32 arrays unless said), then integers.
 (ATTN_NORM, QKV_P, QKV_S, QKV_Z, QKV_BITS, QKV_GROUP, QKV_NGROUPS, Q_BIAS, K_BIAS, V_BIAS, Q_NORM, K_NORM,
- O_P, O_S, O_Z, O_BITS, O_GROUP, O_NGROUPS, O_BIAS, SINKS, MLP_NORM, ROUTER, EXPERTS, WINDOW) = range(24)
-TABLE_COLUMNS = 24
+ O_P, O_S, O_Z, O_BITS, O_GROUP, O_NGROUPS, O_BIAS, SINKS, MLP_NORM, ROUTER, EXPERTS, WINDOW,
+ ATTN_NORM_BIAS, MLP_NORM_BIAS) = range(26)
+TABLE_COLUMNS = 26
 # The model's dimensions (an int64 array).
-DIM_D, DIM_H, DIM_K, DIM_DK, DIM_DV, DIM_QK_NORM = range(6)
-DIMS = 6
+DIM_D, DIM_H, DIM_K, DIM_DK, DIM_DV, DIM_QK_NORM, DIM_NORM = range(7)
+DIMS = 7
 QK_NORM_NONE, QK_NORM_HEAD, QK_NORM_PROJ = 0, 1, 2
+NORM_RMS, NORM_LAYER = 0, 1   # the layer norms: RMSNorm, or LayerNorm with a bias (Phi-3.5-MoE)
 
 
 @njit_exact_inline
@@ -54,6 +56,34 @@ def _rms_row(x, weight, eps, out):
     float64 as the generic path passes it: the generic path's bits, which the int8 quantization of
     the next projection's input needs (a last-bit change can move a code by one)."""
     rms_norm_kernel(x.reshape((1, x.shape[0])), weight, eps, out.reshape((1, out.shape[0])))
+
+
+@njit_exact_inline
+def _layer_norm_row(x, weight, bias, eps, out):
+    """LayerNorm of one row: (x - mean) / sqrt(var + eps) * weight + bias, biased variance, in float32
+    (F.layer_norm sums in another order: the last bits differ)."""
+    cols = x.shape[0]
+    mean = np.float32(0)
+    for c in range(cols):
+        mean += x[c]
+    mean = mean / np.float32(cols)
+    var = np.float32(0)
+    for c in range(cols):
+        d = x[c] - mean
+        var += d * d
+    inv = np.float32(1) / np.sqrt(var / np.float32(cols) + np.float32(eps))
+    for c in range(cols):
+        out[c] = (x[c] - mean) * inv * weight[c] + bias[c]
+
+
+@njit_exact_inline
+def _norm(kind, x, table, weight_col, bias_col, eps, out):
+    """The layer's norm (table[weight_col], and table[bias_col] for LayerNorm) of x into out."""
+    dim = x.shape[0]
+    if kind == NORM_LAYER:
+        _layer_norm_row(x, _vector(table[weight_col], dim), _vector(table[bias_col], dim), eps, out)
+    else:
+        _rms_row(x, _vector(table[weight_col], dim), eps, out)
 
 
 @njit_exact_inline
@@ -154,7 +184,7 @@ def attention_block_kernel(path, table, dims, eps, scale, clip, x, cos, sin, key
     input), logits float32 [E] (out, if table[ROUTER]); clip < 0: none. See the module docstring."""
     dim, heads, kv_heads, dk, dv = dims[DIM_D], dims[DIM_H], dims[DIM_K], dims[DIM_DK], dims[DIM_DV]
     normed = np.empty(dim, np.float32)
-    _rms_row(x, _vector(table[ATTN_NORM], dim), eps, normed)
+    _norm(dims[DIM_NORM], x, table, ATTN_NORM, ATTN_NORM_BIAS, eps, normed)
 
     nq, nk = heads * dk, kv_heads * dk
     rows = nq + nk + kv_heads * dv
@@ -207,7 +237,7 @@ def attention_block_kernel(path, table, dims, eps, scale, clip, x, cos, sin, key
     for c in range(dim):
         x[c] = x[c] + o[c]
 
-    _rms_row(x, _vector(table[MLP_NORM], dim), eps, h)
+    _norm(dims[DIM_NORM], x, table, MLP_NORM, MLP_NORM_BIAS, eps, h)
     experts = table[EXPERTS]
     if table[ROUTER] != 0:
         router = float32_view(table[ROUTER], experts, dim)
