@@ -1,9 +1,9 @@
 """The decode engine: a one-token step's attention block in one kernel call per layer.
 
 Contract. `DecodeEngine.for_model(spec, layers)` returns an engine, or None where the layers are
-not its kind (then the generic forward runs every step). Its kind: grouped-query attention (with
-RMSNorm or LayerNorm, rotary over the whole head) whose projections are QuantizedLinear ("qkv"
-stacked, "o"), which is what `--dense-bits 8` or `4` loads (the default for a store).
+not its kind (then the generic forward runs every step). Its kind: grouped-query attention (RMSNorm or
+LayerNorm, rotary over the whole head) or multi-head latent attention (DeepSeek), whose
+projections are QuantizedLinear ("qkv" stacked, or MLA's q / q_a, q_b, kv_a, kv_b; and "o"), which is what `--dense-bits 8` or `4` loads (the default for a store).
 `layer(l, x, position, cos, sin, cache)` takes one token's hidden state x float32 [1, D] at
 `position` (the cache holds the positions before it) and returns (x + attention [1, D], h [1, D],
 logits [1, E] or None): the residual stream after the attention block, the MoE block's normed
@@ -31,15 +31,24 @@ from .layers import choose_experts
 from .spec import ModelSpec
 
 
+# The matrices each attention kind's table holds, by slot: the first of several names the layer has.
+MATRICES = {"gqa": ((cpu_layer.QKV, ("qkv",)), (cpu_layer.O, ("o",))),
+            "mla": ((cpu_layer.QKV, ("q_b", "q")), (cpu_layer.O, ("o",)), (cpu_layer.Q_A, ("q_a",)),
+                    (cpu_layer.KV_A, ("kv_a",)), (cpu_layer.KV_B, ("kv_b",)))}
+VECTORS = {cpu_layer.ATTN_NORM: "attn_norm", cpu_layer.ATTN_NORM_BIAS: "attn_norm_bias",
+           cpu_layer.MLP_NORM: "mlp_norm", cpu_layer.MLP_NORM_BIAS: "mlp_norm_bias", cpu_layer.Q_BIAS: "q_bias",
+           cpu_layer.K_BIAS: "k_bias", cpu_layer.V_BIAS: "v_bias", cpu_layer.O_BIAS: "o_bias",
+           cpu_layer.Q_NORM: "q_norm", cpu_layer.K_NORM: "k_norm", cpu_layer.SINKS: "sinks",
+           cpu_layer.Q_A_NORM: "q_a_norm", cpu_layer.Q_A_BIAS: "q_a_bias", cpu_layer.KV_A_NORM: "kv_a_norm",
+           cpu_layer.KV_A_BIAS: "kv_a_bias"}
+
+
 class DecodeEngine:
     def __init__(self, spec: ModelSpec, layers: list[dict]):
         self.spec = spec
         self._keep: list = []     # arrays the tables point into (float32 copies of norms and biases)
         self.tables = [self._table(l, w) for l, w in enumerate(layers)]
-        qk_norm = {None: cpu_layer.QK_NORM_NONE, "head": cpu_layer.QK_NORM_HEAD, "proj": cpu_layer.QK_NORM_PROJ}
-        norm = {"rms": cpu_layer.NORM_RMS, "layer": cpu_layer.NORM_LAYER}[spec.norm]
-        self.dims = np.array([spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.key_dim, spec.value_dim,
-                              qk_norm[spec.qk_norm], norm], np.int64)
+        self.dims = self._dims(spec)
         self.scale = np.float32(spec.key_dim ** -0.5 if spec.attention_scale is None else spec.attention_scale)
         self.clip = np.float32(-1 if spec.clip_qkv is None else spec.clip_qkv)
         self.eps = float(spec.rms_norm_eps)   # a float64, as the generic path's norms take it
@@ -47,12 +56,29 @@ class DecodeEngine:
     @classmethod
     def for_model(cls, spec: ModelSpec, layers: list[dict]) -> "DecodeEngine | None":
         """An engine for these decoder layers (MoEModel.layers), or None if they are not its kind."""
-        if spec.attention != "gqa" or spec.rope_dim != spec.head_dim:
+        if spec.attention not in MATRICES or (spec.attention == "gqa" and spec.rope_dim != spec.head_dim):
             return None
-        if not all(isinstance(w.get("qkv"), QuantizedLinear) and isinstance(w.get("o"), QuantizedLinear)
-                   for w in layers):
-            return None
+        optional = {"q_a"} if not spec.q_lora_rank else set()   # MLA without a query latent
+        for w in layers:
+            for _, names in MATRICES[spec.attention]:
+                present = [name for name in names if name in w]
+                if not (present and isinstance(w[present[0]], QuantizedLinear)) and not optional.issuperset(names):
+                    return None
         return cls(spec, layers)
+
+    @staticmethod
+    def _dims(spec: ModelSpec) -> np.ndarray:
+        c = cpu_layer
+        dims = np.zeros(c.DIMS, np.int64)
+        dims[[c.DIM_D, c.DIM_H, c.DIM_K, c.DIM_DK, c.DIM_DV]] = (spec.hidden_size, spec.num_heads, spec.num_kv_heads,
+                                                               spec.key_dim, spec.value_dim)
+        dims[c.DIM_QK_NORM] = {None: c.QK_NORM_NONE, "head": c.QK_NORM_HEAD, "proj": c.QK_NORM_PROJ}[spec.qk_norm]
+        dims[c.DIM_NORM] = {"rms": c.NORM_RMS, "layer": c.NORM_LAYER}[spec.norm]
+        if spec.attention == "mla":
+            dims[[c.DIM_N, c.DIM_R, c.DIM_CKV, c.DIM_CQ, c.DIM_INTERLEAVE]] = (
+                spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.kv_lora_rank, spec.q_lora_rank or 0,
+                int(spec.rope_interleave))
+        return dims
 
     def _float32(self, t: torch.Tensor | None) -> int:
         """The address of a float32 contiguous copy of t (kept alive by the engine), 0 for None."""
@@ -65,15 +91,14 @@ class DecodeEngine:
     def _table(self, l: int, w: dict) -> np.ndarray:
         c = cpu_layer
         table = np.zeros(c.TABLE_COLUMNS, np.int64)
-        for first, name in ((c.QKV_P, "qkv"), (c.O_P, "o")):
+        for slot, names in MATRICES[self.spec.attention]:
+            name = next((n for n in names if n in w), None)
+            if name is None:   # q_a without a query latent
+                continue
             qt = w[name].qt
-            table[first:first + 3] = [address(qt.packed), address(qt.scale), address(qt.zero)]
-            bits_col = c.QKV_BITS if name == "qkv" else c.O_BITS
-            table[bits_col:bits_col + 3] = [qt.bits, qt.group, qt.ngroups]
-        for column, name in ((c.ATTN_NORM, "attn_norm"), (c.MLP_NORM, "mlp_norm"), (c.ATTN_NORM_BIAS, "attn_norm_bias"),
-                             (c.MLP_NORM_BIAS, "mlp_norm_bias"), (c.Q_BIAS, "q_bias"),
-                             (c.K_BIAS, "k_bias"), (c.V_BIAS, "v_bias"), (c.O_BIAS, "o_bias"),
-                             (c.Q_NORM, "q_norm"), (c.K_NORM, "k_norm"), (c.SINKS, "sinks")):
+            table[slot:slot + c.MATRIX_COLUMNS] = (address(qt.packed), address(qt.scale), address(qt.zero),
+                                                   qt.bits, qt.group, qt.ngroups)
+        for column, name in VECTORS.items():
             table[column] = self._float32(w.get(name))
         if self.spec.moe_layers[l]:
             table[c.ROUTER] = self._float32(w["router"])
@@ -89,9 +114,13 @@ class DecodeEngine:
         x = x.clone()   # the residual stream is updated in place
         h = torch.empty_like(x)
         logits = torch.empty(1, int(table[cpu_layer.EXPERTS]), dtype=torch.float32)
-        cpu_layer.attention_block_kernel(_int_path(None), table, self.dims, self.eps, self.scale, self.clip,
-                                         x.numpy()[0], cos.numpy()[0], sin.numpy()[0], keys, values, position,
-                                         h.numpy()[0], logits.numpy()[0], cpu.row_blocks())
+        arrays = (x.numpy()[0], cos.numpy()[0], sin.numpy()[0], keys, values, position, h.numpy()[0],
+                  logits.numpy()[0], cpu.row_blocks())
+        if self.spec.attention == "mla":
+            cpu_layer.latent_attention_block_kernel(_int_path(None), table, self.dims, self.eps, self.scale, *arrays)
+        else:
+            cpu_layer.attention_block_kernel(_int_path(None), table, self.dims, self.eps, self.scale, self.clip,
+                                             *arrays)
         return x, h, (logits if table[cpu_layer.ROUTER] else None)
 
     def choose(self, logits: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

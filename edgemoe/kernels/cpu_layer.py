@@ -8,7 +8,11 @@ One call does, for a token's hidden state x [D] (the residual stream, updated in
          keys [j0, pos] (sliding window; optional sink logit) -> o = attn @ Wo^T (+ bias)
       -> x += o -> h = norm(x) -> router logits = Wr @ h (float32 Wr, when the layer routes)
 
-where the generic forward makes ~40 torch ops and kernel calls, each with its Python around it.
+(attention_block_kernel), or, for multi-head latent attention (latent_attention_block_kernel), q
+from x or through its latent (q_a, RMSNorm, q_b), keys and values expanded per head from kv_a's
+normed latent by kv_b, the rope parts rotated (after DeepSeek's deinterleave where the model
+has it), then the same attention and tail. The phases are inlined functions (numba inlines their
+prange loops into the kernel's parallel regions). This is where the generic forward makes ~40 torch ops and kernel calls, each with its Python around it.
 The projections, RMSNorms, biases, clip, rotary and residual give the generic path's bits (the same
 integer kernel rows, _rows; the same norm loop; elementwise float32 ops in torch's order, compiled
 without fastmath). The attention's dot products and softmax, the router's products and LayerNorm
@@ -20,7 +24,8 @@ once per model by edgemoe/decode.py: one argument instead of twenty. Columns bel
 means "absent" (no bias, no norm, no sinks, no router).
 
 Shapes: D hidden, H query heads, K kv heads, Dk / Dv key / value dims per head, E experts,
-L cached positions (the cache's capacity), R output rows of a projection.
+L cached positions (the cache's capacity), R output rows of a projection; MLA: N / R key dims
+without / with rotary, Ckv and Cq latent ranks.
 """
 
 from __future__ import annotations
@@ -33,14 +38,20 @@ from .cpu import _block_size, rms_norm_kernel
 from .cpu_int import _quantize_row, _rows
 from .views import float32_view, uint8_view
 
-# The layer table's columns: addresses (float32 arrays unless said), then integers.
-(ATTN_NORM, QKV_P, QKV_S, QKV_Z, QKV_BITS, QKV_GROUP, QKV_NGROUPS, Q_BIAS, K_BIAS, V_BIAS, Q_NORM, K_NORM,
- O_P, O_S, O_Z, O_BITS, O_GROUP, O_NGROUPS, O_BIAS, SINKS, MLP_NORM, ROUTER, EXPERTS, WINDOW,
- ATTN_NORM_BIAS, MLP_NORM_BIAS) = range(26)
-TABLE_COLUMNS = 26
-# The model's dimensions (an int64 array).
-DIM_D, DIM_H, DIM_K, DIM_DK, DIM_DV, DIM_QK_NORM, DIM_NORM = range(7)
-DIMS = 7
+# The layer table's columns. First its matrices, MATRIX_COLUMNS each: the addresses of the packed
+# codes, scales and zeros, then width, padded group size and group count. QKV: q, k, v stacked
+# (grouped-query attention) or q (multi-head latent attention: q, or q_b after q_a's latent).
+QKV, O, Q_A, KV_A, KV_B = (i * 6 for i in range(5))
+PACKED, SCALE, ZERO, BITS, GROUP, NGROUPS = range(6)
+MATRIX_COLUMNS = 6
+# Then float32 vectors (0: absent), then integers.
+(ATTN_NORM, ATTN_NORM_BIAS, MLP_NORM, MLP_NORM_BIAS, Q_BIAS, K_BIAS, V_BIAS, Q_NORM, K_NORM, O_BIAS, SINKS,
+ ROUTER, Q_A_NORM, Q_A_BIAS, KV_A_NORM, KV_A_BIAS, EXPERTS, WINDOW) = range(30, 48)
+TABLE_COLUMNS = 48
+# The model's dimensions (an int64 array). MLA: N / R key dims without / with rotary, Ckv latent rank,
+# Cq query latent rank (0: q straight from x).
+DIM_D, DIM_H, DIM_K, DIM_DK, DIM_DV, DIM_QK_NORM, DIM_NORM, DIM_N, DIM_R, DIM_CKV, DIM_CQ, DIM_INTERLEAVE = range(12)
+DIMS = 12
 QK_NORM_NONE, QK_NORM_HEAD, QK_NORM_PROJ = 0, 1, 2
 NORM_RMS, NORM_LAYER = 0, 1   # the layer norms: RMSNorm, or LayerNorm with a bias (Phi-3.5-MoE)
 
@@ -158,45 +169,32 @@ def _dot_rows(matrix, v, out, r0, r1):
         out[r] = s
 
 
-@njit_exact
-def _projection_inputs(table, p, bits_col, v):
-    """v float32 [C] quantized for the matrix at table[p:p + 3] -> (xq flat, xs [1, NG], qs [1, NG])."""
-    g, ng = table[bits_col + 1], table[bits_col + 2]
+@njit_exact_inline
+def _project(path, table, m, v, rows, nblocks):
+    """v float32 [C] @ matrix m's (table[m:m + MATRIX_COLUMNS]) W^T on the integer path -> float32 [R]:
+    v quantized to int8 on the matrix's groups, rows in parallel blocks (qmatmul_int_kernel's bits)."""
+    bits, g, ng = table[m + BITS], table[m + GROUP], table[m + NGROUPS]
     xq = np.zeros(ng * g, np.int8)
     xs = np.empty((1, ng), np.float32)
     qs = np.empty((1, ng), np.int64)
     _quantize_row(v, g, xq, xs[0], qs[0])
-    return xq, xs, qs
+    packed = uint8_view(table[m + PACKED], rows * ng * (g * bits // 8))
+    scale = float32_view(table[m + SCALE], rows, ng)
+    zero = float32_view(table[m + ZERO], rows, ng)
+    out = np.empty((1, rows), np.float32)
+    size = _block_size(rows, nblocks)
+    for b in numba.prange(-(-rows // size)):
+        _rows(path, bits, g, packed, scale, zero, xq, ng * g, xs, qs, 0, 1, b * size, min(rows, (b + 1) * size), out)
+    return out[0]
 
 
 @njit_exact_inline
-def _matrix(table, p, bits_col, rows):
-    bits, g, ng = table[bits_col], table[bits_col + 1], table[bits_col + 2]
-    packed = uint8_view(table[p], rows * ng * (g * bits // 8))
-    return packed, float32_view(table[p + 1], rows, ng), float32_view(table[p + 2], rows, ng)
-
-
-@njit_exact_parallel
-def attention_block_kernel(path, table, dims, eps, scale, clip, x, cos, sin, keys, values, pos, h, logits,
-                           nblocks):
-    """x float32 [D] (updated: x + attention), keys / values float32 [K, L, Dk / Dv] (position pos
-    written), cos / sin float32 [Dk] of the position, h float32 [D] (out: the MoE block's normed
-    input), logits float32 [E] (out, if table[ROUTER]); clip < 0: none. See the module docstring."""
-    dim, heads, kv_heads, dk, dv = dims[DIM_D], dims[DIM_H], dims[DIM_K], dims[DIM_DK], dims[DIM_DV]
-    normed = np.empty(dim, np.float32)
-    _norm(dims[DIM_NORM], x, table, ATTN_NORM, ATTN_NORM_BIAS, eps, normed)
-
+def _gqa_qkv(path, table, dims, eps, clip, normed, cos, sin, nblocks):
+    """Grouped-query attention's rotated q [H * Dk], k [K * Dk] and v [K * Dv] (attention.gqa_qkv)."""
+    heads, kv_heads, dk, dv = dims[DIM_H], dims[DIM_K], dims[DIM_DK], dims[DIM_DV]
     nq, nk = heads * dk, kv_heads * dk
-    rows = nq + nk + kv_heads * dv
-    qkv = np.empty((1, rows), np.float32)
-    bits, g = table[QKV_BITS], table[QKV_GROUP]
-    xq, xs, qs = _projection_inputs(table, QKV_P, QKV_BITS, normed)
-    packed, sc, zr = _matrix(table, QKV_P, QKV_BITS, rows)
-    size = _block_size(rows, nblocks)
-    for b in numba.prange(-(-rows // size)):
-        _rows(path, bits, g, packed, sc, zr, xq, xq.shape[0], xs, qs, 0, 1, b * size, min(rows, (b + 1) * size), qkv)
-
-    q, k, v = qkv[0, :nq], qkv[0, nq:nq + nk], qkv[0, nq + nk:]
+    qkv = _project(path, table, QKV, normed, nq + nk + kv_heads * dv, nblocks)
+    q, k, v = qkv[:nq], qkv[nq:nq + nk], qkv[nq + nk:]
     _add_bias(q, table[Q_BIAS])
     _add_bias(k, table[K_BIAS])
     _add_bias(v, table[V_BIAS])
@@ -209,10 +207,63 @@ def attention_block_kernel(path, table, dims, eps, scale, clip, x, cos, sin, key
                 part[c] = min(max(part[c], -clip), clip)
     _rope_heads(q, heads, dk, cos, sin)
     _rope_heads(k, kv_heads, dk, cos, sin)
+    return q, k, v
+
+
+@njit_exact_inline
+def _deinterleaved(v):
+    """layers.deinterleave of one head's rope part: (x0, x2, ..., x1, x3, ...)."""
+    half = v.shape[0] // 2
+    out = np.empty_like(v)
+    for i in range(half):
+        out[i] = v[2 * i]
+        out[half + i] = v[2 * i + 1]
+    return out
+
+
+@njit_exact_inline
+def _mla_qkv(path, table, dims, eps, normed, cos, sin, nblocks):
+    """Multi-head latent attention's q [H * (N + R)], k [H * (N + R)] and v [H * Dv] (attention.mla_qkv):
+    keys and values expanded per head from the normed latent; the rope part of the key, rotated,
+    shared by every head."""
+    heads, n, r, dv, ckv, cq = dims[DIM_H], dims[DIM_N], dims[DIM_R], dims[DIM_DV], dims[DIM_CKV], dims[DIM_CQ]
+    if cq > 0:
+        q_latent = _project(path, table, Q_A, normed, cq, nblocks)
+        _add_bias(q_latent, table[Q_A_BIAS])
+        _rms_row(q_latent, _vector(table[Q_A_NORM], cq), eps, q_latent)
+        q = _project(path, table, QKV, q_latent, heads * (n + r), nblocks)
+    else:
+        q = _project(path, table, QKV, normed, heads * (n + r), nblocks)
+    kv_a = _project(path, table, KV_A, normed, ckv + r, nblocks)
+    _add_bias(kv_a, table[KV_A_BIAS])
+    latent = kv_a[:ckv].copy()
+    _rms_row(latent, _vector(table[KV_A_NORM], ckv), eps, latent)
+    kv = _project(path, table, KV_B, latent, heads * (n + dv), nblocks)
+    k_rope = kv_a[ckv:].copy()
+    if dims[DIM_INTERLEAVE]:
+        k_rope = _deinterleaved(k_rope)
+    _rope_heads(k_rope, 1, r, cos, sin)
+    k = np.empty(heads * (n + r), np.float32)
+    v = np.empty(heads * dv, np.float32)
+    for hd in range(heads):
+        base = hd * (n + r)
+        if dims[DIM_INTERLEAVE]:
+            q[base + n:base + n + r] = _deinterleaved(q[base + n:base + n + r])
+        _rope_heads(q[base + n:base + n + r], 1, r, cos, sin)
+        k[base:base + n] = kv[hd * (n + dv):hd * (n + dv) + n]
+        k[base + n:base + n + r] = k_rope
+        v[hd * dv:(hd + 1) * dv] = kv[hd * (n + dv) + n:(hd + 1) * (n + dv)]
+    return q, k, v
+
+
+@njit_exact_inline
+def _attention_tail(path, table, dims, eps, scale, x, q, k, v, keys, values, pos, h, logits, nblocks):
+    """From rotated q, k, v of one token: k, v into the cache at pos, attention, o (+ bias), x += o,
+    h = norm(x), router logits (if the layer routes)."""
+    dim, heads, kv_heads, dk, dv = dims[DIM_D], dims[DIM_H], dims[DIM_K], dims[DIM_DK], dims[DIM_DV]
     for kh in range(kv_heads):
         keys[kh, pos, :] = k[kh * dk:(kh + 1) * dk]
         values[kh, pos, :] = v[kh * dv:(kh + 1) * dv]
-
     window = table[WINDOW]
     j0 = max(0, pos + 1 - window) if window > 0 else 0
     has_sink = table[SINKS] != 0
@@ -224,19 +275,10 @@ def attention_block_kernel(path, table, dims, eps, scale, clip, x, cos, sin, key
         kh = hd // group
         _attend_head(q[hd * dk:(hd + 1) * dk], keys[kh], values[kh], j0, pos + 1, scale, sinks[hd], has_sink,
                      scores, attended[hd * dv:(hd + 1) * dv])
-
-    out = np.empty((1, dim), np.float32)
-    bits, g = table[O_BITS], table[O_GROUP]
-    xq, xs, qs = _projection_inputs(table, O_P, O_BITS, attended)
-    packed, sc, zr = _matrix(table, O_P, O_BITS, dim)
-    size = _block_size(dim, nblocks)
-    for b in numba.prange(-(-dim // size)):
-        _rows(path, bits, g, packed, sc, zr, xq, xq.shape[0], xs, qs, 0, 1, b * size, min(dim, (b + 1) * size), out)
-    o = out[0]
+    o = _project(path, table, O, attended, dim, nblocks)
     _add_bias(o, table[O_BIAS])
     for c in range(dim):
         x[c] = x[c] + o[c]
-
     _norm(dims[DIM_NORM], x, table, MLP_NORM, MLP_NORM_BIAS, eps, h)
     experts = table[EXPERTS]
     if table[ROUTER] != 0:
@@ -244,6 +286,30 @@ def attention_block_kernel(path, table, dims, eps, scale, clip, x, cos, sin, key
         size = _block_size(experts, nblocks)
         for b in numba.prange(-(-experts // size)):
             _dot_rows(router, h, logits, b * size, min(experts, (b + 1) * size))
+
+
+@njit_exact_parallel
+def attention_block_kernel(path, table, dims, eps, scale, clip, x, cos, sin, keys, values, pos, h, logits,
+                           nblocks):
+    """Grouped-query attention. x float32 [D] (updated: x + attention), keys / values float32
+    [K, L, Dk / Dv] (position pos written), cos / sin float32 [Dk] of the position, h float32 [D]
+    (out: the MoE block's normed input), logits float32 [E] (out, if table[ROUTER]); clip < 0: none.
+    See the module docstring."""
+    normed = np.empty(dims[DIM_D], np.float32)
+    _norm(dims[DIM_NORM], x, table, ATTN_NORM, ATTN_NORM_BIAS, eps, normed)
+    q, k, v = _gqa_qkv(path, table, dims, eps, clip, normed, cos, sin, nblocks)
+    _attention_tail(path, table, dims, eps, scale, x, q, k, v, keys, values, pos, h, logits, nblocks)
+
+
+@njit_exact_parallel
+def latent_attention_block_kernel(path, table, dims, eps, scale, x, cos, sin, keys, values, pos, h, logits,
+                                  nblocks):
+    """attention_block_kernel for multi-head latent attention (DeepSeek): cos / sin [R]; the cache
+    holds the expanded keys [H, L, N + R] and values [H, L, Dv]."""
+    normed = np.empty(dims[DIM_D], np.float32)
+    _norm(dims[DIM_NORM], x, table, ATTN_NORM, ATTN_NORM_BIAS, eps, normed)
+    q, k, v = _mla_qkv(path, table, dims, eps, normed, cos, sin, nblocks)
+    _attention_tail(path, table, dims, eps, scale, x, q, k, v, keys, values, pos, h, logits, nblocks)
 
 
 @njit_exact
