@@ -370,7 +370,7 @@ def run(
     else:
         m.generate(seen, on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()),
                    on_warning=_warn, max_new_tokens=max_new_tokens, seed=seed, stop_strings=tuple(stop),
-                   truncate=truncate, **({"token_stream": speculator.stream} if speculator else {}), **sampling)
+                   truncate=truncate, **({"decoder": speculator.decode} if speculator else {}), **sampling)
     sys.stdout.write("\n")
     if stats:
         _print_run_stats(m, speculator.stats if speculator else None)

@@ -12,8 +12,9 @@ from edgemoe.model import Segment
 from edgemoe.layers import route
 from edgemoe.store import StoreError, open_store
 from edgemoe.convert import convert
-from edgemoe.scheduling.profile import (RoutingProfile, TraceRecord, TraceRecorder, predictor_quality, read_trace,
-                                   tokens_from_trace, write_trace)
+from edgemoe.scheduling.profile import (RoutingProfile, TraceRecord, predictor_quality, read_trace, tokens_from_trace,
+                                   write_trace)
+from edgemoe.tracing import TraceRecorder
 
 
 def chain_tokens(n: int, layers=(0, 1, 2, 3), num_experts: int = 4) -> list[dict]:
