@@ -14,15 +14,14 @@ Shapes: N beams, V vocabulary, K candidates per step.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
 from .cache import KVCache
-from .generate import ContextWarning, GenerationOptions, eos_token_ids, fit_context, new_token_limit
-from .model import MoEModel, Segment
+from .generate import Feed, Generation, GenerationOptions, forward_step, last_logits
+from .model import MoEModel
 from .options import finite_number, integer_at_least
 
 
@@ -38,45 +37,29 @@ def beam_search(model: MoEModel, prompt_ids: Sequence[int], num_beams: int, max_
                 stop_token_ids: Sequence[int] | None = None, truncate: bool = False,
                 warn: Callable[[str], None] | None = None) -> list[tuple[list[int], float]]:
     """The finished hypotheses, best first (at most num_beams): (new token ids without the stop
-    token, score). The prompt is prefilled once, its cache forked per beam; a prompt past the context
-    is refused or truncated as generate does (fit_context), and no beam outgrows the context.
-    stop_token_ids None: the model's eos tokens."""
+    token, score). The prompt goes through generate's loop as one Generation (its context, token limit
+    and stop tokens; prefilled once, in chunks), its cache forked per beam; the beams are then fed
+    through forward_step together, one step per token. stop_token_ids None: the model's eos tokens."""
     num_beams = integer_at_least(num_beams, "num_beams=", 1)
     max_new_tokens = integer_at_least(max_new_tokens, "max_new_tokens=", 0)
     length_penalty = finite_number(length_penalty, "length_penalty=")
-    if len(prompt_ids) == 0:
-        raise ValueError("beam_search: the prompt is empty")
-    warn = warn or _warn
-    opts = GenerationOptions(max_new_tokens=max_new_tokens, truncate=truncate)
-    prompt = fit_context(model, prompt_ids, opts, warn)
-    limit = new_token_limit(model, len(prompt), opts)
-    if limit == 0:
+    generation = Generation(model, prompt_ids, GenerationOptions(max_new_tokens=max_new_tokens, truncate=truncate,
+                                                                 stop_token_ids=stop_token_ids), warn)
+    if generation.finished:
         return []
-    stops = set(stop_token_ids if stop_token_ids is not None else eos_token_ids(model))
-    search = _Search(num_beams, limit, length_penalty, early_stopping, stops)
-    beams, logits = _prefill(model, prompt, opts.prefill_chunk)
+    logits = last_logits(model, generation.open())[None]          # [1, V]
+    search = _Search(num_beams, generation.limit, length_penalty, early_stopping, set(generation.stops))
+    beams = [Beam([], 0.0, generation.feed.state)]
     model.timings.first_token_chosen()
     while True:
         beams = search.step(beams, logits)
         if search.done(beams):
             break
-        tokens = torch.tensor([b.tokens[-1] for b in beams])
-        logits = model.forward(tokens, [Segment(b.cache, 1) for b in beams], last_only=True)
+        logits = torch.stack(forward_step(model, [Feed(b.cache, b.tokens[-1:], 1) for b in beams]))
+    limit = generation.limit
     if limit < max_new_tokens and any(len(tokens) == limit for tokens, _ in search.finished):
-        warn(f"beams stopped at the model's context of {model.context_length} tokens")
+        generation.warn(f"beams stopped at the model's context of {model.context_length} tokens")
     return search.finished
-
-
-def _warn(message: str) -> None:
-    warnings.warn(message, ContextWarning, stacklevel=3)
-
-
-def _prefill(model: MoEModel, prompt: list[int], chunk: int) -> tuple[list[Beam], torch.Tensor]:
-    """One beam holding the prompt, and its next-token logits [1, V]."""
-    cache = model.new_cache()
-    for start in range(0, len(prompt), chunk):
-        logits = model.logits(prompt[start:start + chunk], cache)
-    return [Beam([], 0.0, cache)], logits[-1:]
 
 
 class _Search:

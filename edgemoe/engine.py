@@ -1,8 +1,9 @@
 """Continuous batching: one thread owns the model and runs every active request in one forward step.
 
-Each step feeds every active request its next tokens: a prefill chunk (up to its prefill_chunk prompt
-tokens) while it is prefilling, then the one token it sampled last. All of them go through a single
-`model.forward` call, so each expert is read once per step for all requests. Requests join (submit)
+Each step is one step of the generation loop (generate.step) over every active request's Generation:
+a prefill chunk (up to its prefill_chunk prompt tokens) while it is prefilling, then the one token it
+sampled last, all in a single forward step, so each expert is read once per step for all requests;
+sampling, stop tokens and strings and the token limit are the loop's. Requests join (submit)
 and leave (finish, cancel) between steps; each keeps its own KV cache, random generator, sampling
 options and stop strings, so its output does not depend on which others share its steps.
 
@@ -20,24 +21,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
-import torch
-
-from .cache import KVCache
-from .generate import (GenerationOptions, StopStringStream, eos_token_ids, fit_context, make_generator,
-                       new_token_limit, next_token)
-from .model import MoEModel, Segment
-
-
-@dataclass
-class Event:
-    """What one step produced for one request. `finish_reason` is set on the request's last event:
-    "stop" (a stop token or string), "length" (max_new_tokens or the context limit), "cancelled",
-    or "error" (then `error` says what failed)."""
-
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None
-    error: str | None = None
+from .generate import Event, Generation, GenerationOptions, step
+from .model import MoEModel
 
 
 @dataclass
@@ -55,18 +40,21 @@ class Request:
     """One generation. Created by Engine.submit; read by the caller through events() or next_event()."""
 
     id: int
-    prompt_ids: list[int]
-    opts: GenerationOptions
-    max_new_tokens: int                          # opts.max_new_tokens, capped by the context left
-    generator: torch.Generator
-    stops: frozenset[int]
-    text_stream: StopStringStream
-    cache: KVCache | None = None                 # made when the request joins a step, dropped when it ends
-    pending: list[int] = field(default_factory=list)   # tokens still to feed (prompt chunks, last sample)
-    output_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
+    generation: Generation                       # its place in the loop: prompt, output, stops, limit
     _events: queue.Queue = field(default_factory=queue.Queue)
     _cancelled: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.generation.prompt
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.generation.output
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.generation.finish_reason
 
     @property
     def usage(self) -> Usage:
@@ -115,19 +103,9 @@ class Engine:
     # ---- caller side (any thread) -------------------------------------------------------------------
     def submit(self, prompt_ids: Sequence[int], opts: GenerationOptions) -> Request:
         """Queue a generation. Raises ContextLengthError if the prompt fills the model's context."""
-        prompt_ids = list(prompt_ids)
-        if not prompt_ids:
-            raise ValueError("prompt: empty (no tokens to continue)")
-        prompt_ids = fit_context(self.model, prompt_ids, opts, warn=lambda message: None)   # refused unless truncate
-        if self.model.tokenizer is None:
-            raise ValueError("this model has no tokenizer, so its output cannot be decoded into text")
-        stops = opts.stop_token_ids if opts.stop_token_ids is not None else eos_token_ids(self.model)
-        request = Request(
-            id=next(self._ids), prompt_ids=prompt_ids, opts=opts,
-            max_new_tokens=new_token_limit(self.model, len(prompt_ids), opts),
-            generator=make_generator(opts.seed), stops=frozenset(stops),
-            text_stream=StopStringStream(self.model.tokenizer, opts.stop_strings),
-            pending=prompt_ids)
+        # A truncated prompt is not reported here: the server has no channel for notices.
+        generation = Generation(self.model, list(prompt_ids), opts, warn=lambda message: None, text=True)
+        request = Request(next(self._ids), generation)
         self._waiting.put(request)
         self._wake.set()
         return request
@@ -145,31 +123,27 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
         for request in self.active + self._drain_waiting():
-            self._finish(request, "cancelled")
+            self._end(request, "cancelled")
         self.active = []
 
     # ---- engine side (one thread) -------------------------------------------------------------------
     def step(self) -> bool:
-        """One forward step over every active request. False if there was nothing to do."""
+        """One step of the generation loop over every active request. False if there was nothing to do."""
         self._admit()
         for request in [r for r in self.active if r.cancelled]:
-            self._finish(request, "cancelled")
+            self._end(request, "cancelled")
         self.active = [r for r in self.active if r.finish_reason is None]
         if not self.active:
             return False
-        feeds = [r.pending[:r.opts.prefill_chunk] for r in self.active]
-        tokens = torch.tensor([t for feed in feeds for t in feed])
         try:
-            logits = self.model.forward(tokens, [Segment(r.cache, len(f)) for r, f in zip(self.active, feeds)],
-                                        last_only=True)                                      # [B, V]
-            for row, (request, feed) in enumerate(zip(self.active, feeds)):
-                request.pending = request.pending[len(feed):]
-                if not request.pending:         # prefill done (or a decode step): sample the next token
-                    self._accept(request, next_token(logits[row], request.opts, request.generator))
+            events = step(self.model, [r.generation for r in self.active])
         except Exception as e:   # a failing store or device: fail the requests of this step, keep serving
             for request in self.active:
-                if request.finish_reason is None:
-                    self._finish(request, "error", error=f"{type(e).__name__}: {e}")
+                self._end(request, "error", error=f"{type(e).__name__}: {e}")
+        else:
+            for request, event in zip(self.active, events):
+                if event is not None:           # None: still prefilling
+                    self._deliver(request, event)
         self.active = [r for r in self.active if r.finish_reason is None]
         return True
 
@@ -180,35 +154,21 @@ class Engine:
             except queue.Empty:
                 return
             if request.cancelled:
-                self._finish(request, "cancelled")
-                continue
-            if request.max_new_tokens == 0:
-                self._finish(request, "length")
-                continue
-            request.cache = self.model.new_cache()
-            self.active.append(request)
+                self._end(request, "cancelled")
+            elif request.finish_reason is not None:     # max_new_tokens 0: nothing to generate
+                self._deliver(request, Event([], "", request.finish_reason))
+            else:
+                self.active.append(request)
 
-    def _accept(self, request: Request, token: int) -> None:
-        if token in request.stops:
-            self._finish(request, "stop")
-            return
-        request.output_ids.append(token)
-        request.pending = [token]
-        text = request.text_stream.push(token)
-        if request.text_stream.stopped:
-            self._finish(request, "stop", [token], text)
-        elif len(request.output_ids) >= request.max_new_tokens:
-            self._finish(request, "length", [token], text)
-        else:
-            request._events.put(Event([token], text))
+    def _end(self, request: Request, reason: str, error: str | None = None) -> None:
+        """End a request for the engine's reasons (cancelled, error): its state is freed now."""
+        request.generation.end(reason)
+        self._deliver(request, Event([], "", reason, error))
 
-    def _finish(self, request: Request, reason: str, token_ids: list[int] | None = None, text: str = "",
-                error: str | None = None) -> None:
-        if reason in ("stop", "length"):
-            text += request.text_stream.finish()
-        request.finish_reason = reason
-        request.cache = None                    # free the KV cache now, not when the caller lets go
-        request._events.put(Event(token_ids or [], text, reason, error))
+    @staticmethod
+    def _deliver(request: Request, event: Event) -> None:
+        """Every event a request gets, the loop's and the engine's own, goes to its caller here."""
+        request._events.put(event)
 
     def _drain_waiting(self) -> list[Request]:
         drained = []

@@ -164,6 +164,17 @@ class ExpertProvider(ABC):
         return out
 
 
+class WeightSource(Protocol):
+    """A provider that can give an expert's full weights: what a re-quantized copy is made from (a
+    speculative self-draft's LowWidthExperts). InMemoryExperts and StoreExperts are ones."""
+
+    def float_weights(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        """The expert's matrices in float32: gate (unless ungated), up [I, D], down [D, I]."""
+
+    def activation(self, layer: int, expert: int) -> Activation:
+        """The expert's kind with its biases bound (None: SwiGLU)."""
+
+
 class InMemoryExperts(ExpertProvider):
     """Every expert resident as a DenseExpert (a plain checkpoint loaded into RAM)."""
 
@@ -172,6 +183,12 @@ class InMemoryExperts(ExpertProvider):
 
     def expert(self, layer: int, expert: int) -> Expert:
         return self.experts[layer, expert]
+
+    def float_weights(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        return {role: w.float() for role, w in self.experts[layer, expert].weights.items()}
+
+    def activation(self, layer: int, expert: int) -> Activation:
+        return self.experts[layer, expert].activation
 
     @property
     def nbytes(self) -> int:

@@ -1,5 +1,21 @@
-"""Token generation: greedy or sampled (temperature, top-k, top-p, seeded), stop tokens and strings,
-streaming, and several sequences decoded together.
+"""Token generation: one loop for every driver. Greedy or sampled (temperature, top-k, top-p,
+seeded), stop tokens and strings, streaming, and several sequences decoded together.
+
+The loop, lowest first:
+- forward_step(model, feeds): one forward step for several sequences, each feeding a prompt chunk (at
+  most prefill_chunk tokens) or its last token; the only place a prompt is cut into chunks.
+- Generation: one sequence's rules, written once: the prompt fitted to the context, the stop tokens,
+  the token limit, the seeded sampler, the stop strings and the text safe to show; `accept(token)`
+  decides when it ends and returns an Event.
+- step(model, generations): forward_step, then each generation whose prompt is fed chooses its next
+  token (next_token) and accepts it.
+Drivers: decode (plain decoding of one sequence: stream_tokens, generate, chat), generate_batch, the
+serving engine (edgemoe/engine.py: requests joining and leaving between steps), speculative decoding
+(edgemoe/speculative.py: the prompt through decode, then draft-verify rounds whose tokens the
+Generation accepts), beam search (edgemoe/beam.py: a Generation's prompt, context, limit and stop
+tokens, beams fed through forward_step). A model takes part through two methods: open_sequence(prompt)
+-> (state, first tokens to feed) and next_logits(runs, states); an encoder-decoder model's open its
+encoder output and feed the decoder's start token (edgemoe/seq2seq.py).
 
 Sampling applies temperature, then top-k, then top-p, as transformers' logits warpers do.
 """
@@ -8,12 +24,12 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
 from .errors import ContextLengthError, EdgeMoEError
-from .model import MoEModel, Segment
+from .model import MoEModel
 from .tokenizer import StreamDecoder
 
 
@@ -101,11 +117,6 @@ def fit_context(model: MoEModel, prompt_ids: Sequence[int], opts: GenerationOpti
     return list(prompt_ids[n - keep:])
 
 
-def new_token_limit(model: MoEModel, prompt_length: int, opts: GenerationOptions) -> int:
-    """New tokens a sequence may get: max_new_tokens, or fewer where the context ends first."""
-    return min(opts.max_new_tokens, model.context_length - prompt_length)
-
-
 def make_generator(seed: int | None) -> torch.Generator:
     """The sampling generator: seeded, or from fresh entropy."""
     g = torch.Generator()
@@ -116,71 +127,177 @@ def make_generator(seed: int | None) -> torch.Generator:
     return g
 
 
+def stop_tokens(model: MoEModel, opts: GenerationOptions) -> frozenset[int]:
+    """The token ids that end a sequence: opts.stop_token_ids, else the model's eos tokens."""
+    return frozenset(opts.stop_token_ids if opts.stop_token_ids is not None else eos_token_ids(model))
+
+
+# ---- the generation loop --------------------------------------------------------------------------
+@dataclass
+class Event:
+    """What the loop produced for one sequence at one token: the new token ids (none for a stop token)
+    and the text that is safe to show. `finish_reason` is set on the sequence's last event: "stop" (a
+    stop token or string), "length" (max_new_tokens or the context), or, from the serving engine,
+    "cancelled" or "error" (then `error` says what failed)."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class Feed:
+    """One sequence's place in the forward loop: its decoding state (a KV cache, or an encoder-decoder's
+    DecoderState) and the tokens it still has to feed, at most `chunk` per step."""
+
+    state: object
+    pending: list[int]
+    chunk: int
+
+
+def forward_step(model, feeds: Sequence[Feed]) -> list[torch.Tensor | None]:
+    """One forward step of `model` for every feed at once: each feeds its next tokens (up to `chunk` of
+    a prompt, long prompts in chunks, or the one token chosen last), continuing its state. Returns,
+    per feed, its next-token float32 logits [V] once it has fed every pending token, else None (still
+    prefilling). The one place a prompt is cut into chunks: plain, batched and served decoding, a
+    speculative draft and beam search all feed through it."""
+    runs = [feed.pending[:feed.chunk] for feed in feeds]
+    logits = model.next_logits(runs, [feed.state for feed in feeds])     # [len(feeds), V]
+    ready = []
+    for row, (feed, run) in enumerate(zip(feeds, runs)):
+        feed.pending = feed.pending[len(run):]
+        ready.append(None if feed.pending else logits[row])
+    return ready
+
+
+def last_logits(model, feed: Feed) -> torch.Tensor:
+    """Forward steps of one feed until it has fed every pending token: its next-token logits [V]."""
+    while True:
+        (logits,) = forward_step(model, [feed])
+        if logits is not None:
+            return logits
+
+
+class Generation:
+    """One sequence through the generation loop: the prompt fitted to the context (fit_context), the
+    stop tokens (stop_tokens), the token limit (max_new_tokens, or fewer where the context ends
+    first), the seeded sampler, and with `text` (or stop strings) the text safe to show
+    (StopStringStream). Drivers step it (step: plain, batched and served decoding) or hand it tokens
+    they chose otherwise (accept: speculative decoding); either way `accept` decides when it ends.
+
+    Its decoding state is opened at its first step (`open`, by the model: a KV cache with the prompt to
+    feed, or an encoder-decoder's encoder output with the decoder's start token) and dropped when it
+    ends."""
+
+    def __init__(self, model, prompt_ids: Sequence[int], opts: GenerationOptions,
+                 warn: Callable[[str], None] | None = None, text: bool = False):
+        if len(prompt_ids) == 0:
+            raise ValueError("prompt: empty (the prompt is empty; generation needs a token to continue)")
+        if (text or opts.stop_strings) and model.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so its output cannot be decoded into text")
+        self.model, self.opts = model, opts
+        self.warn = warn or _warn
+        self.prompt = fit_context(model, prompt_ids, opts, self.warn)
+        self.context_length = model.context_length
+        self.stops = stop_tokens(model, opts)
+        self.generator = make_generator(opts.seed)
+        self.text_stream = (StopStringStream(model.tokenizer, opts.stop_strings) if text or opts.stop_strings
+                            else None)
+        self.output: list[int] = []
+        self.feed: Feed | None = None
+        self.limit: int | None = None           # new tokens it may get, known once opened
+        self.finish_reason: str | None = "length" if opts.max_new_tokens == 0 else None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def bound_context(self, context_length: int) -> None:
+        """Also end at this context (a driver running a second model, a speculative draft, with its
+        own); before the first step."""
+        self.context_length = min(self.context_length, context_length)
+
+    def open(self) -> Feed:
+        """Its feed, opened by the model on first use."""
+        if self.feed is None:
+            state, first = self.model.open_sequence(self.prompt)
+            self.feed = Feed(state, first, self.opts.prefill_chunk)
+            self.limit = min(self.opts.max_new_tokens, self.context_length - len(first))
+        return self.feed
+
+    def accept(self, token: int) -> Event:
+        """Take the next token, however it was chosen: a stop token ends the sequence unseen, a token
+        that completes a stop string or reaches the limit ends it after being taken."""
+        if token in self.stops:
+            return self._finish("stop", [], "")
+        self.output.append(token)
+        self.feed.pending = [token]
+        text = self.text_stream.push(token) if self.text_stream is not None else ""
+        if self.text_stream is not None and self.text_stream.stopped:
+            return self._finish("stop", [token], text)
+        if len(self.output) >= self.limit:
+            if self.limit < self.opts.max_new_tokens:
+                self.warn(f"stopped at the model's context of {self.context_length} tokens")
+            return self._finish("length", [token], text)
+        return Event([token], text)
+
+    def end(self, reason: str) -> None:
+        """End it now (also for a reason of the caller's: cancelled, error); its state is freed."""
+        self.finish_reason = reason
+        self.feed = None
+
+    def _finish(self, reason: str, token_ids: list[int], text: str) -> Event:
+        if self.text_stream is not None:
+            text += self.text_stream.finish()
+        self.end(reason)
+        return Event(token_ids, text, reason)
+
+
+def step(model, generations: Sequence[Generation]) -> list[Event | None]:
+    """One step of the loop for unfinished generations of `model`: one forward step for all of them
+    (forward_step), then each whose prompt is fed chooses its next token (next_token) and accepts it.
+    Returns each one's Event, None for one still prefilling. Tokens are chosen for all before any is
+    accepted, so a failure (non-finite logits) leaves every generation as it was."""
+    ready = forward_step(model, [g.open() for g in generations])
+    chosen = [None if logits is None else next_token(logits, g.opts, g.generator)
+              for g, logits in zip(generations, ready)]
+    return [None if token is None else g.accept(token) for g, token in zip(generations, chosen)]
+
+
+def decode(generation: Generation) -> Iterator[Event]:
+    """Plain decoding of one generation: its events, one forward step per new token (the prompt first,
+    in chunks)."""
+    while not generation.finished:
+        yield from (event for event in step(generation.model, [generation]) if event is not None)
+
+
+def token_ids(events: Iterable[Event]) -> Iterator[int]:
+    for event in events:
+        yield from event.token_ids
+
+
 def generate_batch(model: MoEModel, prompts: Sequence[Sequence[int]], opts: GenerationOptions,
                    warn: Callable[[str], None] | None = None) -> list[list[int]]:
-    """Generate for several prompts together. Every step feeds each unfinished sequence its next
-    tokens: up to prefill_chunk prompt tokens while it is prefilling (long prompts in chunks), then
-    one new token; all in one forward step. Returns the new token ids of each (stop token excluded).
-    Prompts past the context are refused or truncated (fit_context); no sequence outgrows it."""
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError("generate: a prompt is empty")
+    """Generate for several prompts together: each step feeds every unfinished sequence its next tokens
+    (a prompt chunk, or its last token) in one forward step (step). Returns the new token ids of each
+    (stop token excluded). Prompts past the context are refused or truncated (fit_context); no sequence
+    outgrows it; a notice names its sequence."""
     warn = warn or _warn
-    prompts = [fit_context(model, p, opts, warn) for p in prompts]
-    limits = [new_token_limit(model, len(p), opts) for p in prompts]
-    stops = set(opts.stop_token_ids if opts.stop_token_ids is not None else eos_token_ids(model))
-    generator = make_generator(opts.seed)
-    caches = [model.new_cache() for _ in prompts]
-    outputs: list[list[int]] = [[] for _ in prompts]
-    pending = [list(p) for p in prompts]            # tokens each sequence still has to feed
-    live = [i for i in range(len(prompts)) if limits[i] > 0]
+    generations = [Generation(model, p, opts, lambda message, i=i: warn(f"sequence {i}: {message}"))
+                   for i, p in enumerate(prompts)]
+    live = [g for g in generations if not g.finished]
     while live:
-        feed = {i: pending[i][:opts.prefill_chunk] for i in live}
-        tokens = torch.tensor([t for i in live for t in feed[i]])
-        logits = model.forward(tokens, [Segment(caches[i], len(feed[i])) for i in live], last_only=True)
-        still_live = []
-        for row, i in enumerate(live):
-            pending[i] = pending[i][len(feed[i]):]
-            if pending[i]:                          # still prefilling: its logits are not used yet
-                still_live.append(i)
-                continue
-            token = next_token(logits[row], opts, generator)
-            if token in stops:
-                continue
-            outputs[i].append(token)
-            pending[i] = [token]
-            if len(outputs[i]) < limits[i]:
-                still_live.append(i)
-            elif limits[i] < opts.max_new_tokens:
-                warn(f"sequence {i} stopped at the model's context of {model.context_length} tokens")
-        live = still_live
-    return outputs
+        step(model, live)
+        live = [g for g in live if not g.finished]
+    return [g.output for g in generations]
 
 
 def stream_tokens(model: MoEModel, prompt_ids: Sequence[int], opts: GenerationOptions,
                   warn: Callable[[str], None] | None = None) -> Iterator[int]:
-    """New token ids for one prompt, yielded as soon as each is chosen (prompt fed in chunks).
-    A prompt past the context is refused or truncated (fit_context); generation ends at the context."""
-    if len(prompt_ids) == 0:
-        raise ValueError("generate: the prompt is empty")
-    warn = warn or _warn
-    prompt = fit_context(model, prompt_ids, opts, warn)
-    limit = new_token_limit(model, len(prompt), opts)
-    stops = set(opts.stop_token_ids if opts.stop_token_ids is not None else eos_token_ids(model))
-    generator = make_generator(opts.seed)
-    cache = model.new_cache()
-    chunks = [prompt[i:i + opts.prefill_chunk] for i in range(0, len(prompt), opts.prefill_chunk)]
-    step = chunks.pop()
-    for chunk in chunks:
-        model.logits(chunk, cache)
-    for _ in range(limit):
-        logits = model.logits(step, cache)[-1]
-        token = next_token(logits, opts, generator)
-        if token in stops:
-            return
-        yield token
-        step = [token]
-    if limit < opts.max_new_tokens:
-        warn(f"stopped at the model's context of {model.context_length} tokens")
+    """New token ids for one prompt, yielded as soon as each is chosen (plain decoding: decode). A
+    prompt past the context is refused or truncated (fit_context); generation ends at the context."""
+    yield from token_ids(decode(Generation(model, prompt_ids, opts, warn)))
 
 
 def _warn(message: str) -> None:
@@ -192,38 +309,31 @@ class ContextWarning(UserWarning):
 
 
 def generate(model: MoEModel, prompt: str | Sequence[int], on_text: Callable[[str], None] | None = None,
-             on_warning: Callable[[str], None] | None = None, token_stream=None, **options) -> str:
+             on_warning: Callable[[str], None] | None = None,
+             decoder: Callable[[Generation], Iterable[Event]] = decode, **options) -> str:
     """Generated text for `prompt`; `on_text` receives each piece as soon as it is decoded. Text that
     could be the start of a stop string is held back until it is known not to be one. on_warning
     receives a truncated prompt's or a context-ended generation's notice (default: warnings.warn).
-    token_stream(prompt_ids, opts, warn) yields the new token ids (default: stream_tokens on
-    `model`; edgemoe.speculative.Speculator.stream decodes speculatively)."""
+    decoder(generation) drives the loop: decode (plain decoding, the default) or
+    edgemoe.speculative.Speculator.decode."""
     if model.tokenizer is None:
         raise ValueError("generate: this model has no tokenizer")
     opts = GenerationOptions(**{**defaults_from(model.generation_config), **options})
     prompt_ids = model.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     emit = on_text or (lambda piece: None)
-    stream = StopStringStream(model.tokenizer, opts.stop_strings)
-    tokens = (token_stream(prompt_ids, opts, on_warning) if token_stream is not None
-              else stream_tokens(model, prompt_ids, opts, on_warning))
-    for token in tokens:
+    generation = Generation(model, prompt_ids, opts, on_warning, text=True)
+    for event in decoder(generation):
         model.timings.first_token_chosen()
-        piece = stream.push(token)
-        if piece:
-            emit(piece)
-        if stream.stopped:
-            break
-    model.timings.first_token_chosen()   # no token came (a stop token first): every step was prefill
-    piece = stream.finish()
-    if piece:
-        emit(piece)
-    return stream.text
+        if event.text:
+            emit(event.text)
+    model.timings.first_token_chosen()   # no token came (max_new_tokens 0): every step was prefill
+    return generation.text_stream.text
 
 
 class StopStringStream:
     """Generated token ids -> text pieces safe to show: decoded as they come (StreamDecoder), cut
     before the first stop string, with text that could be the start of a stop string held back until
-    it is known not to be one. Used by generate() and by the serving engine (edgemoe/engine.py)."""
+    it is known not to be one. Held by a Generation that shows text or has stop strings."""
 
     def __init__(self, tokenizer, stop_strings: Sequence[str] = ()):
         self.decoder = StreamDecoder(tokenizer)

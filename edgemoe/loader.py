@@ -31,7 +31,7 @@ from .seq2seq import Seq2SeqModel
 from .models import architecture, parse_spec
 from .spec import ModelSpec
 from .precision import compute_dtype
-from .quantized import COMPUTE_CHOICES, StoreExperts
+from .quantized import COMPUTE_CHOICES, StoreExperts, latency_model
 from .tokenizer import Tokenizer
 from .weights import iter_experts, plan_weights, read_dense
 
@@ -206,9 +206,11 @@ def load_store(path: str | os.PathLike, options: StoreOptions | None = None, dty
     directory = Path(path)
     tokenizer, generation_config = read_text_config(directory)
     # preload="none" is pure on-demand loading (the baseline): no background reads of any kind.
+    gemm_dtype = expert_gemm_dtype(dense)
     experts = StoreExperts(store, o.compute, overlap=o.preload != "none", skip_below=o.skip_below,
                            fallback_below=o.fallback_below, activations=expert_activations(store.spec, dense),
-                           gemm_dtype=expert_gemm_dtype(dense))
+                           gemm_dtype=gemm_dtype,
+                           latency=latency_model(store, gemm_dtype) if o.compute == "auto" else None)
     return model_class(store.spec)(store.spec, dense, experts, tokenizer, generation_config, name=directory.name,
                                    threads=threads, store=store, preload=o.preload)
 

@@ -91,12 +91,50 @@ class StoreOwner:
 
     def close(self) -> None:
         """Stop the store's loader and close its files (a model from a checkpoint holds none), and
-        detach the preloader (which refers back to the model), so the model is freed at once."""
+        remove the preloader's hooks (it holds the model's router), so the model is freed at once."""
         if self.preloader is not None:
-            self.preloader.detach()
+            self.remove_routing_hook(self.preloader.routing_hook)
+            self.remove_moe_input_hook(self.preloader.moe_input_hook)
             self.preloader = None
         if self.store is not None:
             self.store.close()
+
+    # ---- observers of the MoE layers ------------------------------------------------------------------
+    # A routing hook is called as hook(layer, experts [T, A], weights [T, A], positions [T], segments) once
+    # a MoE layer's routing is known (traces, profiles, preloading, speculative verification); a MoE-input
+    # hook as hook(layer, hidden [T, D]) just before the layer routes (look-ahead preloading, a draft's
+    # prefetch). Observers register here; the model calls them in the order registered.
+    def add_routing_hook(self, hook) -> None:
+        self.routing_hooks.append(hook)
+
+    def remove_routing_hook(self, hook) -> None:
+        """Remove `hook` if it is registered."""
+        if hook in self.routing_hooks:
+            self.routing_hooks.remove(hook)
+
+    def add_moe_input_hook(self, hook) -> None:
+        self.moe_input_hooks.append(hook)
+
+    def remove_moe_input_hook(self, hook) -> None:
+        """Remove `hook` if it is registered."""
+        if hook in self.moe_input_hooks:
+            self.moe_input_hooks.remove(hook)
+
+    def _start_preloader(self, store, preload: str) -> None:
+        """The store's preloader (none without a store), given this model's router and fed its hooks."""
+        if store is None:
+            return
+        self.preloader = Preloader(self.spec, self.route, store, preload, store.routing_profile)
+        if self.preloader.routing_hook is not None:
+            self.add_routing_hook(self.preloader.routing_hook)
+        if self.preloader.moe_input_hook is not None:
+            self.add_moe_input_hook(self.preloader.moe_input_hook)
+
+    # ---- generation (see generate.py) ---------------------------------------------------------------
+    def generate(self, prompt, **options) -> str:
+        """Text continuing `prompt` (a string, or token ids). Options: edgemoe.generate.generate's."""
+        from .generate import generate
+        return generate(self, prompt, **options)
 
 
 class MoEModel(StoreOwner):
@@ -126,8 +164,7 @@ class MoEModel(StoreOwner):
         self.timings = Timings()
         self.threads = ThreadGovernor(threads)   # None: the cores other processes leave free
         self.context_length = spec.max_position_embeddings   # positions a sequence may occupy
-        self.preloader = (Preloader(self, store, preload, store.routing_profile).attach()
-                          if store is not None else None)
+        self._start_preloader(store, preload)
         # One-token steps of one sequence run each layer's attention block in one kernel call
         # (edgemoe/decode.py) where the layers are its kind; None: the generic forward.
         self.decode_engine = DecodeEngine.for_model(spec, self.layers)
@@ -322,8 +359,13 @@ class MoEModel(StoreOwner):
             out = out + shared
         return out
 
-    # ---- generation (see generate.py) ---------------------------------------------------------------
-    def generate(self, prompt, **options) -> str:
-        """Text continuing `prompt` (a string, or token ids). Options: see edgemoe.generate.GenerationOptions."""
-        from .generate import generate
-        return generate(self, prompt, **options)
+    # ---- the generation loop's entry points (generate.py) -----------------------------------------
+    def open_sequence(self, prompt_ids: Sequence[int]) -> tuple[KVCache, list[int]]:
+        """A new sequence's decoding state (an empty KV cache) and the tokens it feeds first (the prompt)."""
+        return self.new_cache(), list(prompt_ids)
+
+    def next_logits(self, runs: Sequence[Sequence[int]], caches: Sequence[KVCache]) -> torch.Tensor:
+        """One forward step: each cache continued by its run of tokens; the float32 logits [len(runs), V]
+        of each run's last token."""
+        tokens = torch.tensor([t for run in runs for t in run])
+        return self.forward(tokens, [Segment(cache, len(run)) for run, cache in zip(runs, caches)], last_only=True)

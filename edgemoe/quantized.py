@@ -83,14 +83,27 @@ class QuantizedExpert:
         return self.activation(x.float(), matmul).to(x.dtype)
 
 
+def latency_model(store: TieredStore, gemm_dtype: torch.dtype = torch.float32):
+    """This machine's latency model (edgemoe.latency) for the store's expert shape, widths (fallback
+    copies included), device and "dequant" GEMM type: from the cache, else calibrated now (a
+    benchmark of seconds) and cached. The loader asks for it at load when compute is "auto", so no
+    step pays for it."""
+    from .latency import load_or_calibrate
+    spec = store.spec
+    widths = {e.bits for e in store.manifest.experts.values()} | {e.bits for e in store.manifest.fallback.values()}
+    device = str(store.device) if store.device is not None else None
+    return load_or_calibrate((spec.expert_hidden, spec.hidden_size), widths, device=device, gemm_dtype=gemm_dtype)
+
+
 class StoreExperts(ExpertProvider):
     """The ExpertProvider of a model loaded from a store."""
 
     def __init__(self, store: TieredStore, compute: str = "auto", overlap: bool = True, skip_below: float = 0.0,
                  activations: Callable[[int, int], Activation] | None = None, fallback_below: float = 0.0,
-                 layer_kernel: bool = True, gemm_dtype: torch.dtype = torch.float32):
+                 layer_kernel: bool = True, latency=None, gemm_dtype: torch.dtype = torch.float32):
         """activations: (layer, expert) -> the expert's Activation (edgemoe.experts.expert_activations),
         None for SwiGLU experts. skip_below, fallback_below: see edgemoe.loader.StoreOptions.
+        latency: the LatencyModel compute="auto" chooses by (latency_model(store); required then).
         layer_kernel: the experts of a layer that compute on "fused-int" go through one kernel call
         (swiglu_experts_int) rather than one call each; results are the same bits either way.
         gemm_dtype: the "dequant" path's matrices and GEMM (float32 accumulation either way):
@@ -101,9 +114,12 @@ class StoreExperts(ExpertProvider):
             raise OptionError("compute=", compute, "needs a VRAM tier (a capacity for vram and its device)")
         self.store = store
         self.activations = activations or (lambda layer, expert: None)
+        if compute == "auto" and latency is None:
+            raise ValueError("StoreExperts: compute='auto' chooses by a latency model: "
+                             "pass latency=latency_model(store)")
         self.compute = compute
+        self.latency = latency       # what compute="auto" chooses by (None when a path is forced)
         self.overlap = overlap       # read a layer's other experts in the background while one computes
-        self._latency = None
         self._choices: dict[tuple[int, int, int], str] = {}
         self.io_wait_seconds = 0.0   # time the compute spent waiting for experts to arrive
         self.skip_below = skip_below  # adaptive top-k: drop non-resident experts only weakly chosen
@@ -114,19 +130,6 @@ class StoreExperts(ExpertProvider):
         self._weak: set[tuple[int, int]] = set()   # the running layer's weakly chosen experts
         self.layer_kernel = layer_kernel
         self.gemm_dtype = gemm_dtype
-
-    @property
-    def latency(self):
-        """This machine's latency model for the store's expert shape (calibrated once, then cached)."""
-        if self._latency is None:
-            from .latency import load_or_calibrate
-            spec = self.store.spec
-            widths = {e.bits for e in self.store.manifest.experts.values()} | {
-                e.bits for e in self.store.manifest.fallback.values()}
-            device = str(self.store.device) if self.store.device is not None else None
-            self._latency = load_or_calibrate((spec.expert_hidden, spec.hidden_size), widths, device=device,
-                                              gemm_dtype=self.gemm_dtype)
-        return self._latency
 
     def choose(self, bits: int, tokens: int, nbytes: int = 0) -> str:
         """The path an expert of this width and size computes this many tokens on: self.compute, or
@@ -141,6 +144,13 @@ class StoreExperts(ExpertProvider):
     def expert(self, layer: int, expert: int) -> QuantizedExpert:
         return QuantizedExpert(self._fetch(layer, expert), self.choose, self.store.device,
                                self.activations(layer, expert), self.gemm_dtype)
+
+    def float_weights(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        """The expert's stored codes dequantized (from the store's tiers, else the disk): WeightSource."""
+        return self.store.get(layer, expert).dequantize()
+
+    def activation(self, layer: int, expert: int) -> Activation:
+        return self.activations(layer, expert)
 
     def _fetch(self, layer: int, expert: int) -> ResidentExpert:
         """The expert from the store, waiting for its read if need be (the wait counted)."""

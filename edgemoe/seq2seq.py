@@ -7,9 +7,10 @@ lives in the first layer of each stack and every layer of the stack adds it; buc
 in the encoder, causal in the decoder), cross-attention in each decoder layer over the encoder's
 output, and, with tied embeddings, the decoder output scaled by D**-0.5 before the LM head.
 
-Generation: the encoder runs once over the prompt; its output's cross-attention keys and values are
-computed once per decoder layer (DecoderState); then the decoder runs one token per step from
-decoder_start_token_id with a KV cache for its self-attention.
+Generation goes through generate's loop (open_sequence, next_logits): the encoder runs once over the
+prompt; its output's cross-attention keys and values are computed once per decoder layer
+(DecoderState); then the decoder runs one token per step from decoder_start_token_id with a KV cache
+for its self-attention.
 
 Feed-forward: a dense ungated relu MLP, or (spec.moe_layers) top-1 routing: the router's float32
 softmax picks the argmax expert and scales its output by that probability. As transformers does in
@@ -33,18 +34,16 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
 from .cache import KVCache
 from .errors import EdgeMoEError
 from .experts import ExpertBatches, ExpertProvider
-from .generate import GenerationOptions, eos_token_ids, fit_context, generate, make_generator, next_token
 from .kernels.activations import relu_expert
 from .layers import attend, linear, rms_norm
 from .model import StoreOwner, Timings
-from .scheduling.preload import Preloader
 from .spec import ModelSpec
 from .threads import ThreadGovernor
 
@@ -127,8 +126,7 @@ class Seq2SeqModel(StoreOwner):
         self.timings = Timings()
         self.threads = ThreadGovernor(threads)
         self.context_length = spec.max_position_embeddings
-        self.preloader = (Preloader(self, store, preload, store.routing_profile).attach()
-                          if store is not None else None)
+        self._start_preloader(store, preload)
 
     # ---- public API -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -216,29 +214,16 @@ class Seq2SeqModel(StoreOwner):
         weights, experts = probs.max(dim=-1, keepdim=True)
         return weights, experts
 
-    def generate(self, prompt: str | Sequence[int], on_text: Callable[[str], None] | None = None,
-                 on_warning: Callable[[str], None] | None = None, **options) -> str:
-        """The decoder's text for `prompt` (a string, or token ids), streamed to on_text. Options: those
-        of edgemoe.generate.GenerationOptions (prefill_chunk does not apply: the encoder takes the prompt at once)."""
-        return generate(self, prompt, on_text, on_warning, token_stream=self.generate_ids, **options)
+    # ---- the generation loop's entry points (generate.py) -----------------------------------------
+    def open_sequence(self, prompt_ids: Sequence[int]) -> tuple[DecoderState, list[int]]:
+        """A new sequence's decoding state (the encoder's output over the prompt, read once) and the
+        tokens it feeds first (the decoder's start token)."""
+        return self.start(self.encode(prompt_ids)), [self.spec.decoder_start_token_id]
 
-    def generate_ids(self, prompt: str | Sequence[int], opts: GenerationOptions,
-                     on_warning: Callable[[str], None] | None = None):
-        """Yield the generated token ids (greedy or sampled as opts say; a stop token ends without being yielded)."""
-        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not prompt_ids:
-            raise ValueError("prompt: empty (the encoder needs at least one token)")
-        prompt_ids = fit_context(self, prompt_ids, opts, on_warning or (lambda message: None))
-        stops = set(opts.stop_token_ids if opts.stop_token_ids is not None else eos_token_ids(self))
-        generator = make_generator(opts.seed)
-        state = self.start(self.encode(prompt_ids))
-        token = self.spec.decoder_start_token_id
-        # The decoder's positions are bounded by the same context as the prompt's.
-        for _ in range(min(opts.max_new_tokens, self.context_length - 1)):
-            token = next_token(self.decode([token], state)[-1], opts, generator)
-            if token in stops:
-                return
-            yield token
+    def next_logits(self, runs: Sequence[Sequence[int]], states: Sequence[DecoderState]) -> torch.Tensor:
+        """Each state's decoder continued by its run of tokens; the float32 logits [len(runs), V] of each
+        run's last token (one decoder pass per sequence)."""
+        return torch.cat([self.decode(run, state)[-1:] for run, state in zip(runs, states)])
 
     # ---- layers -----------------------------------------------------------------------------------
     def _checked_tokens(self, token_ids, what: str) -> torch.Tensor:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import os
 import time
-import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
@@ -44,9 +43,9 @@ from edgemoe.quant import QuantizedTensor, quantize
 
 from .cache import KVCache
 from .errors import DraftError
-from .experts import Activation, ExpertProvider
-from .generate import (ContextWarning, GenerationOptions, eos_token_ids, fit_context, make_generator,
-                       new_token_limit, next_token, sampling_probs)
+from .experts import Activation, ExpertProvider, WeightSource
+from .generate import (Event, Feed, Generation, GenerationOptions, decode, last_logits, sampling_probs,
+                       token_ids)
 from .loader import require_decoder_only
 from .model import MoEModel
 from .options import OptionError
@@ -55,10 +54,6 @@ DRAFT_BITS = 2
 # INT2 with one scale per 64 weights: per-row INT2 loses too much of a trained expert to propose
 # well, and a group of 64 adds one bit per weight (float32 scale and zero), half the INT2 codes.
 DRAFT_GROUP = 64
-
-
-def _warn(message: str) -> None:
-    warnings.warn(message, ContextWarning, stacklevel=3)
 
 
 # ---- the self-draft's experts ---------------------------------------------------------------------
@@ -82,12 +77,12 @@ class LowWidthExpert:
 
 class LowWidthExperts(ExpertProvider):
     """The target's experts re-quantized to INT2 (DRAFT_GROUP weights per scale) the first time the
-    draft asks for each, from the target's weights (a store's stored codes, dequantized; a
-    checkpoint's matrices). Kept in RAM within `capacity` bytes (None: all of them), least recently
-    used dropped first; the copy is the draft's own memory, outside the store's --ram."""
+    draft asks for each, from the weights its `source` gives (the target's provider: a store's stored
+    codes, dequantized; a checkpoint's matrices). Kept in RAM within `capacity` bytes (None: all of
+    them), least recently used dropped first; the copy is the draft's own memory, outside the store's --ram."""
 
-    def __init__(self, target: MoEModel, capacity: int | None = None):
-        self.target = target
+    def __init__(self, source: WeightSource, capacity: int | None = None):
+        self.source = source
         self.capacity = capacity
         self.copies: OrderedDict[tuple[int, int], LowWidthExpert] = OrderedDict()
         self.nbytes = 0           # bytes of the copies held now
@@ -101,24 +96,13 @@ class LowWidthExperts(ExpertProvider):
             self.copies.move_to_end(key)
             return copy
         start = time.perf_counter()
-        copy = LowWidthExpert({role: quantize(w, DRAFT_BITS, DRAFT_GROUP) for role, w in self._weights(key).items()},
-                              self._activation(key))
+        weights = self.source.float_weights(layer, expert)
+        copy = LowWidthExpert({role: quantize(w, DRAFT_BITS, DRAFT_GROUP) for role, w in weights.items()},
+                              self.source.activation(layer, expert))
         self.build_seconds += time.perf_counter() - start
         self.built += 1
         self._keep(key, copy)
         return copy
-
-    def _weights(self, key: tuple[int, int]) -> dict[str, torch.Tensor]:
-        """The target's float weights of one expert: from the store (its tiers, else the disk)."""
-        if self.target.store is not None:
-            return self.target.store.get(*key).dequantize()
-        return {role: w.float() for role, w in self.target.experts.expert(*key).weights.items()}
-
-    def _activation(self, key: tuple[int, int]) -> Activation:
-        """The target expert's kind (None: SwiGLU) with its biases bound."""
-        if self.target.store is not None:
-            return self.target.experts.activations(*key)
-        return self.target.experts.expert(*key).activation
 
     def _keep(self, key: tuple[int, int], copy: LowWidthExpert) -> None:
         if self.capacity is not None and copy.nbytes > self.capacity:
@@ -134,7 +118,7 @@ def self_draft(target: MoEModel, capacity: int | None = None) -> MoEModel:
     """The target with INT2 experts (LowWidthExperts within `capacity` bytes): the same dense
     tensors (shared, not copied), tokenizer and thread governor."""
     require_decoder_only(target.spec, target.name, "speculative decoding (--draft)")
-    draft = MoEModel(target.spec, target.dense_weights(), LowWidthExperts(target, capacity), target.tokenizer,
+    draft = MoEModel(target.spec, target.dense_weights(), LowWidthExperts(target.experts, capacity), target.tokenizer,
                      target.generation_config, name=f"{target.name} (INT{DRAFT_BITS} self-draft)", threads=1)
     draft.threads = target.threads
     return draft
@@ -236,41 +220,30 @@ class Speculator:
     def stream(self, prompt_ids: Sequence[int], opts: GenerationOptions,
                warn: Callable[[str], None] | None = None) -> Iterator[int]:
         """New token ids for one prompt, as generate.stream_tokens yields them (same arguments)."""
-        if len(prompt_ids) == 0:
-            raise ValueError("generate: the prompt is empty")
-        warn = warn or _warn
-        prompt = fit_context(self.target, prompt_ids, opts, warn)
-        limit = min(new_token_limit(self.target, len(prompt), opts), new_token_limit(self.draft, len(prompt), opts))
-        stops = set(opts.stop_token_ids if opts.stop_token_ids is not None else eos_token_ids(self.target))
-        generator = make_generator(opts.seed)
-        cache = self.target.new_cache()
-        draft_cache = cache if self.shares_cache else self.draft.new_cache()
-        tokens = list(prompt)
-        new = [self._prefill(tokens, cache, opts, generator)] if limit else []
-        emitted = 0
-        while new:
-            for token in new:
-                if token in stops:
-                    return
-                yield token
-                emitted += 1
-                self.stats.emitted += 1
-                if emitted == limit:
-                    if limit < opts.max_new_tokens:
-                        context = min(self.target.context_length, self.draft.context_length)
-                        warn(f"stopped at the model's context of {context} tokens")
-                    return
-            new = self._round(tokens, min(self.num_draft, limit - emitted - 1), cache, draft_cache, opts, generator)
+        yield from token_ids(self.decode(Generation(self.target, prompt_ids, opts, warn)))
 
-    def _prefill(self, tokens: list[int], cache: KVCache, opts: GenerationOptions, generator) -> int:
-        """The prompt through the target in chunks (as plain decoding feeds it); its first new token,
-        appended to tokens."""
-        chunks = [tokens[i:i + opts.prefill_chunk] for i in range(0, len(tokens), opts.prefill_chunk)]
-        for chunk in chunks:
-            logits = self.target.logits(chunk, cache)
-        token = next_token(logits[-1], opts, generator)
-        tokens.append(token)
-        return token
+    def decode(self, generation: Generation) -> Iterator[Event]:
+        """The events of a generation of the target, decoded speculatively (a driver of generate's loop,
+        as generate.decode is): the prompt as plain decoding feeds it, to the first new token, then
+        draft-verify rounds whose tokens the generation accepts (stops, limit, stop strings its own)."""
+        generation.bound_context(self.draft.context_length)
+        for event in decode(generation):         # the prompt, in chunks, and the first new token
+            self.stats.emitted += len(event.token_ids)
+            yield event
+            break
+        if generation.finished:
+            return
+        cache = generation.feed.state
+        draft_cache = cache if self.shares_cache else self.draft.new_cache()
+        tokens = generation.prompt + generation.output
+        while not generation.finished:
+            n = min(self.num_draft, generation.limit - len(generation.output) - 1)
+            for token in self._round(tokens, n, cache, draft_cache, generation.opts, generation.generator):
+                event = generation.accept(token)
+                self.stats.emitted += len(event.token_ids)
+                yield event
+                if generation.finished:
+                    break
 
     def _round(self, tokens: list[int], n: int, cache: KVCache, draft_cache: KVCache,
                opts: GenerationOptions, generator) -> list[int]:
@@ -300,28 +273,28 @@ class Speculator:
         def record(layer, experts, weights, positions, segments):
             used.update((layer, e) for e in experts.reshape(-1).tolist())
 
-        self.target.routing_hooks.append(record)
+        self.target.add_routing_hook(record)
         try:
             return self.target.logits(run, cache, one_token_at_a_time=greedy), used
         finally:
-            self.target.routing_hooks.remove(record)
+            self.target.remove_routing_hook(record)
 
     def _propose(self, tokens: list[int], n: int, draft_cache: KVCache, opts: GenerationOptions,
                  generator) -> tuple[list[int], torch.Tensor | None]:
         """n proposals from the draft, fed what its cache lacks first, and (sampling) their
         distributions [n, V]."""
         self._start_prefetch()
-        feed, proposals, probs = tokens[draft_cache.length:], [], []
+        feed = Feed(draft_cache, tokens[draft_cache.length:], opts.prefill_chunk)
+        proposals, probs = [], []
         try:
             for _ in range(n):
-                for start in range(0, len(feed), opts.prefill_chunk):
-                    logits = self.draft.logits(feed[start:start + opts.prefill_chunk], draft_cache)[-1]
+                logits = last_logits(self.draft, feed)
                 if opts.temperature == 0:
                     proposals.append(int(torch.argmax(logits)))
                 else:
                     probs.append(sampling_probs(logits, opts))
                     proposals.append(int(torch.multinomial(probs[-1], 1, generator=generator)))
-                feed = proposals[-1:]
+                feed.pending = proposals[-1:]
         finally:
             self._stop_prefetch()
         return proposals, torch.stack(probs) if probs else None
@@ -331,18 +304,14 @@ class Speculator:
         self._round_prefetched = set()
         if not self.prefetches:
             return
-        store = self.target.store
         unlimited = self.target.spec.num_layers * self.target.spec.num_experts
-        if self._draft_seconds is None or store.disk.reads == 0:
-            self._budget = unlimited   # nothing measured yet: every predicted expert
-        else:
-            per_read = store.disk.read_seconds / store.disk.reads
-            self._budget = min(unlimited, int(self._draft_seconds / per_read))
-        self.draft.moe_input_hooks.append(self._predict)
+        reads = self.target.store.disk.reads_within(self._draft_seconds)
+        # nothing measured yet: every predicted expert
+        self._budget = unlimited if reads is None else min(unlimited, int(reads))
+        self.draft.add_moe_input_hook(self._predict)
 
     def _stop_prefetch(self) -> None:
-        if self._predict in self.draft.moe_input_hooks:
-            self.draft.moe_input_hooks.remove(self._predict)
+        self.draft.remove_moe_input_hook(self._predict)
 
     def _predict(self, layer: int, hidden: torch.Tensor) -> None:
         """At the draft's MoE input of `layer` (hidden [S, D]): the target's router on it names the

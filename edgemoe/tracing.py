@@ -10,6 +10,9 @@ are different token streams, so they are two sequences, "W/encoder" and "W/decod
 number): a token's routing then holds the layers of one stack only, and the profile's layer-to-layer
 counts (P(expert at l | experts at l-1, l-2)) never pair an encoder token's layer with a decoder
 token's. A trailing window of one token has no target and is left out.
+
+TraceRecorder records a model's routing through the model's add_routing_hook; it lives here, beside
+the model it observes, so that the scheduling layer (the profile and the trace format) knows no model.
 """
 
 from __future__ import annotations
@@ -19,13 +22,59 @@ from typing import Callable
 
 import torch
 
-from edgemoe.scheduling.profile import RoutingProfile, TraceRecord, TraceRecorder, read_trace
+from edgemoe.scheduling.profile import RoutingProfile, TraceRecord, read_trace
 from edgemoe.store.profile_file import save_routing_profile
 
 from .evaluate import default_context
 from .options import window_length
 from .replay import records_for_model
 from .seq2seq import text_to_text
+
+
+class TraceRecorder:
+    """Records a model's routing while active:
+
+        with TraceRecorder(model) as rec:
+            model.logits(ids)
+        write_trace("trace.jsonl", rec.records)
+
+    "seq" is the given label, else the number of the segment's sequence in order of first appearance
+    (the segment index of the first step; stable when a batch drops finished sequences, because
+    sequences are told apart by their KV cache). A pass without segments (Seq2SeqModel's) is one
+    sequence: the given label, else 0."""
+
+    def __init__(self, model, seq: int | str | None = None):
+        self.model = model
+        self.seq = seq
+        self.records: list[TraceRecord] = []
+        self._seq_of_cache: dict[int, tuple[object, int]] = {}   # id(cache) -> (cache kept alive, number)
+
+    def __enter__(self) -> "TraceRecorder":
+        self.model.add_routing_hook(self._hook)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.model.remove_routing_hook(self._hook)
+
+    def _seq(self, segment) -> int | str:
+        if self.seq is not None:
+            return self.seq
+        cache = segment.cache
+        known = self._seq_of_cache.setdefault(id(cache), (cache, len(self._seq_of_cache)))
+        return known[1]
+
+    def _hook(self, layer, experts, weights, positions, segments) -> None:
+        experts, weights, positions = experts.tolist(), weights.tolist(), positions.tolist()   # [T, A], [T, A], [T]
+        if not segments:    # a pass of one sequence without segments (Seq2SeqModel's encoder or decoder)
+            seq = 0 if self.seq is None else self.seq
+            self.records += [TraceRecord(seq, p, layer, e, w) for p, e, w in zip(positions, experts, weights)]
+            return
+        t = 0
+        for segment in segments:
+            seq = self._seq(segment)
+            for _ in range(segment.num_tokens):
+                self.records.append(TraceRecord(seq, positions[t], layer, experts[t], weights[t]))
+                t += 1
 
 
 def trace_text(model, text: str, context: int | None = None,

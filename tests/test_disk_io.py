@@ -64,3 +64,16 @@ def test_an_evicted_expert_still_in_use_keeps_its_bytes(store):
                 s.get(layer, expert)                        # reads that may take released buffers
         assert s.disk.pool.reused > 0 or not s.disk._direct
         assert all(np.array_equal(held.tensors[role].packed, before[role]) for role in before)
+
+
+def test_reads_within_a_time_follow_the_measured_mean_read(store):
+    """The one disk-time estimate the preloader's credit and a speculative draft's prefetch budget use."""
+    with open_store(store, ram="100%") as s:
+        disk = s.disk
+        assert disk.reads_within(1.0) is None                 # nothing measured yet
+        for key in list(s.manifest.experts)[:4]:
+            s.get(*key)
+        assert disk.reads == 4 and disk.reads_within(None) is None
+        mean = disk.read_seconds / disk.reads
+        assert disk.reads_within(3 * mean) == pytest.approx(3.0)
+        assert disk.reads_within(0.0) == 0.0

@@ -134,3 +134,18 @@ def test_device_compute_on_a_cpu_stand_in_gives_the_same_logits(tiny_model, tmp_
     assert on_device.store.resident() and set(on_device.store.resident().values()) == {"ram"}
     with pytest.raises(ValueError, match="needs a VRAM tier"):
         edgemoe.load(tmp_path / "s", compute="device")
+
+
+def test_the_latency_model_is_asked_for_at_load_not_on_a_first_step(tiny_model, tmp_path, monkeypatch):
+    """compute="auto": the loader gets the latency model (a calibration unless cached) before the first
+    step, so no step's time includes it; a forced path never asks for one."""
+    convert(tiny_model("mixtral"), tmp_path / "s", bits=4)
+    calls = fake_timings(monkeypatch)
+    monkeypatch.setattr(latency, "cache_file", lambda: tmp_path / "latency.json")
+    with edgemoe.load(tmp_path / "s") as model:
+        assert calls == [(4,)] and model.experts.latency is not None
+        model.logits([5, 6, 7])
+        assert calls == [(4,)]
+    with edgemoe.load(tmp_path / "s", compute="dequant") as model:
+        assert model.experts.latency is None
+    assert calls == [(4,)]

@@ -12,8 +12,9 @@ from edgemoe.model import Segment
 from edgemoe.layers import route
 from edgemoe.store import StoreError, open_store
 from edgemoe.convert import convert
-from edgemoe.scheduling.profile import (RoutingProfile, TraceRecord, TraceRecorder, predictor_quality, read_trace,
-                                   tokens_from_trace, write_trace)
+from edgemoe.scheduling.profile import (RoutingProfile, TraceRecord, predictor_quality, read_trace, tokens_from_trace,
+                                   write_trace)
+from edgemoe.tracing import TraceRecorder
 
 
 def chain_tokens(n: int, layers=(0, 1, 2, 3), num_experts: int = 4) -> list[dict]:
@@ -220,7 +221,7 @@ def test_trace_recorder_matches_router(tiny_model):
     model = edgemoe.load(tiny_model("mixtral"))
     ids = torch.tensor([5, 17, 42, 9, 100, 3])
     hidden = {}                                  # layer -> the router's input, captured beside the recorder
-    model.moe_input_hooks.append(lambda l, x: hidden.__setitem__(l, x.clone()))
+    model.add_moe_input_hook(lambda l, x: hidden.__setitem__(l, x.clone()))
     with TraceRecorder(model) as rec:
         model.logits(ids)
     assert model.routing_hooks == []

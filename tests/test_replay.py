@@ -5,7 +5,8 @@ import torch
 
 import edgemoe
 from edgemoe.replay import RoutingReplay, records_for_model
-from edgemoe.scheduling.profile import TraceRecord, TraceRecorder
+from edgemoe.scheduling.profile import TraceRecord
+from edgemoe.tracing import TraceRecorder
 
 
 def test_a_model_replaying_a_trace_routes_as_the_trace_says(tiny_model):

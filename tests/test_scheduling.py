@@ -16,7 +16,8 @@ from edgemoe.tracing import trace_text
 from edgemoe.store import open_store, read_manifest
 from edgemoe.convert import convert
 from edgemoe.scheduling import simulate as sim
-from edgemoe.scheduling.profile import TraceRecorder, read_trace, tokens_from_trace
+from edgemoe.scheduling.profile import read_trace, tokens_from_trace
+from edgemoe.tracing import TraceRecorder
 
 
 TEXT = ("Now is the winter of our discontent made glorious summer by this sun of York; and all the clouds "
@@ -205,7 +206,7 @@ def test_lookahead_predicts_with_the_next_layers_own_router(tiny_model, tmp_path
     router.e_score_correction_bias.copy_(model.layers[nxt]["router_bias"])
     first = model.spec.moe_layer_ids[0]
     seen, issued = [], []
-    model.moe_input_hooks.append(lambda layer, x: layer == first and seen.append(x.clone()))
+    model.add_moe_input_hook(lambda layer, x: layer == first and seen.append(x.clone()))
     model.preloader._issue = lambda layer, scores, tokens, **kw: issued.append((layer, scores))
     cache = model.new_cache()
     for token in model.tokenizer.encode(TEXT, add_special_tokens=False)[:8]:   # one token per step: top-2 of 8

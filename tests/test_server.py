@@ -111,9 +111,9 @@ def test_concurrent_clients_each_get_their_own_generation(model, client):
 
 def test_a_client_leaving_mid_stream_is_dropped_and_another_goes_on(model, server, client, monkeypatch):
     endings = []
-    finish = server.engine._finish
-    monkeypatch.setattr(server.engine, "_finish", lambda request, reason, *a, **k: (
-        endings.append(reason), finish(request, reason, *a, **k)))
+    deliver = server.engine._deliver
+    monkeypatch.setattr(server.engine, "_deliver", lambda request, event: (
+        event.finish_reason and endings.append(event.finish_reason), deliver(request, event)))
     leaving = socket.create_connection(server.server_address[:2], timeout=30)
     body = json.dumps({"prompt": "ROMEO:", "max_tokens": 200, "temperature": 0, "stream": True}).encode()
     leaving.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

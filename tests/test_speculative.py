@@ -13,7 +13,7 @@ from edgemoe.bundled import bundled_model_path
 from edgemoe.cli import main
 from edgemoe.convert import convert
 from edgemoe.errors import DraftError
-from edgemoe.generate import GenerationOptions, sampling_probs, stream_tokens
+from edgemoe.generate import Generation, GenerationOptions, decode, sampling_probs, stream_tokens
 from edgemoe.speculative import LowWidthExperts, Speculator, accept, check_draft, self_draft
 from helpers import run_cli
 
@@ -140,12 +140,12 @@ def test_stop_tokens_and_the_token_limit_end_as_plain_decoding(bundled):
 
 def test_caches_are_rolled_back_to_the_committed_tokens(bundled):
     ids = bundled.tokenizer.encode("ROMEO:")
-    cache = bundled.new_cache()
     speculator = Speculator(bundled, self_draft(bundled), 4, shares_cache=True)
     opts = _greedy(16)
-    generator = torch.Generator().manual_seed(0)
-    tokens = list(ids)
-    speculator._prefill(tokens, cache, opts, generator)
+    generation = Generation(bundled, ids, opts)
+    next(decode(generation))                 # the prompt, as plain decoding feeds it, to the first token
+    cache, generator = generation.feed.state, generation.generator
+    tokens = ids + generation.output
     while len(tokens) < len(ids) + 12:
         speculator._round(tokens, 4, cache, cache, opts, generator)
         assert cache.length == len(tokens) - 1

@@ -19,7 +19,7 @@ from edgemoe.loader import StoreOptions
 from edgemoe.store import read_manifest
 from edgemoe.errors import CheckpointError
 from edgemoe.experts import DenseExpert, InMemoryExperts
-from edgemoe.generate import GenerationOptions
+from edgemoe.generate import GenerationOptions, stream_tokens
 from edgemoe.kernels import qmatmul, qmatmul_int
 from edgemoe.kernels.activations import relu_expert
 from edgemoe.kernels.reference import relu_expert_reference, relu_int_twin
@@ -104,7 +104,7 @@ def test_greedy_generation_equals_transformers_generate(tiny_model, config):
     ids = model.tokenizer.encode(PROMPT)
     expected = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0].tolist()
     assert expected[0] == model.spec.decoder_start_token_id
-    ours = list(model.generate_ids(ids, GenerationOptions(max_new_tokens=24)))
+    ours = list(stream_tokens(model, ids, GenerationOptions(max_new_tokens=24)))
     eos = model.generation_config["eos_token_id"]
     assert ours == [t for t in expected[1:] if t != eos]
     assert len(ours) > 5
@@ -151,7 +151,7 @@ def test_store_matches_dequantized_reference(tiny_model, store, compute, vram):
     ids = model.tokenizer.encode(PROMPT)
     assert (model.logits(ids, DECODER_IDS) - reference.logits(ids, DECODER_IDS)).abs().max() <= 1e-4
     opts = GenerationOptions(max_new_tokens=16)
-    assert list(model.generate_ids(ids, opts)) == list(reference.generate_ids(ids, opts))
+    assert list(stream_tokens(model, ids, opts)) == list(stream_tokens(reference, ids, opts))
     assert {role for entry in model.store.manifest.experts.values() for role in entry.tensors} == {"up", "down"}
     model.close()
 
@@ -212,7 +212,7 @@ def test_calibration_text_profiles_both_stacks_apart(tiny_model, tmp_path, monke
     ids = torch.tensor(model.tokenizer.encode(text, add_special_tokens=False))
     context = min(model.context_length, 1024)
     expected = {l: [0] * spec.num_experts for l in spec.moe_layer_ids}
-    model.routing_hooks.append(lambda l, experts, *rest: [expected[l].__setitem__(e, expected[l][e] + 1)
+    model.add_routing_hook(lambda l, experts, *rest: [expected[l].__setitem__(e, expected[l][e] + 1)
                                                           for e in experts[:, 0].tolist()])
     encoder_tokens = 0
     for start in range(0, ids.numel(), context):
@@ -297,10 +297,10 @@ def test_correlation_preloading_leaves_output_unchanged(tiny_model, tmp_path):
     ids = edgemoe.load(path).tokenizer.encode(PROMPT)
     opts = GenerationOptions(max_new_tokens=16)
     with edgemoe.load(tmp_path / "s", compute="fused-float", preload="none") as plain:
-        expected = list(plain.generate_ids(ids, opts))
+        expected = list(stream_tokens(plain, ids, opts))
     with edgemoe.load(tmp_path / "s", compute="fused-float", ram="20%", preload="correlation") as predicted:
         assert predicted.preloader.predictor == "correlation"
-        assert list(predicted.generate_ids(ids, opts)) == expected
+        assert list(stream_tokens(predicted, ids, opts)) == expected
         assert predicted.preloader.predicted > 0
 
 
@@ -311,7 +311,7 @@ def test_bad_input_is_named(tiny_model, store, tmp_path):
     with pytest.raises(ValueError, match="token id outside"):
         model.logits([1, 2], [model.spec.vocab_size])
     with pytest.raises(ValueError, match="prompt: empty"):
-        list(model.generate_ids([], GenerationOptions()))
+        list(stream_tokens(model, [], GenerationOptions()))
     manifest = json.loads((store / MANIFEST).read_text())
     manifest["experts"][0]["tensors"]["gate"] = manifest["experts"][0]["tensors"]["up"]
     broken = tmp_path / "broken"
@@ -357,9 +357,9 @@ def test_small_ram_tier_and_preloading_leave_output_unchanged(tiny_model, store)
     ids = edgemoe.load(switch(tiny_model)).tokenizer.encode(PROMPT)
     opts = GenerationOptions(max_new_tokens=16)
     with edgemoe.load(store, compute="fused-float") as roomy:
-        expected = list(roomy.generate_ids(ids, opts))
+        expected = list(stream_tokens(roomy, ids, opts))
     with edgemoe.load(store, compute="fused-float", ram="20%", preload="lookahead") as tight:
-        assert list(tight.generate_ids(ids, opts)) == expected
+        assert list(stream_tokens(tight, ids, opts)) == expected
         assert tight.store.stats.tiers["ram"].evictions > 0
 
 
@@ -372,7 +372,7 @@ def test_seeded_sampling_equals_transformers_sampling(tiny_model, seed):
     torch.manual_seed(seed)
     expected = hf.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=True, temperature=0.7, top_k=0,
                            top_p=1.0)[0].tolist()
-    ours = list(model.generate_ids(ids, GenerationOptions(max_new_tokens=20, temperature=0.7, seed=seed)))
+    ours = list(stream_tokens(model, ids, GenerationOptions(max_new_tokens=20, temperature=0.7, seed=seed)))
     eos = model.generation_config["eos_token_id"]
     assert ours == [t for t in expected[1:] if t != eos]
 

@@ -23,7 +23,8 @@ import edgemoe
 from edgemoe.store.profile_file import load_routing_profile
 from edgemoe.store import read_manifest
 from edgemoe.scheduling import simulate as sim
-from edgemoe.scheduling.profile import TraceRecorder, tokens_from_trace
+from edgemoe.scheduling.profile import tokens_from_trace
+from edgemoe.tracing import TraceRecorder
 
 CONFIGS = [("lru", "none"), ("lfu", "none"), ("frequency-distance", "none"), ("lru", "correlation"),
            ("frequency-distance", "correlation"), ("frequency-distance", "lookahead")]

@@ -72,7 +72,7 @@ def copy_at_load_cost(path: Path) -> dict:
     """Seconds to re-quantize every expert of a freshly opened model to INT2 (what building the copy
     at load would add to start-up), and the copy's bytes."""
     with edgemoe.load(path) as model:
-        experts = LowWidthExperts(model)
+        experts = LowWidthExperts(model.experts)
         start = time.perf_counter()
         for l in model.spec.moe_layer_ids:
             for e in range(model.spec.num_experts):

@@ -102,7 +102,7 @@ def run(
     else:
         m.generate(seen, on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()),
                    on_warning=warn, max_new_tokens=max_new_tokens, seed=seed, stop_strings=tuple(stop),
-                   truncate=truncate, **({"token_stream": speculator.stream} if speculator else {}),
+                   truncate=truncate, **({"decoder": speculator.decode} if speculator else {}),
                    **sampling(temperature, top_k, top_p))
     sys.stdout.write("\n")
     if stats:

@@ -45,13 +45,16 @@ MIN_PROBABILITY = 0.5
 
 
 class Preloader:
-    def __init__(self, model, store, predictor: str = "auto", profile=None, smoothing: float = 0.2):
+    """Predicts a model's next MoE layer for its store. The model gives its spec and its router
+    (route(layer, hidden) -> (weights, experts)) and registers the preloader's hooks, routing_hook
+    and, for the look-ahead, moe_input_hook (None where the predictor needs none)."""
+
+    def __init__(self, spec, route, store, predictor: str = "auto", profile=None, smoothing: float = 0.2):
         if predictor == "auto":
             predictor = "correlation" if profile is not None else "lookahead"
         if predictor == "correlation" and profile is None:
             raise OptionError("preload=", predictor, f"{store.path} has no routing profile (run edgemoe profile)")
-        self.model, self.store, self.predictor, self.profile = model, store, predictor, profile
-        spec = model.spec
+        self.spec, self.route, self.store, self.predictor, self.profile = spec, route, store, predictor, profile
         moe = spec.moe_layer_ids
         # The first MoE layer of each stack (an encoder-decoder has two): its tokens' history starts
         # there, as in the routing profile (edgemoe.tracing), and no predictor predicts across: the
@@ -70,25 +73,22 @@ class Preloader:
         self.predicted = self.correct = self.actual = 0
 
     # ---- hooks ------------------------------------------------------------------------------------
-    def attach(self) -> "Preloader":
-        if self.predictor != "none":
-            self.model.routing_hooks.append(self.on_routing)
-            if self.predictor == "lookahead":
-                self.model.moe_input_hooks.append(self.on_moe_input)
-        return self
+    # Properties, not attributes: a bound method kept on its own object is a reference cycle, which
+    # would keep the model (the router's owner) alive after close() until the garbage collector ran.
+    @property
+    def routing_hook(self):
+        return self.on_routing if self.predictor != "none" else None
 
-    def detach(self) -> None:
-        for hooks, hook in ((self.model.routing_hooks, self.on_routing), (self.model.moe_input_hooks, self.on_moe_input)):
-            if hook in hooks:
-                hooks.remove(hook)
+    @property
+    def moe_input_hook(self):
+        return self.on_moe_input if self.predictor == "lookahead" else None
 
     def on_moe_input(self, layer: int, hidden: torch.Tensor) -> None:
         nxt = self.next_moe.get(layer)
         if nxt is None or self.store.holds_everything():
             return
-        spec = self.model.spec
-        weights, experts = self.model.route(nxt, hidden)
-        scores = torch.zeros(spec.num_experts).index_add_(0, experts.reshape(-1), weights.reshape(-1).float())
+        weights, experts = self.route(nxt, hidden)
+        scores = torch.zeros(self.spec.num_experts).index_add_(0, experts.reshape(-1), weights.reshape(-1).float())
         self._issue(nxt, scores, hidden.shape[0], least=1e-9, certain=True)
 
     def on_routing(self, layer, experts, weights, positions, segments) -> None:
@@ -104,7 +104,7 @@ class Preloader:
             history[layer] = token_experts
         nxt = self.next_moe.get(layer)
         if nxt is not None and self.predictor == "correlation":
-            unneeded = torch.ones(self.model.spec.num_experts)   # P(no token needs e)
+            unneeded = torch.ones(self.spec.num_experts)   # P(no token needs e)
             for history in self._history:
                 for e, p in self.profile.predict(nxt, history):
                     unneeded[e] *= 1 - p
@@ -127,12 +127,11 @@ class Preloader:
 
     def affordable_reads(self, tokens: int) -> int:
         """Experts worth preloading for the next layer: the reads the disk's idle time pays for."""
-        most = min(self.model.spec.num_experts, self.model.spec.top_k * tokens)
-        disk = self.store.disk
-        if self.idle_seconds is None or disk.reads == 0:
+        most = min(self.spec.num_experts, self.spec.top_k * tokens)
+        reads = self.store.disk.reads_within(self.idle_seconds)
+        if reads is None:
             return most
-        per_read = disk.read_seconds / disk.reads
-        self.credit = min(most, self.credit + self.idle_seconds / per_read)
+        self.credit = min(most, self.credit + reads)
         return int(self.credit)
 
     def _issue(self, layer: int, scores: torch.Tensor, tokens: int, least: float, certain: bool = False) -> None:

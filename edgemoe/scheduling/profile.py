@@ -123,52 +123,6 @@ def consecutive_tokens(records) -> list[tuple[Routing, Routing]]:
             if (seq, token + 1) in tokens]
 
 
-class TraceRecorder:
-    """Records a model's routing while active:
-
-        with TraceRecorder(model) as rec:
-            model.logits(ids)
-        write_trace("trace.jsonl", rec.records)
-
-    "seq" is the given label, else the number of the segment's sequence in order of first appearance
-    (the segment index of the first step; stable when a batch drops finished sequences, because
-    sequences are told apart by their KV cache). A pass without segments (Seq2SeqModel's) is one
-    sequence: the given label, else 0."""
-
-    def __init__(self, model, seq: int | str | None = None):
-        self.model = model
-        self.seq = seq
-        self.records: list[TraceRecord] = []
-        self._seq_of_cache: dict[int, tuple[object, int]] = {}   # id(cache) -> (cache kept alive, number)
-
-    def __enter__(self) -> "TraceRecorder":
-        self.model.routing_hooks.append(self._hook)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.model.routing_hooks.remove(self._hook)
-
-    def _seq(self, segment) -> int | str:
-        if self.seq is not None:
-            return self.seq
-        cache = segment.cache
-        known = self._seq_of_cache.setdefault(id(cache), (cache, len(self._seq_of_cache)))
-        return known[1]
-
-    def _hook(self, layer, experts, weights, positions, segments) -> None:
-        experts, weights, positions = experts.tolist(), weights.tolist(), positions.tolist()   # [T, A], [T, A], [T]
-        if not segments:    # a pass of one sequence without segments (Seq2SeqModel's encoder or decoder)
-            seq = 0 if self.seq is None else self.seq
-            self.records += [TraceRecord(seq, p, layer, e, w) for p, e, w in zip(positions, experts, weights)]
-            return
-        t = 0
-        for segment in segments:
-            seq = self._seq(segment)
-            for _ in range(segment.num_tokens):
-                self.records.append(TraceRecord(seq, positions[t], layer, experts[t], weights[t]))
-                t += 1
-
-
 # ---- the profile ------------------------------------------------------------------------------------
 def _key(experts) -> str:
     return ",".join(str(e) for e in sorted(experts))

@@ -131,6 +131,13 @@ class DiskTier:
             return np.frombuffer(bytearray(raw), dtype=np.uint8)
         return stored
 
+    def reads_within(self, seconds: float | None) -> float | None:
+        """How many reads fit in `seconds` at the mean time of the reads so far (what the preloader's
+        and a speculative draft's prefetch may issue); None before any read, or for no time given."""
+        if seconds is None or self.reads == 0:
+            return None
+        return seconds / (self.read_seconds / self.reads)
+
     def release(self, blob: np.ndarray) -> None:
         """`blob` (a read's result) is no longer cached: its buffer may be reused once unreferenced."""
         buffer = getattr(blob.base, "obj", None)    # a pooled read: array -> memoryview -> mmap
