@@ -134,6 +134,9 @@ class GuardedPolicy:
         self.primary.remove(key)
         self.lru.remove(key)
 
+    def set_capacity(self, capacity: int) -> None:
+        self.primary.set_capacity(capacity)
+
     def set_layer(self, layer: int, needed: Iterable[Key] = ()) -> None:
         self.primary.set_layer(layer, needed)
 
