@@ -65,12 +65,12 @@ def test_greedy_output_is_unchanged_by_preload_and_policy(store):
     size = expert_size(store)
     expected = greedy(edgemoe.load(store, preload="none"))
     for preload in ("none", "lookahead", "correlation"):
-        for policy in ("lru", "lfu", "frequency-distance"):
+        for policy in ("lru", "lfu", "frequency-distance", "adaptive"):
             model = edgemoe.load(store, ram=4 * size, policy=policy, preload=preload)
             assert greedy(model) == expected, (preload, policy)
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "frequency-distance"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "frequency-distance", "adaptive"])
 def test_runtime_hit_rate_equals_the_simulators_on_the_same_trace(store, policy):
     n = 5
     model = edgemoe.load(store, ram=n * expert_size(store), policy=policy, preload="none", place_popular=False)

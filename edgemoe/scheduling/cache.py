@@ -131,6 +131,7 @@ class ExpertCache:
             tier_stats = self.stats.tiers.setdefault(name, TierStats())
             self.tiers.append(Tier(name, capacity, make_policy(), tier_stats))
         if guard is not None:   # the guard judges the tier experts leave the cache from
+            guard.measure_against(self.tiers[-1].policy)
             self.tiers[-1].policy = GuardedPolicy(self.tiers[-1].policy, guard)
         self._enter = enter or (lambda item, tier: item)
         self._leave = leave or (lambda item: None)

@@ -32,10 +32,11 @@ fits in free room); every policy but "expected-use" admits every preload. Keys a
   least depends on the routing and on the cache size (docs/scheduling.md), so a ghost cache per
   candidate (lru, lfu, frequency-distance, and expected-use where there is a routing profile: keys
   and sizes only, the tier's capacity, on-demand: GhostCache) is fed every layer's requests, and
-  the tier evicts as the candidate with the fewest ghost misses over the last ADAPTIVE_WINDOW_TOKENS
-  tokens' layers would. It starts as LRU and changes candidate only when another one missed at
-  least ADAPTIVE_MARGIN fewer times over the window (hysteresis: near-ties do not flip it back and
-  forth). Each candidate's own policy object follows the tier's real events, so a switch loses no
+  the tier evicts as the candidate whose ghost read the fewest bytes over the last
+  ADAPTIVE_WINDOW_TOKENS tokens' layers would. It starts as LRU and changes candidate only when
+  another one read at least ADAPTIVE_MARGIN less over the window (hysteresis: near-ties do not
+  flip it back and forth). Its `read_bytes` (what on-demand caching that follows the leader reads)
+  is the reference its guard holds the scheme to (edgemoe.scheduling.guard). Each candidate's own policy object follows the tier's real events, so a switch loses no
   history. Preload admission is expected-use's rule where there is a profile (the only one that
   weighs a preload against its victim), else every preload is admitted. Bookkeeping: per layer,
   one pass of its requests through each ghost (at most the tier's capacity in keys each) and a
@@ -212,21 +213,23 @@ class GhostCache:
         self.items: dict[Key, int] = {}
         self.bytes = 0
         self.misses = 0
+        self.read_bytes = 0
 
     def run_layer(self, layer: int, needed: Mapping[Key, int]) -> int:
         """The layer begins and asks for its experts in ascending order, as the runtime runs them;
-        returns how many it missed."""
+        returns the bytes it read (its misses')."""
         self.policy.set_layer(layer, needed)
-        before = self.misses
+        before = self.read_bytes
         for key in sorted(needed):
             self.request(key, needed[key], needed)
-        return self.misses - before
+        return self.read_bytes - before
 
     def request(self, key: Key, nbytes: int, pinned: Iterable[Key] = ()) -> None:
         if key in self.items:
             self.policy.touch(key)
             return
         self.misses += 1
+        self.read_bytes += nbytes
         if nbytes > self.capacity:
             return
         while self.bytes + nbytes > self.capacity:
@@ -259,7 +262,8 @@ class AdaptivePolicy:
         self.leader = self.candidates[0]
         self.margin = margin
         self.window: deque[tuple[int, ...]] = deque(maxlen=window_tokens * max(1, num_layers))
-        self.window_misses = [0] * len(self.candidates)
+        self.window_reads = [0] * len(self.candidates)   # each ghost's bytes read over the window
+        self.read_bytes = 0   # what on-demand caching that follows the leader reads: the leader's ghost's reads
         self.changes: list[tuple[int, str]] = []   # (layer calls so far, candidate followed from then)
         self._layer_calls = 0
 
@@ -272,17 +276,18 @@ class AdaptivePolicy:
         self._layer_calls += 1
         if not self.ghosts:
             return
-        misses = tuple(ghost.run_layer(layer, needed) for ghost in self.ghosts.values())
+        reads = tuple(ghost.run_layer(layer, needed) for ghost in self.ghosts.values())
+        self.read_bytes += reads[self.candidates.index(self.leader)]
         if len(self.window) == self.window.maxlen:
-            self.window_misses = [total - old for total, old in zip(self.window_misses, self.window[0])]
-        self.window.append(misses)
-        self.window_misses = [total + new for total, new in zip(self.window_misses, misses)]
+            self.window_reads = [total - old for total, old in zip(self.window_reads, self.window[0])]
+        self.window.append(reads)
+        self.window_reads = [total + new for total, new in zip(self.window_reads, reads)]
         self._follow_the_best()
 
     def _follow_the_best(self) -> None:
-        missed = dict(zip(self.candidates, self.window_misses))
-        best = min(self.candidates, key=missed.get)   # ties: the earlier candidate
-        if missed[best] < missed[self.leader] * (1 - self.margin):
+        read = dict(zip(self.candidates, self.window_reads))
+        best = min(self.candidates, key=read.get)   # ties: the earlier candidate
+        if read[best] < read[self.leader] * (1 - self.margin):
             self.leader = best
             self.changes.append((self._layer_calls, best))
 
