@@ -17,6 +17,7 @@ import typer
 
 from . import options
 from .errors import EdgeMoEError
+from .scheduling.policies import DEFAULT_POLICY
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Run Mixture-of-Experts LLMs on machines too small to hold them.")
@@ -149,10 +150,12 @@ STORE_FLAGS = {
                                                  "share of the store's expert bytes (default: none).")),
     "device": (Optional[str], lambda: typer.Option(None, "--device", help="Store only: torch device of the VRAM "
                                                    "tier (default: cuda when present).")),
-    "policy": (str, lambda: typer.Option("lru", "--policy", help="Store only: eviction policy, lru, lfu, "
+    "policy": (str, lambda: typer.Option(DEFAULT_POLICY, "--policy", help="Store only: eviction policy, adaptive "
+                                         "(default: follows whichever of the others would read least), lru, lfu, "
                                          "frequency-distance or expected-use.")),
-    "preload": (str, lambda: typer.Option("auto", "--preload", help="Store only: auto (correlation if the store "
-                                          "has a profile, else lookahead), correlation, lookahead or none.")),
+    "preload": (str, lambda: typer.Option("auto", "--preload", help="Store only: auto (the predictor the store's "
+                                          "profiling measured better; else correlation if the store has a profile, "
+                                          "else lookahead), correlation, lookahead or none.")),
     "skip_below": (float, lambda: typer.Option(0.0, "--skip-below", help="Store only, trades quality for reads: "
                                                "an expert not in RAM that every token chose with a routing weight "
                                                "below this (never as its strongest) is skipped and the other "

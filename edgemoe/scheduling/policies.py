@@ -312,7 +312,7 @@ class AdaptivePolicy:
 
 
 POLICIES = {p.name: p for p in (LRUPolicy, LFUPolicy, FrequencyDistancePolicy, ExpectedUsePolicy, AdaptivePolicy)}
-DEFAULT_POLICY = "lru"   # a store's eviction unless told otherwise (edgemoe.loader.StoreOptions)
+DEFAULT_POLICY = "adaptive"   # a store's eviction unless told otherwise (edgemoe.loader.StoreOptions)
 
 
 def make_policy(name: str, num_layers: int, popularity: dict[Key, float] | None = None, profile=None):
