@@ -4,6 +4,7 @@ preload="auto"; stores profiled before (or from a trace) keep the old rule."""
 
 import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -104,10 +105,11 @@ def test_profiling_records_the_measured_choice_and_auto_follows_it(store, tmp_pa
         assert model.preloader.predictor == "correlation"
 
 
-def test_a_malformed_choice_names_the_file_and_field(store, tmp_path):
-    data = json.loads((store / "profile.json").read_text())
+def test_a_malformed_choice_is_refused_when_the_store_opens_naming_the_file_and_field(store, tmp_path):
+    broken = tmp_path / "store"
+    shutil.copytree(store, broken)
+    data = json.loads((broken / "profile.json").read_text())
     data["predictor"] = {"predictor": "oracle"}
-    broken = tmp_path / "profile.json"
-    broken.write_text(json.dumps(data))
+    (broken / "profile.json").write_text(json.dumps(data))
     with pytest.raises(StoreError, match=r"profile.json: malformed 'predictor' section: 'predictor' is 'oracle'"):
-        read_predictor_choice(tmp_path)
+        edgemoe.load(broken)
