@@ -40,7 +40,9 @@ fits in free room); every policy but "expected-use" admits every preload. Keys a
   history. Preload admission is expected-use's rule where there is a profile (the only one that
   weighs a preload against its victim), else every preload is admitted. Bookkeeping: per layer,
   one pass of its requests through each ghost (at most the tier's capacity in keys each) and a
-  window of per-layer miss counts.
+  window of per-layer read counts; the CPU time this costs is measured in docs/scheduling.md. With
+  two tiers (VRAM and RAM) each tier's ghosts see every request: for the faster tier, an
+  approximation of what reaches it.
 
 Every policy is told its tier's byte capacity once (set_capacity: only "adaptive" uses it, for its
 ghosts) and, at each layer, the experts it needs with their sizes (set_layer's `needed`: key -> bytes,
