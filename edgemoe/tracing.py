@@ -17,11 +17,14 @@ the model it observes, so that the scheduling layer (the profile and the trace f
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from edgemoe.scheduling.predictor_choice import compare_predictors
+from edgemoe.scheduling.preload import next_moe_layers
 from edgemoe.scheduling.profile import RoutingProfile, TraceRecord, read_trace
 from edgemoe.store.profile_file import save_routing_profile
 
@@ -77,9 +80,52 @@ class TraceRecorder:
                 t += 1
 
 
+class LookaheadRecorder(TraceRecorder):
+    """Records, in place of each MoE layer's routing, the gate look-ahead's guess of it: that layer's
+    router applied to the MoE input of the MoE layer before it in the stack (what the "lookahead"
+    preloader issues, edgemoe.scheduling.preload). Layers without one (a stack's first) are not recorded."""
+
+    def __init__(self, model, seq: int | str | None = None):
+        super().__init__(model, seq)
+        self.next_moe = next_moe_layers(model.spec)
+        self._guesses: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __enter__(self) -> "LookaheadRecorder":
+        self.model.add_moe_input_hook(self._guess)
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        self.model.remove_moe_input_hook(self._guess)
+        super().__exit__(*exc)
+
+    def _guess(self, layer: int, hidden: torch.Tensor) -> None:
+        nxt = self.next_moe.get(layer)
+        if nxt is not None:
+            weights, experts = self.model.route(nxt, hidden)
+            self._guesses[nxt] = (experts, weights)
+
+    def _hook(self, layer, experts, weights, positions, segments) -> None:
+        guess = self._guesses.pop(layer, None)
+        if guess is not None:
+            super()._hook(layer, guess[0], guess[1], positions, segments)
+
+
+def profile_text(model, text: str, context: int | None = None, min_count: int = 3,
+                 on_progress: Callable[[int, int], None] | None = None) -> tuple[RoutingProfile, dict]:
+    """The routing profile of a text, and which predictor (correlation table or gate look-ahead)
+    guessed the text's routing better (edgemoe.scheduling.predictor_choice), for save_routing_profile."""
+    lookahead: list[TraceRecord] = []
+    records = trace_text(model, text, context, on_progress, lookahead)
+    spec = model.spec
+    choice = compare_predictors(records, lookahead, spec.moe_layer_ids, spec.num_experts, spec.top_k, min_count)
+    return build_profile(model, records, min_count), choice
+
+
 def trace_text(model, text: str, context: int | None = None,
-               on_progress: Callable[[int, int], None] | None = None) -> list[TraceRecord]:
-    """Every token's routing, window by window; on_progress(windows done, windows in all)."""
+               on_progress: Callable[[int, int], None] | None = None,
+               lookahead: list[TraceRecord] | None = None) -> list[TraceRecord]:
+    """Every token's routing, window by window; on_progress(windows done, windows in all). lookahead:
+    a list to which the gate look-ahead's guesses are added, as a trace (LookaheadRecorder)."""
     if model.tokenizer is None:
         raise ValueError("trace: this model has no tokenizer")
     ids = torch.tensor(model.tokenizer.encode(text, add_special_tokens=False))
@@ -89,25 +135,37 @@ def trace_text(model, text: str, context: int | None = None,
     records: list[TraceRecord] = []
     starts = range(0, ids.numel(), context)
     for window, start in enumerate(starts):
-        records += _trace_window(model, ids[start:start + context], window)
+        records += _trace_window(model, ids[start:start + context], window, lookahead)
         if on_progress:
             on_progress(window + 1, len(starts))
     return records
 
 
-def _trace_window(model, tokens: torch.Tensor, window: int) -> list[TraceRecord]:
+def _trace_window(model, tokens: torch.Tensor, window: int, lookahead: list | None = None) -> list[TraceRecord]:
     if not model.spec.is_encoder_decoder:
-        with TraceRecorder(model, seq=window) as recorder:
+        with _recorders(model, window, lookahead) as recorder:
             model.logits(tokens)
         return recorder.records
     if tokens.numel() < 2:
         return []
     pair = text_to_text(tokens, model.spec.decoder_start_token_id)
-    with TraceRecorder(model, seq=f"{window}/encoder") as encoder:
+    with _recorders(model, f"{window}/encoder", lookahead) as encoder:
         source = model.encode(pair.source)
-    with TraceRecorder(model, seq=f"{window}/decoder") as decoder:
+    with _recorders(model, f"{window}/decoder", lookahead) as decoder:
         model.decode(pair.decoder_input, model.start(source))
     return encoder.records + decoder.records
+
+
+@contextmanager
+def _recorders(model, seq, lookahead: list | None):
+    """A TraceRecorder labelled `seq`; with `lookahead`, also a LookaheadRecorder whose records go there."""
+    with TraceRecorder(model, seq=seq) as recorder:
+        if lookahead is None:
+            yield recorder
+            return
+        with LookaheadRecorder(model, seq=seq) as guesses:
+            yield recorder
+        lookahead += guesses.records
 
 
 def build_profile(model, records: list[TraceRecord], min_count: int = 3) -> RoutingProfile:
@@ -125,10 +183,10 @@ def profile_store(store: str | Path, text: str | None = None, trace: str | Path 
     if (text is None) == (trace is None):
         raise ValueError("profile: give a text or a trace (exactly one)")
     with edgemoe.load(store, threads=threads, preload="none") as model:
-        if trace is not None:   # numbered as this model's layers, as replayed
+        if trace is not None:   # numbered as this model's layers, as replayed; no hidden states to look ahead from
             records = records_for_model(read_trace(trace), model.spec.moe_layer_ids, str(trace))
+            profile, choice = build_profile(model, records, min_count), None
         else:
-            records = trace_text(model, text, context, on_progress)
-        profile = build_profile(model, records, min_count)
-        save_routing_profile(store, profile)
+            profile, choice = profile_text(model, text, context, min_count, on_progress)
+        save_routing_profile(store, profile, choice)
     return profile

@@ -47,3 +47,12 @@ def test_mixtral_like_defaults_reproduce_the_measured_figures():
     _, stats = generate(32, 8, 2, sequences=8, tokens=48, seed=2)
     assert 0.34 <= stats.stay <= 0.40 and 0.17 <= stats.top_share <= 0.20
     assert 0.97 <= stats.entropy <= 0.99 and 0.43 <= stats.predictability <= 0.52
+
+
+@pytest.mark.parametrize("entropy", [0.98, 0.85])
+def test_an_entropy_target_sets_the_popularitys_skew(entropy):
+    """Fine-grained routing (32 experts, top-4) from nearly flat to skewed, as public logs range."""
+    _, stats = generate(6, 32, 4, sequences=8, tokens=48, targets=RoutingTargets(entropy=entropy), seed=1)
+    assert stats.entropy == pytest.approx(entropy, abs=0.02)
+    with pytest.raises(ValueError, match="entropy=1.2"):
+        generate(6, 32, 4, sequences=2, tokens=4, targets=RoutingTargets(entropy=1.2))

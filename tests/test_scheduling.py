@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import edgemoe
-from edgemoe.store.profile_file import load_routing_profile
+from edgemoe.store.profile_file import load_routing_profile, read_predictor_choice
 from edgemoe.cli import main
 from edgemoe.generate import GenerationOptions, generate_batch
 from edgemoe.tracing import trace_text
@@ -54,7 +54,7 @@ def test_profile_is_saved_in_the_store_and_drives_placement(store):
         ranked = sorted(((p, (int(l), e)) for l, row in data["popularity"].items() for e, p in enumerate(row)),
                         reverse=True)
         assert set(s.resident()) == {key for _, key in ranked[:3]}
-    assert edgemoe.load(store).preloader.predictor == "correlation"
+    assert edgemoe.load(store).preloader.predictor == read_predictor_choice(store) in ("correlation", "lookahead")
 
 
 def greedy(model):
@@ -66,12 +66,12 @@ def test_greedy_output_is_unchanged_by_preload_and_policy(store):
     size = expert_size(store)
     expected = greedy(edgemoe.load(store, preload="none"))
     for preload in ("none", "lookahead", "correlation"):
-        for policy in ("lru", "lfu", "frequency-distance"):
+        for policy in ("lru", "lfu", "frequency-distance", "adaptive"):
             model = edgemoe.load(store, ram=4 * size, policy=policy, preload=preload)
             assert greedy(model) == expected, (preload, policy)
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "frequency-distance"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "frequency-distance", "adaptive"])
 def test_runtime_hit_rate_equals_the_simulators_on_the_same_trace(store, policy):
     n = 5
     model = edgemoe.load(store, ram=n * expert_size(store), policy=policy, preload="none", place_popular=False)
@@ -85,6 +85,8 @@ def test_runtime_hit_rate_equals_the_simulators_on_the_same_trace(store, policy)
                                      prior=load_routing_profile(store))
     assert simulated["requests"] == stats.requests
     assert simulated["hits"] == stats.ram.hits and simulated["evictions"] == stats.ram.evictions
+    if policy == "adaptive":                          # it changed candidates on the way, as the simulator did
+        assert model.store.cache.tiers[-1].policy.primary.changes == simulated["adaptive_changes"] != []
 
 
 def test_queued_predictions_for_a_layer_are_cancelled_when_it_routes(store):

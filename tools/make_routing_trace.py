@@ -4,7 +4,10 @@ statistics it has. For benchmarks of random-weight models: `edgemoe bench STORE 
 
     python tools/make_routing_trace.py --layers 32 --experts 8 --top-k 2 --sequences 8 --tokens 256 \\
         -o mixtral-like.jsonl [--stay-excess 0.16] [--top-share-ratio 1.48] [--predictability-excess 0.287]
-        [--second-weight-median 0.305] [--second-weight-below-0.2 0.275] [--seed 0] [--model-seed 0]
+        [--second-weight-median 0.305] [--second-weight-below-0.2 0.275] [--entropy H] [--seed 0] [--model-seed 0]
+
+--entropy sets the popularity's skew by its normalized entropy (1 = flat) instead of --top-share-ratio:
+public routing logs of fine-grained models (64 experts, top-8) range from about 0.98 to 0.85.
 
 --model-seed draws the "model" (popularity and the layer-to-layer tables), --seed the tokens: traces
 of one model seed and other seeds are other texts through the same model (profile from one, replay
@@ -38,9 +41,11 @@ def main() -> None:
     parser.add_argument("--second-weight-median", type=float, default=defaults.second_weight_median)
     parser.add_argument("--second-weight-below-0.2", dest="below", type=float,
                         default=defaults.second_weight_below_0_2)
+    parser.add_argument("--entropy", type=float, default=None,
+                        help="normalized popularity entropy (instead of --top-share-ratio)")
     args = parser.parse_args()
     targets = RoutingTargets(args.stay_excess, args.top_share_ratio, args.predictability_excess,
-                             args.second_weight_median, args.below)
+                             args.second_weight_median, args.below, args.entropy)
     records, stats = generate(args.layers, args.experts, args.top_k, args.sequences, args.tokens, targets,
                               args.seed, args.model_seed)
     write_trace(args.out, records)

@@ -21,6 +21,7 @@ import typer
 
 from edgemoe import options
 from edgemoe.bundled import bundled_model_path
+from edgemoe.scheduling.policies import DEFAULT_POLICY
 
 DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
@@ -53,10 +54,11 @@ VRAM = typer.Option(None, "--vram", help="Store only: VRAM for experts, bytes or
                     "bytes (default: none).")
 DEVICE = typer.Option(None, "--device", help="Store only: torch device of the VRAM tier (default: cuda when "
                       "present).")
-POLICY = typer.Option("lru", "--policy", help="Store only: eviction policy, lru, lfu, frequency-distance or "
-                      "expected-use.")
-PRELOAD = typer.Option("auto", "--preload", help="Store only: auto (correlation if the store has a profile, else "
-                       "lookahead), correlation, lookahead or none.")
+POLICY = typer.Option(DEFAULT_POLICY, "--policy", help="Store only: eviction policy, adaptive (default: follows "
+                      "whichever of the others would read least), lru, lfu, frequency-distance or expected-use.")
+PRELOAD = typer.Option("auto", "--preload", help="Store only: auto (the predictor the store's profiling measured "
+                       "better; else correlation if the store has a profile, else lookahead), correlation, "
+                       "lookahead or none.")
 SKIP_BELOW = typer.Option(0.0, "--skip-below", help="Store only, trades quality for reads: an expert not in RAM "
                           "that every token chose with a routing weight below this (never as its strongest) is "
                           "skipped and the other weights rescaled (adaptive top-k; default 0: off).")

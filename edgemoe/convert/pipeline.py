@@ -31,7 +31,7 @@ from edgemoe.errors import CheckpointError
 from edgemoe.evaluate import evaluate
 from edgemoe.loader import StoreOptions, load_store, model_from_checkpoint, plan_checkpoint
 from edgemoe.options import OptionError, one_of
-from edgemoe.tracing import build_profile, trace_text
+from edgemoe.tracing import profile_text
 from edgemoe.quant import quantize
 from edgemoe.store.profile_file import save_routing_profile
 from edgemoe.weights import read_expert
@@ -180,8 +180,8 @@ def _profile_and_confirm(path: Path, manifest, calib_text, budget, reference, th
     if calib_text is None:
         return None
     with load_store(path, StoreOptions(preload="none"), threads=threads, manifest=manifest) as model:
-        records = trace_text(model, calib_text, on_progress=lambda d, t: report("profiling routing", d, t))
-        save_routing_profile(path, build_profile(model, records))
+        save_routing_profile(path, *profile_text(model, calib_text,
+                                                 on_progress=lambda d, t: report("profiling routing", d, t)))
         if budget is None or budget.heldout_text is None:
             return None
         ids = model.tokenizer.encode(budget.heldout_text, add_special_tokens=False)

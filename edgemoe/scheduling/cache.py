@@ -67,6 +67,7 @@ class Tier:
     def __init__(self, name: str, capacity: int, policy, stats: TierStats):
         self.name, self.capacity, self.policy, self.stats = name, capacity, policy, stats
         self.items: OrderedDict[Key, object] = OrderedDict()
+        policy.set_capacity(capacity)
 
     def fits(self, nbytes: int) -> bool:
         return nbytes <= self.capacity
@@ -130,6 +131,7 @@ class ExpertCache:
             tier_stats = self.stats.tiers.setdefault(name, TierStats())
             self.tiers.append(Tier(name, capacity, make_policy(), tier_stats))
         if guard is not None:   # the guard judges the tier experts leave the cache from
+            guard.measure_against(self.tiers[-1].policy)
             self.tiers[-1].policy = GuardedPolicy(self.tiers[-1].policy, guard)
         self._enter = enter or (lambda item, tier: item)
         self._leave = leave or (lambda item: None)
@@ -206,12 +208,13 @@ class ExpertCache:
     def begin_layer(self, layer: int, needed: dict[Key, int], read_bytes: int = 0) -> None:
         """The model is about to run `layer`, which needs the experts `needed` (key -> bytes): they
         are pinned until the next begin_layer and the policies are told; the guard compares
-        `read_bytes`, the bytes read from disk so far (demand and preloads), with its ghost's."""
+        `read_bytes`, the bytes read from disk so far (demand and preloads), with its ghost's. The
+        policies are told the layer and `needed` with its sizes (the adaptive policy's ghosts request them)."""
         self.pinned = set(needed)
         if self.guard is not None:
             self.guard.observe_layer(((k, needed[k]) for k in sorted(needed)), read_bytes)
         for tier in self.tiers:
-            tier.policy.set_layer(layer, self.pinned)
+            tier.policy.set_layer(layer, needed)
 
     def admit(self, wanted) -> list[Key]:
         """Of `wanted` ((key, nbytes, probability of use), most wanted first, none resident), those

@@ -17,6 +17,11 @@ there if that window is not worse; each failed probe doubles the wait (up to MAX
 so that a scheme that does not pay costs little more than LRU. Routing that changes its character (a new kind of prompt) is
 followed both ways. Both the runtime store (TieredStore) and the simulator (edgemoe/scheduling/simulate.py)
 use this class, fed the same way.
+
+With the "adaptive" policy (edgemoe.scheduling.policies) the reference is stricter: not LRU but what
+on-demand caching that follows the adaptive policy's best ghost reads (AdaptivePolicy.read_bytes;
+LRU is one of its candidates), so preloads are kept only where they beat the best on-demand policy;
+and the lowest level is "no-preload", since LRU eviction is already one the policy can follow.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterable
 
-from .policies import LRUPolicy
+from .policies import AdaptivePolicy, LRUPolicy
 
 Key = tuple[int, int]
 LEVELS = ("full", "no-preload", "lru")
@@ -63,11 +68,23 @@ class SchemeGuard:
         self.ghost = GhostLRU(budget)
         self.window_layers, self.margin, self.probe_every = window_layers, margin, probe_every
         self.level = 0
+        self.reference: AdaptivePolicy | None = None   # None: the ghost LRU
+        self.lowest = len(LEVELS) - 1
         self.changes: list[tuple[int, str]] = []   # (layer calls so far, level entered)
         self._layers = self._window = self._windows_down = 0
         self._real_start = self._ghost_start = 0
         self._probing = False
         self._probe_gap = probe_every
+
+    def measure_against(self, policy) -> None:
+        """Judge the scheme guarding `policy` against that policy's own on-demand reads if it is
+        adaptive (then never step down to LRU eviction), else against the ghost LRU."""
+        if isinstance(policy, AdaptivePolicy):
+            self.reference, self.lowest = policy, LEVELS.index("no-preload")
+
+    @property
+    def reference_read_bytes(self) -> int:
+        return self.ghost.read_bytes if self.reference is None else self.reference.read_bytes
 
     @property
     def allow_preload(self) -> bool:
@@ -80,10 +97,11 @@ class SchemeGuard:
     def observe_layer(self, requests: Iterable[tuple[Key, int]], real_read_bytes: int) -> None:
         """A layer's requests ((key, bytes), in the order the cache serves them) and the bytes the real
         cache has read from disk so far, demand and preloads."""
-        requests = list(requests)
-        pinned = frozenset(key for key, _ in requests)
-        for key, nbytes in requests:
-            self.ghost.request(key, nbytes, pinned - {key})
+        if self.reference is None:
+            requests = list(requests)
+            pinned = frozenset(key for key, _ in requests)
+            for key, nbytes in requests:
+                self.ghost.request(key, nbytes, pinned - {key})
         self._layers += 1
         self._window += 1
         if self._window >= self.window_layers:
@@ -91,7 +109,7 @@ class SchemeGuard:
 
     def _judge(self, real_read_bytes: int) -> None:
         real = real_read_bytes - self._real_start
-        ghost = self.ghost.read_bytes - self._ghost_start
+        ghost = self.reference_read_bytes - self._ghost_start
         worse = real > ghost * (1 + self.margin)
         if self._probing:
             self._probing = False
@@ -100,14 +118,14 @@ class SchemeGuard:
                 self._probe_gap = min(2 * self._probe_gap, MAX_PROBE_GAP)
             else:
                 self._probe_gap = self.probe_every
-        elif worse and self.level < len(LEVELS) - 1:
+        elif worse and self.level < self.lowest:
             self._set(self.level + 1)
         elif self.level > 0:
             self._windows_down += 1
             if self._windows_down >= self._probe_gap:
                 self._set(self.level - 1)
                 self._probing = True
-        self._window, self._real_start, self._ghost_start = 0, real_read_bytes, self.ghost.read_bytes
+        self._window, self._real_start, self._ghost_start = 0, real_read_bytes, self.reference_read_bytes
 
     def _set(self, level: int) -> None:
         self.level, self._windows_down = level, 0
@@ -133,6 +151,9 @@ class GuardedPolicy:
     def remove(self, key: Key) -> None:
         self.primary.remove(key)
         self.lru.remove(key)
+
+    def set_capacity(self, capacity: int) -> None:
+        self.primary.set_capacity(capacity)
 
     def set_layer(self, layer: int, needed: Iterable[Key] = ()) -> None:
         self.primary.set_layer(layer, needed)

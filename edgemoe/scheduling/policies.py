@@ -28,12 +28,32 @@ fits in free room); every policy but "expected-use" admits every preload. Keys a
   misses into background reads. It is admitted if p > (1 - p)(1 + q): more misses converted than
   reads added (in free room q = 0: p > 0.5). Without a routing profile every estimate is the
   popularity prior (0 without one).
+- "adaptive": set dueling (as CPU caches and ARC choose between policies). Which fixed policy reads
+  least depends on the routing and on the cache size (docs/scheduling.md), so a ghost cache per
+  candidate (lru, lfu, frequency-distance, and expected-use where there is a routing profile: keys
+  and sizes only, the tier's capacity, on-demand: GhostCache) is fed every layer's requests, and
+  the tier evicts as the candidate whose ghost read the fewest bytes over the last
+  ADAPTIVE_WINDOW_TOKENS tokens' layers would. It starts as LRU and changes candidate only when
+  another one read at least ADAPTIVE_MARGIN less over the window (hysteresis: near-ties do not
+  flip it back and forth). Its `read_bytes` (what on-demand caching that follows the leader reads)
+  is the reference its guard holds the scheme to (edgemoe.scheduling.guard). Each candidate's own policy object follows the tier's real events, so a switch loses no
+  history. Preload admission is expected-use's rule where there is a profile (the only one that
+  weighs a preload against its victim), else every preload is admitted. Bookkeeping: per layer,
+  one pass of its requests through each ghost (at most the tier's capacity in keys each) and a
+  window of per-layer read counts; the CPU time this costs is measured in docs/scheduling.md. With
+  two tiers (VRAM and RAM) each tier's ghosts see every request: for the faster tier, an
+  approximation of what reaches it.
+
+Every policy is told its tier's byte capacity once (set_capacity: only "adaptive" uses it, for its
+ghosts) and, at each layer, the experts it needs with their sizes (set_layer's `needed`: key -> bytes,
+or any iterable of keys for the policies that ignore sizes).
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Iterable
+from collections import deque
+from typing import Iterable, Mapping
 
 from edgemoe.options import one_of
 
@@ -55,6 +75,9 @@ class LRUPolicy:
 
     def remove(self, key: Key) -> None:
         self.last_use.pop(key, None)
+
+    def set_capacity(self, capacity: int) -> None:
+        pass
 
     def set_layer(self, layer: int, needed: Iterable[Key] = ()) -> None:
         pass
@@ -181,8 +204,117 @@ class ExpectedUsePolicy(LRUPolicy):
         return probability > (1 - probability) * (1 + displaced)
 
 
-POLICIES = {p.name: p for p in (LRUPolicy, LFUPolicy, FrequencyDistancePolicy, ExpectedUsePolicy)}
-DEFAULT_POLICY = "lru"   # a store's eviction unless told otherwise (edgemoe.loader.StoreOptions)
+class GhostCache:
+    """What one policy alone would miss, caching on demand in `capacity` bytes: keys and sizes only.
+    The real cache's rules (edgemoe.scheduling.cache): placing an expert never evicts one the running
+    layer needs, an expert larger than the capacity is served uncached, and a miss that only needed
+    experts could make room for is served uncached after the evictions made."""
+
+    def __init__(self, policy, capacity: int):
+        self.policy, self.capacity = policy, capacity
+        self.items: dict[Key, int] = {}
+        self.bytes = 0
+        self.misses = 0
+        self.read_bytes = 0
+
+    def run_layer(self, layer: int, needed: Mapping[Key, int]) -> int:
+        """The layer begins and asks for its experts in ascending order, as the runtime runs them;
+        returns the bytes it read (its misses')."""
+        self.policy.set_layer(layer, needed)
+        before = self.read_bytes
+        for key in sorted(needed):
+            self.request(key, needed[key], needed)
+        return self.read_bytes - before
+
+    def request(self, key: Key, nbytes: int, pinned: Iterable[Key] = ()) -> None:
+        if key in self.items:
+            self.policy.touch(key)
+            return
+        self.misses += 1
+        self.read_bytes += nbytes
+        if nbytes > self.capacity:
+            return
+        while self.bytes + nbytes > self.capacity:
+            candidates = [k for k in self.items if k not in pinned]
+            if not candidates:
+                return
+            victim = self.policy.victim(candidates)
+            self.bytes -= self.items.pop(victim)
+            self.policy.remove(victim)
+        self.items[key] = nbytes
+        self.bytes += nbytes
+        self.policy.insert(key)
+        self.policy.touch(key)
+
+
+ADAPTIVE_CANDIDATES = ("lru", "lfu", "frequency-distance", "expected-use")
+ADAPTIVE_WINDOW_TOKENS = 16   # misses are compared over this many tokens' layer calls
+ADAPTIVE_MARGIN = 0.02        # another candidate leads once it missed this much less over the window
+
+
+class AdaptivePolicy:
+    name = "adaptive"
+
+    def __init__(self, num_layers: int, popularity: dict[Key, float] | None = None, profile=None,
+                 window_tokens: int = ADAPTIVE_WINDOW_TOKENS, margin: float = ADAPTIVE_MARGIN):
+        self.candidates = [n for n in ADAPTIVE_CANDIDATES if n != "expected-use" or profile is not None]
+        self._make = lambda name: POLICIES[name](num_layers, popularity, profile)
+        self.followers = {name: self._make(name) for name in self.candidates}   # fed the tier's own events
+        self.ghosts: dict[str, GhostCache] = {}
+        self.leader = self.candidates[0]
+        self.margin = margin
+        self.window: deque[tuple[int, ...]] = deque(maxlen=window_tokens * max(1, num_layers))
+        self.window_reads = [0] * len(self.candidates)   # each ghost's bytes read over the window
+        self.read_bytes = 0   # what on-demand caching that follows the leader reads: the leader's ghost's reads
+        self.changes: list[tuple[int, str]] = []   # (layer calls so far, candidate followed from then)
+        self._layer_calls = 0
+
+    def set_capacity(self, capacity: int) -> None:
+        self.ghosts = {name: GhostCache(self._make(name), capacity) for name in self.candidates}
+
+    def set_layer(self, layer: int, needed: Mapping[Key, int]) -> None:
+        for follower in self.followers.values():
+            follower.set_layer(layer, needed)
+        self._layer_calls += 1
+        if not self.ghosts:
+            return
+        reads = tuple(ghost.run_layer(layer, needed) for ghost in self.ghosts.values())
+        self.read_bytes += reads[self.candidates.index(self.leader)]
+        if len(self.window) == self.window.maxlen:
+            self.window_reads = [total - old for total, old in zip(self.window_reads, self.window[0])]
+        self.window.append(reads)
+        self.window_reads = [total + new for total, new in zip(self.window_reads, reads)]
+        self._follow_the_best()
+
+    def _follow_the_best(self) -> None:
+        read = dict(zip(self.candidates, self.window_reads))
+        best = min(self.candidates, key=read.get)   # ties: the earlier candidate
+        if read[best] < read[self.leader] * (1 - self.margin):
+            self.leader = best
+            self.changes.append((self._layer_calls, best))
+
+    def touch(self, key: Key) -> None:
+        for follower in self.followers.values():
+            follower.touch(key)
+
+    def insert(self, key: Key) -> None:
+        for follower in self.followers.values():
+            follower.insert(key)
+
+    def remove(self, key: Key) -> None:
+        for follower in self.followers.values():
+            follower.remove(key)
+
+    def victim(self, candidates: Iterable[Key]) -> Key:
+        return self.followers[self.leader].victim(candidates)
+
+    def admits(self, probability: float, victim: Key | None) -> bool:
+        judge = self.followers.get("expected-use")
+        return judge.admits(probability, victim) if judge is not None else True
+
+
+POLICIES = {p.name: p for p in (LRUPolicy, LFUPolicy, FrequencyDistancePolicy, ExpectedUsePolicy, AdaptivePolicy)}
+DEFAULT_POLICY = "adaptive"   # a store's eviction unless told otherwise (edgemoe.loader.StoreOptions)
 
 
 def make_policy(name: str, num_layers: int, popularity: dict[Key, float] | None = None, profile=None):

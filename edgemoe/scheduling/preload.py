@@ -1,6 +1,6 @@
 """Preloading: predict the experts of the next MoE layer and hand them to the store's loader.
 
-Predictors:
+Predictors ("auto": the one the store's profiling measured better, auto_predictor):
 - "correlation" (EdgeMoE): the store's routing profile, P(expert at l | experts at l-1 and l-2)
   with back-off (edgemoe.scheduling.profile); issued as soon as layer l-1's routing is known.
 - "lookahead" (Mixtral-offloading): the next MoE layer's router applied to this layer's MoE input;
@@ -44,6 +44,30 @@ PREDICTORS = ("auto", "correlation", "lookahead", "none")
 MIN_PROBABILITY = 0.5
 
 
+def auto_predictor(profile, recorded: str | None) -> str:
+    """preload="auto": the predictor the store's profiling measured better (recorded in profile.json,
+    edgemoe.scheduling.predictor_choice), else correlation if the store has a routing profile (one
+    profiled before the measurement existed), else lookahead."""
+    if recorded is not None and (recorded == "lookahead" or profile is not None):
+        return recorded
+    return "correlation" if profile is not None else "lookahead"
+
+
+def stack_starts(spec) -> set[int]:
+    """The first MoE layer of each stack (an encoder-decoder has two): its tokens' history starts
+    there, as in the routing profile (edgemoe.tracing), and no predictor predicts across: the
+    encoder's tokens are not the decoder's."""
+    moe = spec.moe_layer_ids
+    firsts = (0, spec.encoder_layers) if spec.is_encoder_decoder else (0,)
+    return {min(l for l in moe if l >= first) for first in firsts if moe[-1] >= first}
+
+
+def next_moe_layers(spec) -> dict[int, int]:
+    """MoE layer -> the MoE layer after it in the same stack: what a predictor at that layer predicts."""
+    moe, starts = spec.moe_layer_ids, stack_starts(spec)
+    return {l: nxt for l, nxt in zip(moe, moe[1:]) if nxt not in starts}
+
+
 class Preloader:
     """Predicts a model's next MoE layer for its store. The model gives its spec and its router
     (route(layer, hidden) -> (weights, experts)) and registers the preloader's hooks, routing_hook
@@ -51,17 +75,12 @@ class Preloader:
 
     def __init__(self, spec, route, store, predictor: str = "auto", profile=None, smoothing: float = 0.2):
         if predictor == "auto":
-            predictor = "correlation" if profile is not None else "lookahead"
+            predictor = auto_predictor(profile, store.predictor_choice)
         if predictor == "correlation" and profile is None:
             raise OptionError("preload=", predictor, f"{store.path} has no routing profile (run edgemoe profile)")
         self.spec, self.route, self.store, self.predictor, self.profile = spec, route, store, predictor, profile
-        moe = spec.moe_layer_ids
-        # The first MoE layer of each stack (an encoder-decoder has two): its tokens' history starts
-        # there, as in the routing profile (edgemoe.tracing), and no predictor predicts across: the
-        # encoder's tokens are not the decoder's.
-        firsts = (0, spec.encoder_layers) if spec.is_encoder_decoder else (0,)
-        self.stack_starts = {min(l for l in moe if l >= first) for first in firsts if moe[-1] >= first}
-        self.next_moe = {l: nxt for l, nxt in zip(moe, moe[1:]) if nxt not in self.stack_starts}
+        self.stack_starts = stack_starts(spec)
+        self.next_moe = next_moe_layers(spec)
         self.smoothing = smoothing
         self.layer_seconds: float | None = None   # between consecutive MoE layers (moving average)
         self.idle_seconds: float | None = None    # of it, the disk's idle time (moving average)

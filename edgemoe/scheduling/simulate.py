@@ -32,7 +32,9 @@ resident expert requested furthest in the future (no preload).
 
 Output: a table, or with --json a list of {"policy", "preload", "guard", "default", "cache_experts",
 "hit_rate", "preload_precision", "reads_per_token", "preloads_per_token", "requests", "hits",
-"preloads", "evictions"} (preload_precision null without preload). "default" marks the scheme a
+"preloads", "evictions"} (preload_precision null without preload; "adaptive" records also have
+"adaptive_changes": [[layer calls so far, candidate followed from then], ...] and "ghost_misses":
+{candidate: misses of its ghost cache}, what that policy alone misses without preload). "default" marks the scheme a
 store runs unless told otherwise (DEFAULT_POLICY, correlation preload from its profile, the guard),
 simulated at every cache size whatever --policy and --guard ask, so that any trace can be checked
 against it; the table marks it with "*".
@@ -44,13 +46,13 @@ import heapq
 from typing import NamedTuple
 
 from .cache import ExpertCache
-from .guard import GUARD_WINDOW_TOKENS, SchemeGuard
-from .policies import DEFAULT_POLICY, POLICIES, make_policy
+from .guard import GUARD_WINDOW_TOKENS, GuardedPolicy, SchemeGuard
+from .policies import DEFAULT_POLICY, POLICIES, AdaptivePolicy, make_policy
 from .preload import MIN_PROBABILITY
 from .profile import RoutingProfile, read_trace, tokens_from_trace
 
 Key = tuple[int, int]          # (layer, expert)
-POLICY_NAMES = ("lru", "lfu", "frequency-distance", "expected-use")
+POLICY_NAMES = ("lru", "lfu", "frequency-distance", "expected-use", "adaptive")
 
 
 def simulate(tokens, cache_experts: int, policy: str, preload_profile: RoutingProfile | None = None,
@@ -137,8 +139,15 @@ def _replay(tokens, capacity: int, name: str, profile: RoutingProfile | None, pr
                     hits += 1
                 else:
                     cache.place(_Expert((layer, e)), "demand")
-    return _result(hits, total, len(tokens), preloads, preload_hits, cache.stats.tiers["cache"].evictions,
-                   preload=profile is not None)
+    result = _result(hits, total, len(tokens), preloads, preload_hits, cache.stats.tiers["cache"].evictions,
+                     preload=profile is not None)
+    policy = cache.tiers[0].policy
+    if isinstance(policy, GuardedPolicy):
+        policy = policy.primary
+    if isinstance(policy, AdaptivePolicy):
+        result["adaptive_changes"] = policy.changes
+        result["ghost_misses"] = {name: ghost.misses for name, ghost in policy.ghosts.items()}
+    return result
 
 
 def _belady(tokens, capacity: int) -> dict:

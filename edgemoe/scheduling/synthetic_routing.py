@@ -50,6 +50,7 @@ class RoutingTargets:
     predictability_excess: float = 0.287  # (predictability - A/E) / (1 - A/E)
     second_weight_median: float = 0.305
     second_weight_below_0_2: float = 0.275
+    entropy: float | None = None          # normalized popularity entropy; given, it sets the skew instead of top_share_ratio
 
     def absolute(self, experts: int, top_k: int) -> dict:
         """The statistics these targets ask of a trace with E experts, top-k A."""
@@ -92,7 +93,10 @@ def calibrate(layers: int, experts: int, top_k: int, targets: RoutingTargets, se
         sample = _sample(layers, experts, top_k, 16, 48, knobs, targets, np.random.default_rng(seed),
                          np.random.default_rng([seed, CALIBRATION_TOKENS]))
         got = routing_statistics(sample)
-        skew_gap = math.log(got.top_share - uniform_share + 1e-3) - math.log(want["top_share"] - uniform_share + 1e-3)
+        if targets.entropy is None:
+            skew_gap = math.log(got.top_share - uniform_share + 1e-3) - math.log(want["top_share"] - uniform_share + 1e-3)
+        else:   # skew as 1 - entropy
+            skew_gap = math.log(1 - got.entropy + 1e-4) - math.log(1 - targets.entropy + 1e-4)
         knobs = replace(
             knobs,
             concentration=min(1e4, knobs.concentration * math.exp(2.0 * skew_gap)),
@@ -108,6 +112,8 @@ def _check(layers, experts, top_k, sequences, tokens, targets) -> None:
             raise ValueError(f"{name}={value!r}: expected an integer >= {low}")
     if top_k >= experts:
         raise ValueError(f"top_k={top_k} must be below experts={experts}")
+    if targets.entropy is not None and not 0 < targets.entropy < 1:
+        raise ValueError(f"entropy={targets.entropy!r}: expected a normalized entropy in (0, 1)")
     if not 0 < targets.second_weight_median < 0.5 or not 0 < targets.second_weight_below_0_2 < 1:
         raise ValueError("second-weight targets: a median in (0, 0.5) and a share in (0, 1)")
 

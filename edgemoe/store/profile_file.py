@@ -2,8 +2,12 @@
 
 Sections: "routing" (RoutingProfile.to_json; its "temporal" part is optional, so profiles saved
 before it existed still load) and "popularity" ({"<layer>": [fraction per expert]}, read for the
-initial placement and the eviction prior). Other sections are preserved on save. Every write is
-atomic; a corrupt file is a StoreError naming it.
+initial placement and the eviction prior), and "predictor" (optional: which of the correlation table
+and the gate look-ahead predicted better when the store was profiled, edgemoe.scheduling.predictor_choice:
+{"predictor": name, "precision": {name: precision at top-k}, "predictions": layers scored}; absent
+from profiles made before it existed, or built from a trace, which has no hidden states for the
+look-ahead). Other sections are preserved on save. Every write is atomic; a corrupt file is a
+StoreError naming it.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import json
 from pathlib import Path
 
 from edgemoe.files import atomic_write
+from edgemoe.scheduling.predictor_choice import PREDICTOR_CHOICES
 from edgemoe.scheduling.profile import RoutingProfile
 
 from .format import PROFILE, StoreError
@@ -33,12 +38,17 @@ def read_profile_file(store_dir) -> dict:
     return data
 
 
-def save_routing_profile(store_dir, profile: RoutingProfile) -> Path:
-    """Write the "routing" and "popularity" sections of STORE/profile.json, keeping the others."""
+def save_routing_profile(store_dir, profile: RoutingProfile, predictor: dict | None = None) -> Path:
+    """Write the "routing", "popularity" and "predictor" sections of STORE/profile.json, keeping the
+    others. predictor: the measured choice (compare_predictors), or None: none measured for this
+    profile (an earlier one's is dropped: it measured another profile)."""
     path = Path(store_dir) / PROFILE
     data = read_profile_file(store_dir)
     data["routing"] = profile.to_json()
     data["popularity"] = {str(l): row for l, row in profile.popularity.items()}
+    data.pop("predictor", None)
+    if predictor is not None:
+        data["predictor"] = predictor
     atomic_write(path, lambda f: json.dump(data, f))
     return path
 
@@ -70,6 +80,19 @@ def read_popularity(store_dir, data: dict | None = None) -> dict[Key, float]:
         return expert_popularity({int(l): row for l, row in data["popularity"].items()})
     except (AttributeError, TypeError, ValueError) as exc:
         raise StoreError(f"{Path(store_dir) / PROFILE}: malformed profile ({exc})") from None
+
+
+def read_predictor_choice(store_dir, data: dict | None = None) -> str | None:
+    """The predictor profiling measured better, or None when none was measured. data: as find_routing_profile."""
+    data = read_profile_file(store_dir) if data is None else data
+    section = data.get("predictor")
+    if section is None:
+        return None
+    choice = section.get("predictor") if isinstance(section, dict) else None
+    if choice not in PREDICTOR_CHOICES:
+        raise StoreError(f"{Path(store_dir) / PROFILE}: malformed 'predictor' section: 'predictor' is {choice!r}, "
+                         f"expected one of {', '.join(PREDICTOR_CHOICES)}")
+    return choice
 
 
 def expert_popularity(popularity: dict[int, list[float]]) -> dict[Key, float]:

@@ -36,7 +36,8 @@ from edgemoe.scheduling.profile import RoutingProfile
 from .disk import DiskTier
 from .format import ExpertEntry, Manifest, StoreError, decode_blob, read_manifest
 from .loads import LoadQueue
-from .profile_file import expert_popularity, find_routing_profile, read_popularity, read_profile_file
+from .profile_file import (expert_popularity, find_routing_profile, read_popularity, read_predictor_choice,
+                           read_profile_file)
 
 Key = tuple[int, int]
 PRELOAD_QUEUE = 64    # queued background reads at most: loading is best effort, never a backlog
@@ -132,12 +133,15 @@ class TieredStore:
         vram_capacity = parse_bytes(vram, "vram=", share_of=self.manifest.expert_bytes) or 0
         self.ram_capacity, self.vram_capacity = ram_capacity, vram_capacity   # bytes (RAM: None, unlimited)
         self.device = self._vram_device(vram, vram_capacity, device)
+        # predictor_choice: the predictor the store's profiling measured better (preload="auto")
         if routing_profile is not None:
             self.routing_profile, self.popularity = routing_profile, expert_popularity(routing_profile.popularity)
+            self.predictor_choice = None
         else:
-            profile_json = read_profile_file(self.path)     # read once for both
+            profile_json = read_profile_file(self.path)     # read once for all three
             self.routing_profile = find_routing_profile(self.path, profile_json)
             self.popularity = read_popularity(self.path, profile_json)
+            self.predictor_choice = read_predictor_choice(self.path, profile_json)
         self.disk = DiskTier(self.manifest, io=io)
         self.stats = StoreStats()
         unlimited = 1 << 62
