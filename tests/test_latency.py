@@ -149,3 +149,10 @@ def test_the_latency_model_is_asked_for_at_load_not_on_a_first_step(tiny_model, 
     with edgemoe.load(tmp_path / "s", compute="dequant") as model:
         assert model.experts.latency is None
     assert calls == [(4,)]
+
+
+def test_calibration_times_the_fastest_run(monkeypatch):
+    """A run slowed by contention (here the second of three: 50 ms against 1 ms) must not be the one kept."""
+    clock = iter([0.0, 0.001, 1.0, 1.050, 2.0, 2.001])
+    monkeypatch.setattr(latency.time, "perf_counter", lambda: next(clock))
+    assert latency.fastest_time(lambda: None, 3) == pytest.approx(0.001)
