@@ -54,6 +54,7 @@ def _policy(value, flag):
 
 
 METRICS = ("ppl", "top1", "kl")
+IMPORTANCE_METHODS = ("local", "exact")       # edgemoe.convert.budget's, without importing torch here
 
 
 def _confidence(value: float, flag: str) -> float:
@@ -245,8 +246,8 @@ CANNOT_ACT = (
               "only --mode all-in-ram (it holds every expert in RAM)"),
     CannotAct(("bench",), "routing", lambda a: a.given("replay"), "cannot act with --replay (the trace routes "
               "every run)"),
-    *_every(("convert",), ("metric", "heldout", "calib_tokens", "confidence"), lambda a: not a.given("budget"),
-            "only with --budget"),
+    *_every(("convert",), ("metric", "heldout", "calib_tokens", "confidence", "importance"),
+            lambda a: not a.given("budget"), "only with --budget"),
     CannotAct(("convert",), "bits", lambda a: a.given("widths") or a.given("budget"), "cannot act with --widths "
               "or --budget (they set every expert's width)"),
     *_every(("profile",), ("context", "threads"), lambda a: a.given("trace_file"), "cannot act with --trace "
@@ -491,6 +492,10 @@ def convert(
                                            "(default for the bundled model: its eval.txt)."),
     calib_tokens: Optional[int] = typer.Option(None, "--calib-tokens", callback=_checked(options.integer_at_least, 2),
                                                help="Use at most this many calibration tokens for --budget."),
+    importance: str = typer.Option("local", "--importance", callback=_checked(options.one_of, IMPORTANCE_METHODS),
+                                   help="How --budget ranks experts: local (each expert's output error on its "
+                                   "tokens, scaled per layer; one re-run per layer) or exact (one re-run per "
+                                   "expert)."),
     confidence: float = typer.Option(0.95, "--confidence", callback=_checked(_confidence),
                                      help="--budget must hold for this one-sided upper confidence bound of the "
                                      "calibration loss, in [0.5, 1) (0.5: the estimate)."),
@@ -516,7 +521,8 @@ def convert(
     check_destination(out, force, [model, *inputs])
     calib_text = _read_text(calib) if calib is not None else None      # every input read before any work
     quality = None if budget is None else QualityBudget(
-        _budget(budget, metric), metric, confidence, calib_tokens, _read_text(heldout) if heldout else None)
+        _budget(budget, metric), metric, confidence, calib_tokens, _read_text(heldout) if heldout else None,
+        importance=importance)
     workers = workers or set_command_threads(threads)
     with staged_progress(quiet) as report:
         result = convert_store(model, out, bits=bits, widths=widths, group_size=group_size, method=method,
@@ -541,7 +547,8 @@ def _print_budget(result, metric: str) -> None:
     uniform = ", ".join(f"INT{b} {v:+.4f}" for b, v in s.uniform_loss.items())
     print(f"budget {metric} <= {s.budget:.4f}: calibration loss {s.loss:.4f} (bound {s.loss_bound:.4f})"
           + (f", held-out loss {result.heldout_loss:.4f}" if result.heldout_loss is not None else "")
-          + f" (uniform: {uniform}; floor INT{s.floor}, ceiling INT{s.ceiling}, {s.moved_down} experts at the floor)")
+          + f" (uniform: {uniform}; floor INT{s.floor}, ceiling INT{s.ceiling}, {s.moved_down} experts at the floor, "
+          f"ranked by {s.importance_method} importance)")
     if not s.feasible:
         print("warning: even INT8 everywhere exceeds the budget on the calibration text; wrote all INT8")
 

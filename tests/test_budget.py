@@ -39,6 +39,76 @@ def assert_rerun_from_layer_is_exact(search, keys):
     search._layer_inputs = []
 
 
+@pytest.fixture(scope="module")
+def eight_experts(tiny_model):
+    """(model, calibration) of a 3-layer mixtral with 8 experts per layer: 24 to rank."""
+    model = edgemoe.load(tiny_model("mixtral", num_hidden_layers=3, num_local_experts=8))
+    ids = torch.tensor(model.tokenizer.encode(TEXT * 4, add_special_tokens=False))
+    return model, Calibration(model, ids, context=48, metric="kl")
+
+
+def test_local_importance_ranks_experts_as_the_exact_one_does(eight_experts):
+    """The default estimate (local error x layer sensitivity) orders the experts as the exact one
+    (one re-run per expert) does, at the cost of one re-run per layer instead of one per expert."""
+    from scipy.stats import spearmanr
+
+    model, calibration = eight_experts
+    ranking, _ = calibration.halves()
+    scores, evaluations = {}, {}
+    for method in ("exact", "local"):
+        search = BudgetSearch(model, calibration, importance=method)
+        scores[method] = search.importance(2, 4, ranking)
+        evaluations[method] = search.evaluations
+    keys = sorted(scores["exact"])
+    assert spearmanr([scores["exact"][k] for k in keys], [scores["local"][k] for k in keys]).statistic > 0.9
+    assert evaluations == {"exact": 1 + len(keys), "local": 1 + model.spec.num_layers}
+
+
+def test_local_error_is_the_routing_weighted_output_error_on_routed_tokens(eight_experts):
+    """LocalErrors' figure for each expert, recomputed from the layer's MoE input and routing: the
+    squared norm of w * (expert at the floor - expert at the ceiling) over the tokens routed to it."""
+    from edgemoe.convert.budget import LocalErrors
+
+    model, calibration = eight_experts
+    search = BudgetSearch(model, calibration)
+    search.experts.widths = {key: 4 for key in search.keys}
+    twin = search._quantized
+    seen = {}
+    twin.moe_input_hooks.append(lambda l, x: seen.__setitem__(l, x))
+    twin.routing_hooks.append(lambda l, experts, weights, *_: seen.__setitem__((l, "routing"), (experts, weights)))
+    probe = LocalErrors(search.experts, floor=2)
+    twin.experts = probe
+    twin.logits(calibration.windows[0])
+    layer = 1
+    x, (experts, weights) = seen[layer], seen[layer, "routing"]
+    for e in range(model.spec.num_experts):
+        rows, slots = (experts == e).nonzero(as_tuple=True)
+        w = weights[rows, slots][:, None]
+        xs = x[rows]
+        expected = (w * (search.experts.at((layer, e), 2)(xs) - search.experts.at((layer, e), 4)(xs))).square().sum()
+        assert probe.errors.get((layer, e), 0.0) == pytest.approx(expected.item(), rel=1e-5)
+    assert sum(1 for l, _ in probe.errors if l == layer) == len(set(experts.reshape(-1).tolist()))
+
+
+@pytest.mark.parametrize("method", ["local", "exact"])
+def test_either_importance_keeps_the_chosen_mix_within_budget(eight_experts, method):
+    model, calibration = eight_experts
+    search = BudgetSearch(model, calibration, importance=method)
+    uniform = search.run(1e6).uniform_loss
+    budget = (uniform[2] + uniform[4]) / 2
+    result = search.run(budget)
+    assert result.importance_method == method and result.to_json()["importance_method"] == method
+    assert (result.floor, result.ceiling) == (2, 4) and 0 < result.moved_down < len(search.keys)
+    assert result.loss_bound <= budget
+    assert bool(result.layer_loss) == (method == "local")
+
+
+def test_an_unknown_importance_method_is_named(eight_experts):
+    model, calibration = eight_experts
+    with pytest.raises(ValueError, match="--importance 'fast'"):
+        BudgetSearch(model, calibration, importance="fast")
+
+
 def test_rerunning_from_a_layer_on_cached_inputs_is_exact(search):
     assert_rerun_from_layer_is_exact(search, [(1, 2), (2, 0)])
 
@@ -87,6 +157,7 @@ def test_convert_with_budget_records_widths_importance_and_losses(checkpoint, tm
     manifest = read_manifest(tmp_path / "s")
     record = manifest.data["budget"]
     assert record["metric"] == "top1" and record["heldout_loss"] == done.heldout_loss
+    assert record["importance_method"] == "local"
     assert {e.bits for e in manifest.experts.values()} == {2}
     assert record["widths"] == {str(l): [2] * 4 for l in range(3)}
     assert len(manifest_writes) == 1 and done.profiled and (tmp_path / "s" / "profile.json").exists()

@@ -36,7 +36,7 @@ from edgemoe.quant import quantize
 from edgemoe.store.profile_file import save_routing_profile
 from edgemoe.weights import read_expert
 
-from .budget import BudgetResult, BudgetSearch, Calibration, METRICS, heldout_loss, metric_loss
+from .budget import BudgetResult, BudgetSearch, Calibration, IMPORTANCE_METHODS, METRICS, heldout_loss, metric_loss
 from .writer import Key, StoreWriter, check_destination, read_widths
 
 Progress = Callable[[str, int, int], None]    # (stage, done, total)
@@ -45,7 +45,8 @@ Progress = Callable[[str, int, int], None]    # (stage, done, total)
 @dataclass(frozen=True)
 class QualityBudget:
     """--budget: the largest quality loss allowed, by `metric` (edgemoe.convert.budget), judged on
-    the calibration text's upper confidence bound and confirmed on `heldout_text` when given."""
+    the calibration text's upper confidence bound and confirmed on `heldout_text` when given;
+    `importance`: how experts are ranked, "local" or "exact" (edgemoe.convert.budget)."""
 
     limit: float
     metric: str = "ppl"
@@ -53,9 +54,11 @@ class QualityBudget:
     calib_tokens: int | None = None
     heldout_text: str | None = None
     context: int = 256
+    importance: str = "local"
 
     def __post_init__(self):
         one_of(self.metric, "metric=", METRICS)
+        one_of(self.importance, "importance=", IMPORTANCE_METHODS)
         if not 0.5 <= self.confidence < 1:
             raise OptionError("confidence=", self.confidence, "expected a number in [0.5, 1)")
         if not self.limit >= 0:
@@ -167,7 +170,7 @@ def _search_widths(reference, budget: QualityBudget, calib_text: str, group_size
         ids = ids[:budget.calib_tokens]
     context = min(budget.context, reference.context_length)
     calibration = Calibration(reference, ids, context, budget.metric, budget.confidence)
-    search = BudgetSearch(reference, calibration, group_size, method, report)
+    search = BudgetSearch(reference, calibration, group_size, method, report, budget.importance)
     result = search.run(budget.limit)
     packed = {key: search.experts.packed[key, b] for key, b in result.widths.items()}
     return result, packed
