@@ -499,6 +499,10 @@ def convert(
     confidence: float = typer.Option(0.95, "--confidence", callback=_checked(_confidence),
                                      help="--budget must hold for this one-sided upper confidence bound of the "
                                      "calibration loss, in [0.5, 1) (0.5: the estimate)."),
+    profile_tokens: Optional[int] = typer.Option(None, "--profile-tokens",
+                                                 callback=_checked(options.integer_at_least, 1),
+                                                 help="Trace at most this many tokens of --calib for the "
+                                                 "routing profile (default 4096, docs/budget.md)."),
     allow_no_tokenizer: bool = typer.Option(False, "--allow-no-tokenizer", help="Convert a checkpoint without "
                                             "tokenizer.json: a store for token ids only (bench, the Python API); "
                                             "run, eval and chat refuse it (default: refused here)."),
@@ -507,6 +511,7 @@ def convert(
 ):
     """Quantize a checkpoint's experts into a tiered store (and profile its routing on --calib)."""
     from .convert import QualityBudget, check_destination, convert as convert_store
+    from .convert.pipeline import PROFILE_TOKENS
     from .progress import staged_progress
     from .threads import set_command_threads
 
@@ -517,6 +522,8 @@ def convert(
         if calib is None:
             raise EdgeMoEError("--budget needs calibration text: --calib FILE (the bundled model uses its calib.txt)")
         heldout = heldout or _bundled_text(model, "eval.txt")
+    if profile_tokens is not None and calib is None:
+        raise EdgeMoEError("--profile-tokens: only with --calib (it caps the calibration text's tokens profiled)")
     inputs = [p for p in (widths, calib, heldout) if p is not None]
     check_destination(out, force, [model, *inputs])
     calib_text = _read_text(calib) if calib is not None else None      # every input read before any work
@@ -528,7 +535,8 @@ def convert(
         result = convert_store(model, out, bits=bits, widths=widths, group_size=group_size, method=method,
                                compress=compress, force=force, workers=workers, budget=quality,
                                calib_text=calib_text, threads=threads, progress=report, inputs=inputs,
-                               fallback_bits=fallback_bits, allow_no_tokenizer=allow_no_tokenizer)
+                               fallback_bits=fallback_bits, allow_no_tokenizer=allow_no_tokenizer,
+                               profile_tokens=profile_tokens or PROFILE_TOKENS)
     widths_text = ", ".join(f"INT{b}: {n}" for b, n in result.widths.items())
     print(f"wrote {result.store}: {result.experts} experts ({widths_text}), expert bytes "
           f"{_size(result.expert_bytes)} ({result.bits_per_weight:.3f} bits/weight), dense "

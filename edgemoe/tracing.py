@@ -29,11 +29,14 @@ from .seq2seq import text_to_text
 
 
 def trace_text(model, text: str, context: int | None = None,
-               on_progress: Callable[[int, int], None] | None = None) -> list[TraceRecord]:
-    """Every token's routing, window by window; on_progress(windows done, windows in all)."""
+               on_progress: Callable[[int, int], None] | None = None,
+               max_tokens: int | None = None) -> list[TraceRecord]:
+    """Every token's routing, window by window; on_progress(windows done, windows in all).
+    max_tokens: only the text's first tokens (the routing of each is as in the whole text's trace:
+    windows start at the same tokens and see only earlier ones)."""
     if model.tokenizer is None:
         raise ValueError("trace: this model has no tokenizer")
-    ids = torch.tensor(model.tokenizer.encode(text, add_special_tokens=False))
+    ids = torch.tensor(model.tokenizer.encode(text, add_special_tokens=False))[:max_tokens]
     if ids.numel() == 0:
         raise ValueError("trace: the text has no tokens")
     context = window_length(context, "context=", model.context_length) or default_context(model)
