@@ -103,6 +103,16 @@ def test_either_importance_keeps_the_chosen_mix_within_budget(eight_experts, met
     assert bool(result.layer_loss) == (method == "local")
 
 
+def test_local_importance_reports_progress_in_layers_computed(eight_experts):
+    """A re-run from layer l computes layers l.. only: progress counts those, so that the bar's rate,
+    and the time left it shows, hold from the first layer to the last."""
+    model, calibration = eight_experts
+    reports = []
+    search = BudgetSearch(model, calibration, progress=lambda stage, done, total: reports.append((stage, done, total)))
+    search.importance(2, 4, calibration.halves()[0])
+    assert [(done, total) for stage, done, total in reports if stage == "importance"] == [(3, 6), (5, 6), (6, 6)]
+
+
 def test_an_unknown_importance_method_is_named(eight_experts):
     model, calibration = eight_experts
     with pytest.raises(ValueError, match="--importance 'fast'"):

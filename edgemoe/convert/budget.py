@@ -316,8 +316,12 @@ class BudgetSearch:
         finally:
             self._quantized.experts = self.experts
         layers = sorted({l for l, _ in self.keys})
+        # Progress in layers computed, so that the bar's rate (and time left) holds: a re-run from a
+        # late layer computes fewer layers than one from an early layer.
+        work = {layer: self.model.spec.num_layers - self._start(layer) for layer in layers}
+        done = 0
         self.layer_loss, scores = {}, {}
-        for i, layer in enumerate(layers):
+        for layer in layers:
             down = {key: floor for key in self.keys if key[0] == layer}
             loss = self.loss({**base, **down}, start_layer=self._start(layer), windows=windows)[0]
             self.layer_loss[layer] = loss - base_loss
@@ -326,7 +330,8 @@ class BudgetSearch:
             # A layer whose drop did not raise the loss measured nothing to scale by: its experts score 0.
             sensitivity = max(self.layer_loss[layer], 0.0) / total if total > 0 else 0.0
             scores.update({key: sensitivity * error for key, error in errors.items()})
-            self.progress("importance", i + 1, len(layers))
+            done += work[layer]
+            self.progress("importance", done, sum(work.values()))
         return scores
 
     def _start(self, layer: int) -> int:
