@@ -143,16 +143,42 @@ def test_a_larger_budget_never_gives_a_larger_store(search):
     assert len(set(sizes)) >= 3                     # the budgets do span different stores
 
 
-def test_moved_experts_are_the_least_important_and_the_loss_is_within_budget(search):
-    uniform = search.run(1e6).uniform_loss
-    assert uniform[2] > uniform[4] > uniform[8] > 0
-    budget = (uniform[2] + uniform[4]) / 2
+def moved_and_kept(search, budget):
     result = search.run(budget)
     assert (result.floor, result.ceiling) == (2, 4) and 0 < result.moved_down < len(search.keys)
-    floor = sorted(k for k, b in result.widths.items() if b == result.floor)
-    ceiling = [k for k, b in result.widths.items() if b == result.ceiling]
-    assert max(result.importance[k] for k in floor) <= min(result.importance[k] for k in ceiling)
     assert result.loss_bound <= budget
+    floor = {k for k, b in result.widths.items() if b == result.floor}
+    return result, floor, set(search.keys) - floor
+
+
+def a_budget_between_int2_and_int4(search):
+    uniform = search.run(1e6).uniform_loss
+    assert uniform[2] > uniform[4] > uniform[8] > 0
+    return (uniform[2] + uniform[4]) / 2
+
+
+def test_moved_experts_are_the_least_important_and_the_loss_is_within_budget(search):
+    exact = BudgetSearch(search.model, search.calib, importance="exact")
+    result, floor, ceiling = moved_and_kept(exact, a_budget_between_int2_and_int4(exact))
+    assert max(result.importance[k] for k in floor) <= min(result.importance[k] for k in ceiling)
+    assert result.boundary == {}
+
+
+def test_local_importance_reranks_the_experts_near_the_cut_by_exact_importance(eight_experts):
+    """The local ranking decides far from the cut; the BOUNDARY experts on each side of its cut are
+    ranked by their exact importance, and those moved down are the least important of them."""
+    from edgemoe.convert.budget import BOUNDARY
+
+    search = BudgetSearch(*eight_experts)
+    result, floor, ceiling = moved_and_kept(search, a_budget_between_int2_and_int4(search))
+    band = set(result.boundary)
+    assert 0 < len(band) <= 2 * BOUNDARY < len(search.keys)
+    assert max((result.importance[k] for k in floor - band), default=-1e9) <= min(result.importance[k] for k in band)
+    assert max(result.importance[k] for k in band) <= min((result.importance[k] for k in ceiling - band), default=1e9)
+    assert max(result.boundary[k] for k in floor & band) <= min(result.boundary[k] for k in ceiling & band)
+    exact = BudgetSearch(*eight_experts, importance="exact").importance(2, 4, search.calib.halves()[0])
+    assert result.boundary == pytest.approx({k: exact[k] for k in band}, rel=1e-6, abs=1e-9)
+    assert result.to_json()["boundary"] == [[l, e, v] for (l, e), v in sorted(result.boundary.items())]
 
 
 def test_convert_with_budget_records_widths_importance_and_losses(checkpoint, tmp_path, monkeypatch):

@@ -59,6 +59,8 @@ from edgemoe.seq2seq import Seq2SeqModel, text_to_text
 WIDTHS = (2, 4, 8)
 METRICS = ("ppl", "top1", "kl")
 IMPORTANCE_METHODS = ("local", "exact")
+# Experts on each side of the cut that local importance re-ranks by their exact importance.
+BOUNDARY = 8
 Key = tuple[int, int]
 
 
@@ -210,6 +212,7 @@ class BudgetResult:
     evaluations: int
     seconds: dict[str, float] = field(default_factory=dict)
     layer_loss: dict[int, float] = field(default_factory=dict)   # local: the loss with each layer at the floor
+    boundary: dict[Key, float] = field(default_factory=dict)     # local: exact importance near the cut
 
     def to_json(self) -> dict:
         return {"metric": self.metric, "budget": self.budget, "floor": self.floor, "ceiling": self.ceiling,
@@ -217,7 +220,8 @@ class BudgetResult:
                 "moved_down": self.moved_down,
                 "uniform_loss": {str(b): v for b, v in self.uniform_loss.items()},
                 "importance": _by_layer(self.importance), "importance_method": self.importance_method,
-                "layer_loss": {str(l): v for l, v in self.layer_loss.items()}, "widths": _by_layer(self.widths),
+                "layer_loss": {str(l): v for l, v in self.layer_loss.items()},
+                "boundary": [[l, e, v] for (l, e), v in sorted(self.boundary.items())], "widths": _by_layer(self.widths),
                 "evaluations": self.evaluations, "seconds": self.seconds}
 
 
@@ -245,6 +249,7 @@ class BudgetSearch:
         self.keys = sorted(model.experts.experts)
         self.evaluations = 0
         self.layer_loss: dict[int, float] = {}
+        self.boundary: dict[Key, float] = {}
         self._layer_inputs: dict[int, dict[int, torch.Tensor]] = {}   # window -> layer -> input
         self._quantized = type(model)(model.spec, model.dense_weights(), self.experts)
         self._resumable = isinstance(model, MoEModel)
@@ -297,13 +302,16 @@ class BudgetSearch:
         finally:
             self._layer_inputs = {}
 
-    def _exact_importance(self, base: dict[Key, int], floor: int, windows) -> dict[Key, float]:
+    def _exact_importance(self, base: dict[Key, int], floor: int, windows, keys=None,
+                          stage: str = "importance") -> dict[Key, float]:
+        """Each of `keys` (default all) alone at the floor: the loss change."""
+        keys = self.keys if keys is None else keys
         base_loss = self.loss(base, windows=windows)[0]
         scores = {}
-        for i, key in enumerate(self.keys):
+        for i, key in enumerate(keys):
             loss = self.loss({**base, key: floor}, start_layer=self._start(key[0]), windows=windows)[0]
             scores[key] = loss - base_loss
-            self.progress("importance", i + 1, len(self.keys))
+            self.progress(stage, i + 1, len(keys))
         return scores
 
     def _local_importance(self, base: dict[Key, int], floor: int, windows) -> dict[Key, float]:
@@ -343,6 +351,7 @@ class BudgetSearch:
             raise ValueError(f"--budget {budget}: expected >= 0")
         seconds: dict[str, float] = {}
         start = time.perf_counter()
+        self.layer_loss, self.boundary = {}, {}
         uniform = {}
         for i, bits in enumerate(WIDTHS):
             uniform[bits] = self.loss({key: bits for key in self.keys})
@@ -366,6 +375,8 @@ class BudgetSearch:
         t = time.perf_counter()
         order = sorted(self.keys, key=lambda k: (importance[k], k))
         k = self._largest_k(order, floor, ceiling, budget, choosing)
+        if self.importance_method == "local":
+            order, k = self._refine_boundary(order, k, floor, ceiling, budget, ranking, choosing)
         widths = {key: (floor if i < k else ceiling) for i, key in enumerate(order)}
         loss, bound = self.loss(widths)              # the chosen mix on the whole calibration text
         seconds["search"] = time.perf_counter() - t
@@ -373,16 +384,34 @@ class BudgetSearch:
         widths = {key: widths[key] for key in self.keys}
         return BudgetResult(widths=widths, floor=floor, importance=importance, importance_method=self.importance_method,
                             loss=loss, loss_bound=bound, moved_down=k, evaluations=self.evaluations,
-                            seconds=seconds, layer_loss=self.layer_loss, **result)
+                            seconds=seconds, layer_loss=self.layer_loss, boundary=self.boundary, **result)
 
-    def _largest_k(self, order: list[Key], floor: int, ceiling: int, budget: float, windows) -> int:
-        """Binary search on `windows`: the largest K with the K least important at the floor within
-        the budget (K = 0 is the uniform ceiling, within it by construction)."""
+    def _refine_boundary(self, order: list[Key], k: int, floor: int, ceiling: int, budget: float, ranking,
+                         choosing) -> tuple[list[Key], int]:
+        """The local ranking's errors cost store size only near the cut: the BOUNDARY experts on each
+        side of position k are re-ranked by their exact importance (on the ranking windows), and K
+        searched again among them. Sets self.boundary (key -> exact importance)."""
+        low, high = max(0, k - BOUNDARY), min(len(order), k + BOUNDARY)
+        band = order[low:high]
+        base = {key: ceiling for key in self.keys}
+        if self._resumable:
+            self._cache_layer_inputs(base, ranking)
+        try:
+            self.boundary = self._exact_importance(base, floor, ranking, band, stage="boundary")
+        finally:
+            self._layer_inputs = {}
+        order = order[:low] + sorted(band, key=lambda key: (self.boundary[key], key)) + order[high:]
+        return order, self._largest_k(order, floor, ceiling, budget, choosing, low, high)
+
+    def _largest_k(self, order: list[Key], floor: int, ceiling: int, budget: float, windows, lo: int = 0,
+                   hi: int | None = None) -> int:
+        """Binary search on `windows`: the largest K in [lo, hi] with the K least important at the
+        floor within the budget (K = lo is known to be within it: the uniform ceiling for lo = 0)."""
         def widths_for(k):
             return {key: (floor if i < k else ceiling) for i, key in enumerate(order)}
 
-        lo, hi = 0, len(order)       # lo is within the budget; hi is unknown
-        steps, total = 0, max(1, math.ceil(math.log2(len(order) + 1)))
+        hi = len(order) if hi is None else hi      # lo is within the budget; hi is unknown
+        steps, total = 0, max(1, math.ceil(math.log2(hi - lo + 1)))
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if self.loss(widths_for(mid), windows=windows)[1] <= budget:
