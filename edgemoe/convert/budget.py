@@ -26,6 +26,8 @@ Search (widths from {2, 4, 8}):
     re-run whole: its decoder layers read the encoder's output too, which that cache does not carry.
  3. The least important experts go down first: binary search, on the other half of the windows,
     for the largest K whose K least important experts at the floor keep the loss within the budget.
+    After a local ranking, the BOUNDARY experts on each side of the cut are re-ranked by their exact
+    importance and K is searched again among them: a ranking error matters only near the cut.
     Ranking and choosing on the same text would favour experts whose measured importance was low by
     chance, and the mix would then exceed the budget on new text (measured: docs/budget.md).
 The converter (edgemoe.convert) writes the packed experts the search made and confirms the loss end
@@ -221,7 +223,8 @@ class BudgetResult:
                 "uniform_loss": {str(b): v for b, v in self.uniform_loss.items()},
                 "importance": _by_layer(self.importance), "importance_method": self.importance_method,
                 "layer_loss": {str(l): v for l, v in self.layer_loss.items()},
-                "boundary": [[l, e, v] for (l, e), v in sorted(self.boundary.items())], "widths": _by_layer(self.widths),
+                "boundary": [[l, e, v] for (l, e), v in sorted(self.boundary.items())],
+                "widths": _by_layer(self.widths),
                 "evaluations": self.evaluations, "seconds": self.seconds}
 
 
