@@ -113,6 +113,16 @@ def test_local_importance_reports_progress_in_layers_computed(eight_experts):
     assert [(done, total) for stage, done, total in reports if stage == "importance"] == [(3, 6), (5, 6), (6, 6)]
 
 
+def test_the_chosen_mix_holds_on_the_whole_calibration_text(eight_experts, monkeypatch):
+    """K is chosen on half the windows; the mix recorded must be within the budget on all of them:
+    given a choice that is not (every expert at the floor), the search moves experts back up."""
+    search = BudgetSearch(*eight_experts, importance="exact")
+    budget = a_budget_between_int2_and_int4(search)
+    monkeypatch.setattr(search, "_largest_k", lambda order, *args: len(order))
+    result = search.run(budget)
+    assert 0 < result.moved_down < len(search.keys) and result.loss_bound <= budget
+
+
 def test_an_unknown_importance_method_is_named(eight_experts):
     model, calibration = eight_experts
     with pytest.raises(ValueError, match="--importance 'fast'"):

@@ -28,6 +28,7 @@ Search (widths from {2, 4, 8}):
     for the largest K whose K least important experts at the floor keep the loss within the budget.
     After a local ranking, the BOUNDARY experts on each side of the cut are re-ranked by their exact
     importance and K is searched again among them: a ranking error matters only near the cut.
+    The mix must also hold on all the windows: one expert fewer at the floor until its bound does.
     Ranking and choosing on the same text would favour experts whose measured importance was low by
     chance, and the mix would then exceed the budget on new text (measured: docs/budget.md).
 The converter (edgemoe.convert) writes the packed experts the search made and confirms the loss end
@@ -380,8 +381,14 @@ class BudgetSearch:
         k = self._largest_k(order, floor, ceiling, budget, choosing)
         if self.importance_method == "local":
             order, k = self._refine_boundary(order, k, floor, ceiling, budget, ranking, choosing)
-        widths = {key: (floor if i < k else ceiling) for i, key in enumerate(order)}
-        loss, bound = self.loss(widths)              # the chosen mix on the whole calibration text
+        while True:
+            widths = {key: (floor if i < k else ceiling) for i, key in enumerate(order)}
+            loss, bound = self.loss(widths)          # the chosen mix on the whole calibration text
+            # Chosen on half the windows, the mix must hold on all of them too: the bound recorded
+            # is the one the budget constrains (one expert fewer at the floor until it does).
+            if bound <= budget or k == 0:
+                break
+            k -= 1
         seconds["search"] = time.perf_counter() - t
         seconds["total"] = time.perf_counter() - start
         widths = {key: widths[key] for key in self.keys}
