@@ -47,6 +47,7 @@ import math
 import statistics
 import time
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -297,12 +298,18 @@ class BudgetSearch:
     def importance(self, floor: int, ceiling: int, windows=None) -> dict[Key, float]:
         """Each expert's importance on `windows`, by self.importance_method (module docstring)."""
         base = {key: ceiling for key in self.keys}
-        if self._resumable:
-            self._cache_layer_inputs(base, windows)
-        try:
+        with self._inputs_cached(base, windows):
             if self.importance_method == "exact":
                 return self._exact_importance(base, floor, windows)
             return self._local_importance(base, floor, windows)
+
+    @contextmanager
+    def _inputs_cached(self, widths: dict[Key, int], windows):
+        """Within: the layer inputs of `windows` under `widths` cached (MoEModel), for re-runs."""
+        if self._resumable:
+            self._cache_layer_inputs(widths, windows)
+        try:
+            yield
         finally:
             self._layer_inputs = {}
 
@@ -381,20 +388,24 @@ class BudgetSearch:
         k = self._largest_k(order, floor, ceiling, budget, choosing)
         if self.importance_method == "local":
             order, k = self._refine_boundary(order, k, floor, ceiling, budget, ranking, choosing)
-        while True:
-            widths = {key: (floor if i < k else ceiling) for i, key in enumerate(order)}
-            loss, bound = self.loss(widths)          # the chosen mix on the whole calibration text
-            # Chosen on half the windows, the mix must hold on all of them too: the bound recorded
-            # is the one the budget constrains (one expert fewer at the floor until it does).
-            if bound <= budget or k == 0:
-                break
-            k -= 1
+        widths, k, loss, bound = self._holding_on_all_windows(order, k, floor, ceiling, budget)
         seconds["search"] = time.perf_counter() - t
         seconds["total"] = time.perf_counter() - start
         widths = {key: widths[key] for key in self.keys}
         return BudgetResult(widths=widths, floor=floor, importance=importance, importance_method=self.importance_method,
                             loss=loss, loss_bound=bound, moved_down=k, evaluations=self.evaluations,
                             seconds=seconds, layer_loss=self.layer_loss, boundary=self.boundary, **result)
+
+    def _holding_on_all_windows(self, order: list[Key], k: int, floor: int, ceiling: int, budget: float):
+        """(widths, K, loss, bound) of the K least important at the floor on the whole calibration
+        text: chosen on half the windows, the mix must hold on all of them too, so that the bound
+        recorded is the one the budget constrains (one expert fewer at the floor until it does)."""
+        while True:
+            widths = {key: (floor if i < k else ceiling) for i, key in enumerate(order)}
+            loss, bound = self.loss(widths)
+            if bound <= budget or k == 0:
+                return widths, k, loss, bound
+            k -= 1
 
     def _refine_boundary(self, order: list[Key], k: int, floor: int, ceiling: int, budget: float, ranking,
                          choosing) -> tuple[list[Key], int]:
@@ -404,12 +415,8 @@ class BudgetSearch:
         low, high = max(0, k - BOUNDARY), min(len(order), k + BOUNDARY)
         band = order[low:high]
         base = {key: ceiling for key in self.keys}
-        if self._resumable:
-            self._cache_layer_inputs(base, ranking)
-        try:
+        with self._inputs_cached(base, ranking):
             self.boundary = self._exact_importance(base, floor, ranking, band, stage="boundary")
-        finally:
-            self._layer_inputs = {}
         order = order[:low] + sorted(band, key=lambda key: (self.boundary[key], key)) + order[high:]
         return order, self._largest_k(order, floor, ceiling, budget, choosing, low, high)
 
