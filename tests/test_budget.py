@@ -212,6 +212,16 @@ def test_convert_with_budget_records_widths_importance_and_losses(checkpoint, tm
     assert (tmp_path / "s" / "experts-00000.bin").read_bytes() == (tmp_path / "uniform" / "experts-00000.bin").read_bytes()
 
 
+def test_convert_passes_the_importance_method_to_the_search(checkpoint, tmp_path):
+    from edgemoe.options import OptionError
+
+    convert(checkpoint, tmp_path / "s", budget=QualityBudget(1e6, "top1", context=48, importance="exact"),
+            calib_text=TEXT)
+    assert read_manifest(tmp_path / "s").data["budget"]["importance_method"] == "exact"
+    with pytest.raises(OptionError, match="importance="):
+        QualityBudget(0.05, importance="fast")
+
+
 @pytest.mark.parametrize("text,value", [("5%", 0.05), ("0.5%", 0.005), ("0.1", 0.1)])
 def test_parse_budget(text, value):
     assert parse_budget(text) == pytest.approx(value)
