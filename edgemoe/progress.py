@@ -17,10 +17,11 @@ def staged_progress(quiet: bool = False) -> Iterator[Callable[[str, int, int], N
         yield lambda stage, done, total: None
         return
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=Console(stderr=True), transient=True) as progress:
+                  TimeRemainingColumn(), console=Console(stderr=True), transient=True) as progress:
         tasks: dict[str, int] = {}
 
         def report(stage: str, done: int, total: int) -> None:

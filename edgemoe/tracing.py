@@ -111,11 +111,13 @@ class LookaheadRecorder(TraceRecorder):
 
 
 def profile_text(model, text: str, context: int | None = None, min_count: int = 3,
-                 on_progress: Callable[[int, int], None] | None = None) -> tuple[RoutingProfile, dict]:
-    """The routing profile of a text, and which predictor (correlation table or gate look-ahead)
-    guessed the text's routing better (edgemoe.scheduling.predictor_choice), for save_routing_profile."""
+                 on_progress: Callable[[int, int], None] | None = None,
+                 max_tokens: int | None = None) -> tuple[RoutingProfile, dict]:
+    """The routing profile of a text (its first max_tokens tokens, if given), and which predictor
+    (correlation table or gate look-ahead) guessed the text's routing better
+    (edgemoe.scheduling.predictor_choice), for save_routing_profile."""
     lookahead: list[TraceRecord] = []
-    records = trace_text(model, text, context, on_progress, lookahead)
+    records = trace_text(model, text, context, on_progress, lookahead, max_tokens)
     spec = model.spec
     choice = compare_predictors(records, lookahead, spec.moe_layer_ids, spec.num_experts, spec.top_k, min_count)
     return build_profile(model, records, min_count), choice
@@ -123,12 +125,14 @@ def profile_text(model, text: str, context: int | None = None, min_count: int = 
 
 def trace_text(model, text: str, context: int | None = None,
                on_progress: Callable[[int, int], None] | None = None,
-               lookahead: list[TraceRecord] | None = None) -> list[TraceRecord]:
+               lookahead: list[TraceRecord] | None = None, max_tokens: int | None = None) -> list[TraceRecord]:
     """Every token's routing, window by window; on_progress(windows done, windows in all). lookahead:
-    a list to which the gate look-ahead's guesses are added, as a trace (LookaheadRecorder)."""
+    a list to which the gate look-ahead's guesses are added, as a trace (LookaheadRecorder).
+    max_tokens: only the text's first tokens (the routing of each is as in the whole text's trace:
+    windows start at the same tokens and see only earlier ones)."""
     if model.tokenizer is None:
         raise ValueError("trace: this model has no tokenizer")
-    ids = torch.tensor(model.tokenizer.encode(text, add_special_tokens=False))
+    ids = torch.tensor(model.tokenizer.encode(text, add_special_tokens=False))[:max_tokens]
     if ids.numel() == 0:
         raise ValueError("trace: the text has no tokens")
     context = window_length(context, "context=", model.context_length) or default_context(model)

@@ -39,6 +39,96 @@ def assert_rerun_from_layer_is_exact(search, keys):
     search._layer_inputs = []
 
 
+@pytest.fixture(scope="module")
+def eight_experts(tiny_model):
+    """(model, calibration) of a 3-layer mixtral with 8 experts per layer: 24 to rank."""
+    model = edgemoe.load(tiny_model("mixtral", num_hidden_layers=3, num_local_experts=8))
+    ids = torch.tensor(model.tokenizer.encode(TEXT * 4, add_special_tokens=False))
+    return model, Calibration(model, ids, context=48, metric="kl")
+
+
+def test_local_importance_ranks_experts_as_the_exact_one_does(eight_experts):
+    """The default estimate (local error x layer sensitivity) orders the experts as the exact one
+    (one re-run per expert) does, at the cost of one re-run per layer instead of one per expert."""
+    from scipy.stats import spearmanr
+
+    model, calibration = eight_experts
+    ranking, _ = calibration.halves()
+    scores, evaluations = {}, {}
+    for method in ("exact", "local"):
+        search = BudgetSearch(model, calibration, importance=method)
+        scores[method] = search.importance(2, 4, ranking)
+        evaluations[method] = search.evaluations
+    keys = sorted(scores["exact"])
+    assert spearmanr([scores["exact"][k] for k in keys], [scores["local"][k] for k in keys]).statistic > 0.9
+    assert evaluations == {"exact": 1 + len(keys), "local": 1 + model.spec.num_layers}
+
+
+def test_local_error_is_the_routing_weighted_output_error_on_routed_tokens(eight_experts):
+    """LocalErrors' figure for each expert, recomputed from the layer's MoE input and routing: the
+    squared norm of w * (expert at the floor - expert at the ceiling) over the tokens routed to it."""
+    from edgemoe.convert.budget import LocalErrors
+
+    model, calibration = eight_experts
+    search = BudgetSearch(model, calibration)
+    search.experts.widths = {key: 4 for key in search.keys}
+    twin = search._quantized
+    seen = {}
+    twin.moe_input_hooks.append(lambda l, x: seen.__setitem__(l, x))
+    twin.routing_hooks.append(lambda l, experts, weights, *_: seen.__setitem__((l, "routing"), (experts, weights)))
+    probe = LocalErrors(search.experts, floor=2)
+    twin.experts = probe
+    twin.logits(calibration.windows[0])
+    layer = 1
+    x, (experts, weights) = seen[layer], seen[layer, "routing"]
+    for e in range(model.spec.num_experts):
+        rows, slots = (experts == e).nonzero(as_tuple=True)
+        w = weights[rows, slots][:, None]
+        xs = x[rows]
+        expected = (w * (search.experts.at((layer, e), 2)(xs) - search.experts.at((layer, e), 4)(xs))).square().sum()
+        assert probe.errors.get((layer, e), 0.0) == pytest.approx(expected.item(), rel=1e-5)
+    assert sum(1 for l, _ in probe.errors if l == layer) == len(set(experts.reshape(-1).tolist()))
+
+
+@pytest.mark.parametrize("method", ["local", "exact"])
+def test_either_importance_keeps_the_chosen_mix_within_budget(eight_experts, method):
+    model, calibration = eight_experts
+    search = BudgetSearch(model, calibration, importance=method)
+    uniform = search.run(1e6).uniform_loss
+    budget = (uniform[2] + uniform[4]) / 2
+    result = search.run(budget)
+    assert result.importance_method == method and result.to_json()["importance_method"] == method
+    assert (result.floor, result.ceiling) == (2, 4) and 0 < result.moved_down < len(search.keys)
+    assert result.loss_bound <= budget
+    assert bool(result.layer_loss) == (method == "local")
+
+
+def test_local_importance_reports_progress_in_layers_computed(eight_experts):
+    """A re-run from layer l computes layers l.. only: progress counts those, so that the bar's rate,
+    and the time left it shows, hold from the first layer to the last."""
+    model, calibration = eight_experts
+    reports = []
+    search = BudgetSearch(model, calibration, progress=lambda stage, done, total: reports.append((stage, done, total)))
+    search.importance(2, 4, calibration.halves()[0])
+    assert [(done, total) for stage, done, total in reports if stage == "importance"] == [(3, 6), (5, 6), (6, 6)]
+
+
+def test_the_chosen_mix_holds_on_the_whole_calibration_text(eight_experts, monkeypatch):
+    """K is chosen on half the windows; the mix recorded must be within the budget on all of them:
+    given a choice that is not (every expert at the floor), the search moves experts back up."""
+    search = BudgetSearch(*eight_experts, importance="exact")
+    budget = a_budget_between_int2_and_int4(search)
+    monkeypatch.setattr(search, "_largest_k", lambda order, *args: len(order))
+    result = search.run(budget)
+    assert 0 < result.moved_down < len(search.keys) and result.loss_bound <= budget
+
+
+def test_an_unknown_importance_method_is_named(eight_experts):
+    model, calibration = eight_experts
+    with pytest.raises(ValueError, match="--importance 'fast'"):
+        BudgetSearch(model, calibration, importance="fast")
+
+
 def test_rerunning_from_a_layer_on_cached_inputs_is_exact(search):
     assert_rerun_from_layer_is_exact(search, [(1, 2), (2, 0)])
 
@@ -63,16 +153,42 @@ def test_a_larger_budget_never_gives_a_larger_store(search):
     assert len(set(sizes)) >= 3                     # the budgets do span different stores
 
 
-def test_moved_experts_are_the_least_important_and_the_loss_is_within_budget(search):
-    uniform = search.run(1e6).uniform_loss
-    assert uniform[2] > uniform[4] > uniform[8] > 0
-    budget = (uniform[2] + uniform[4]) / 2
+def moved_and_kept(search, budget):
     result = search.run(budget)
     assert (result.floor, result.ceiling) == (2, 4) and 0 < result.moved_down < len(search.keys)
-    floor = sorted(k for k, b in result.widths.items() if b == result.floor)
-    ceiling = [k for k, b in result.widths.items() if b == result.ceiling]
-    assert max(result.importance[k] for k in floor) <= min(result.importance[k] for k in ceiling)
     assert result.loss_bound <= budget
+    floor = {k for k, b in result.widths.items() if b == result.floor}
+    return result, floor, set(search.keys) - floor
+
+
+def a_budget_between_int2_and_int4(search):
+    uniform = search.run(1e6).uniform_loss
+    assert uniform[2] > uniform[4] > uniform[8] > 0
+    return (uniform[2] + uniform[4]) / 2
+
+
+def test_moved_experts_are_the_least_important_and_the_loss_is_within_budget(search):
+    exact = BudgetSearch(search.model, search.calib, importance="exact")
+    result, floor, ceiling = moved_and_kept(exact, a_budget_between_int2_and_int4(exact))
+    assert max(result.importance[k] for k in floor) <= min(result.importance[k] for k in ceiling)
+    assert result.boundary == {}
+
+
+def test_local_importance_reranks_the_experts_near_the_cut_by_exact_importance(eight_experts):
+    """The local ranking decides far from the cut; the BOUNDARY experts on each side of its cut are
+    ranked by their exact importance, and those moved down are the least important of them."""
+    from edgemoe.convert.budget import BOUNDARY
+
+    search = BudgetSearch(*eight_experts)
+    result, floor, ceiling = moved_and_kept(search, a_budget_between_int2_and_int4(search))
+    band = set(result.boundary)
+    assert 0 < len(band) <= 2 * BOUNDARY < len(search.keys)
+    assert max((result.importance[k] for k in floor - band), default=-1e9) <= min(result.importance[k] for k in band)
+    assert max(result.importance[k] for k in band) <= min((result.importance[k] for k in ceiling - band), default=1e9)
+    assert max(result.boundary[k] for k in floor & band) <= min(result.boundary[k] for k in ceiling & band)
+    exact = BudgetSearch(*eight_experts, importance="exact").importance(2, 4, search.calib.halves()[0])
+    assert result.boundary == pytest.approx({k: exact[k] for k in band}, rel=1e-6, abs=1e-9)
+    assert result.to_json()["boundary"] == [[l, e, v] for (l, e), v in sorted(result.boundary.items())]
 
 
 def test_convert_with_budget_records_widths_importance_and_losses(checkpoint, tmp_path, monkeypatch):
@@ -87,12 +203,23 @@ def test_convert_with_budget_records_widths_importance_and_losses(checkpoint, tm
     manifest = read_manifest(tmp_path / "s")
     record = manifest.data["budget"]
     assert record["metric"] == "top1" and record["heldout_loss"] == done.heldout_loss
+    assert record["importance_method"] == "local"
     assert {e.bits for e in manifest.experts.values()} == {2}
     assert record["widths"] == {str(l): [2] * 4 for l in range(3)}
     assert len(manifest_writes) == 1 and done.profiled and (tmp_path / "s" / "profile.json").exists()
     # The search's packed experts are what a plain INT2 convert quantizes: the same bytes.
     convert(checkpoint, tmp_path / "uniform", bits=2)
     assert (tmp_path / "s" / "experts-00000.bin").read_bytes() == (tmp_path / "uniform" / "experts-00000.bin").read_bytes()
+
+
+def test_convert_passes_the_importance_method_to_the_search(checkpoint, tmp_path):
+    from edgemoe.options import OptionError
+
+    convert(checkpoint, tmp_path / "s", budget=QualityBudget(1e6, "top1", context=48, importance="exact"),
+            calib_text=TEXT)
+    assert read_manifest(tmp_path / "s").data["budget"]["importance_method"] == "exact"
+    with pytest.raises(OptionError, match="importance="):
+        QualityBudget(0.05, importance="fast")
 
 
 @pytest.mark.parametrize("text,value", [("5%", 0.05), ("0.5%", 0.005), ("0.1", 0.1)])

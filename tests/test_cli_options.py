@@ -296,6 +296,7 @@ CANNOT_ACT_EXAMPLES = {
     ("convert", "heldout"): [["CKPT", "-o", "OUT", "--heldout", "TEXT"]],
     ("convert", "calib_tokens"): [["CKPT", "-o", "OUT", "--calib-tokens", "100"]],
     ("convert", "confidence"): [["CKPT", "-o", "OUT", "--confidence", "0.9"]],
+    ("convert", "importance"): [["CKPT", "-o", "OUT", "--importance", "exact"]],
     ("convert", "bits"): [["CKPT", "-o", "OUT", "--bits", "8", "--budget", "5%", "--calib", "TEXT"]],
     ("profile", "context"): [["STORE", "--trace", "TRACE", "--context", "16"]],
     ("profile", "threads"): [["STORE", "--trace", "TRACE", "--threads", "1"]],

@@ -256,3 +256,27 @@ def test_trace_recorder_segments_keep_their_sequence(tiny_model):
     layer = model.spec.moe_layer_ids[0]
     seen = [(r.seq, r.token) for r in rec.records if r.layer == layer]
     assert seen == [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2), (1, 3)]
+
+
+def test_convert_profiles_at_most_profile_tokens_of_the_calibration_text(tiny_model, tmp_path):
+    """--profile-tokens caps the tokens traced for profile.json: each MoE layer counts top_k choices
+    per profiled token; the default (PROFILE_TOKENS) covers a text shorter than it whole."""
+    checkpoint = tiny_model("mixtral")
+    text = "To be, or not to be, that is the question. " * 12
+    model = edgemoe.load(checkpoint)
+    tokens = len(model.tokenizer.encode(text, add_special_tokens=False))
+    assert tokens > 50
+    for cap, expected in ((50, 50), (None, tokens)):
+        out = tmp_path / f"cap-{cap}"
+        convert(checkpoint, out, bits=4, calib_text=text, **({} if cap is None else {"profile_tokens": cap}))
+        profile = load_routing_profile(out)
+        assert {sum(c) for c in profile.counts.values()} == {expected * model.spec.top_k}
+
+
+def test_profile_tokens_needs_calibration_text(tiny_model, tmp_path, monkeypatch, capsys):
+    from helpers import run_cli
+
+    code, err = run_cli(monkeypatch, capsys, "convert", str(tiny_model("mixtral")), "-o", str(tmp_path / "s"),
+                        "--profile-tokens", "100")
+    assert code == 2 and err.startswith("error: --profile-tokens: only with --calib") and "\n" not in err
+    assert not (tmp_path / "s").exists()

@@ -1,11 +1,13 @@
 #!/usr/bin/env python
 """Adaptive (per-expert width) stores against uniform ones, on calibration and held-out text.
 
-    python tools/bench_budget.py [MODEL_DIR] --out-dir /tmp/budget [--budgets 1% 2% 5% 10%] [--json]
+    python tools/bench_budget.py [MODEL_DIR] --out-dir /tmp/budget [--budgets 1% 2% 5% 10%]
+                                 [--importance local exact] [--no-uniform] [--json]
 
-For each budget, `edgemoe convert --budget` (the search on the calibration text, the store written,
-the loss confirmed on the held-out text); for each uniform width, a uniform store evaluated on both
-texts with the same metric. Defaults: the bundled model, its calib.txt and eval.txt, metric ppl.
+For each budget and importance method, `edgemoe convert --budget` (the search on the calibration
+text, the store written, the loss confirmed on the held-out text); for each uniform width, a uniform
+store evaluated on both texts with the same metric. Defaults: the bundled model, its calib.txt and
+eval.txt, metric ppl, local importance.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 import edgemoe
 from edgemoe.bundled import BUNDLED_DIR
 from edgemoe.convert import QualityBudget
-from edgemoe.convert.budget import metric_loss, parse_budget
+from edgemoe.convert.budget import IMPORTANCE_METHODS, metric_loss, parse_budget
 from edgemoe.evaluate import evaluate
 from edgemoe.store import inspect_store
 from edgemoe.convert import convert
@@ -43,12 +45,14 @@ def main() -> None:
     parser.add_argument("--budgets", nargs="+", default=["1%", "2%", "5%", "10%"])
     parser.add_argument("--metric", default="ppl")
     parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--importance", nargs="+", default=["local"], choices=IMPORTANCE_METHODS)
+    parser.add_argument("--no-uniform", action="store_true", help="Only the budget stores.")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     calib, heldout = args.calib.read_text(), args.heldout.read_text()
     reference = edgemoe.load(args.model)
     rows = []
-    for bits in (2, 4, 8):
+    for bits in () if args.no_uniform else (2, 4, 8):
         start = time.perf_counter()
         out = args.out_dir / f"uniform-int{bits}"
         convert(args.model, out, bits=bits, force=True)
@@ -57,14 +61,18 @@ def main() -> None:
                                        context=args.context, stride=args.context, reference=reference), args.metric)
                   for text in (calib, heldout)]
         rows.append(store_row(out, f"uniform INT{bits}", *losses, time.perf_counter() - start))
-    for budget in args.budgets:
-        start = time.perf_counter()
-        out = args.out_dir / f"budget-{budget.rstrip('%')}"
-        done = convert(args.model, out, budget=QualityBudget(parse_budget(budget), args.metric, heldout_text=heldout,
-                                                             context=args.context), calib_text=calib, force=True)
-        row = store_row(out, f"budget {budget}", done.search.loss, done.heldout_loss, time.perf_counter() - start)
-        rows.append({**row, "budget": parse_budget(budget), "calib_bound": done.search.loss_bound,
-                     "search_seconds": done.search.seconds, "evaluations": done.search.evaluations})
+    for method in args.importance:
+        for budget in args.budgets:
+            start = time.perf_counter()
+            out = args.out_dir / f"budget-{budget.rstrip('%')}-{method}"
+            quality = QualityBudget(parse_budget(budget), args.metric, heldout_text=heldout, context=args.context,
+                                    importance=method)
+            done = convert(args.model, out, budget=quality, calib_text=calib, force=True)
+            row = store_row(out, f"{budget} {method}", done.search.loss, done.heldout_loss,
+                            time.perf_counter() - start)
+            rows.append({**row, "budget": parse_budget(budget), "importance": method,
+                         "calib_bound": done.search.loss_bound, "search_seconds": done.search.seconds,
+                         "evaluations": done.search.evaluations})
     if args.json:
         print(json.dumps(rows, indent=1))
         return

@@ -15,6 +15,7 @@ from .common import bundled_text_for, read_text, size
 from .options import QUIET, THREADS, checked, force_option
 
 METRICS = ("ppl", "top1", "kl")
+IMPORTANCE_METHODS = ("local", "exact")       # edgemoe.convert.budget's, without importing torch here
 
 
 def _confidence(value: float, flag: str) -> float:
@@ -58,6 +59,14 @@ def convert(
     confidence: float = typer.Option(0.95, "--confidence", callback=checked(_confidence),
                                      help="--budget must hold for this one-sided upper confidence bound of the "
                                      "calibration loss, in [0.5, 1) (0.5: the estimate)."),
+    importance: str = typer.Option("local", "--importance", callback=checked(options.one_of, IMPORTANCE_METHODS),
+                                   help="How --budget ranks experts: local (each expert's output error on its "
+                                   "tokens, scaled per layer; one re-run per layer) or exact (one re-run per "
+                                   "expert)."),
+    profile_tokens: Optional[int] = typer.Option(None, "--profile-tokens",
+                                                 callback=checked(options.integer_at_least, 1),
+                                                 help="Trace at most this many tokens of --calib for the "
+                                                 "routing profile (default 4096, docs/budget.md)."),
     allow_no_tokenizer: bool = typer.Option(False, "--allow-no-tokenizer", help="Convert a checkpoint without "
                                             "tokenizer.json: a store for token ids only (bench, the Python API); "
                                             "run, eval and chat refuse it (default: refused here)."),
@@ -67,6 +76,7 @@ def convert(
     """Quantize a checkpoint's experts into a tiered store (and profile its routing on --calib)."""
     from edgemoe.convert import QualityBudget, check_destination, convert as convert_store
     from edgemoe.convert.budget import parse_budget
+    from edgemoe.convert.pipeline import PROFILE_TOKENS
     from edgemoe.threads import set_command_threads
 
     calib = calib or bundled_text_for(model, "calib.txt")
@@ -76,18 +86,21 @@ def convert(
         if calib is None:
             raise EdgeMoEError("--budget needs calibration text: --calib FILE (the bundled model uses its calib.txt)")
         heldout = heldout or bundled_text_for(model, "eval.txt")
+    if profile_tokens is not None and calib is None:
+        raise EdgeMoEError("--profile-tokens: only with --calib (it caps the calibration text's tokens profiled)")
     inputs = [p for p in (widths, calib, heldout) if p is not None]
     check_destination(out, force, [model, *inputs])
     calib_text = read_text(calib) if calib is not None else None      # every input read before any work
     quality = None if budget is None else QualityBudget(
         _budget(parse_budget(budget), budget, metric), metric, confidence, calib_tokens,
-        read_text(heldout) if heldout else None)
+        read_text(heldout) if heldout else None, importance=importance)
     workers = workers or set_command_threads(threads)
     with staged_progress(quiet) as report:
         result = convert_store(model, out, bits=bits, widths=widths, group_size=group_size, method=method,
                                compress=compress, force=force, workers=workers, budget=quality,
                                calib_text=calib_text, threads=threads, progress=report, inputs=inputs,
-                               fallback_bits=fallback_bits, allow_no_tokenizer=allow_no_tokenizer)
+                               fallback_bits=fallback_bits, allow_no_tokenizer=allow_no_tokenizer,
+                               profile_tokens=profile_tokens or PROFILE_TOKENS)
     widths_text = ", ".join(f"INT{b}: {n}" for b, n in result.widths.items())
     print(f"wrote {result.store}: {result.experts} experts ({widths_text}), expert bytes "
           f"{size(result.expert_bytes)} ({result.bits_per_weight:.3f} bits/weight), dense "
@@ -106,7 +119,8 @@ def _print_budget(result, metric: str) -> None:
     uniform = ", ".join(f"INT{b} {v:+.4f}" for b, v in s.uniform_loss.items())
     print(f"budget {metric} <= {s.budget:.4f}: calibration loss {s.loss:.4f} (bound {s.loss_bound:.4f})"
           + (f", held-out loss {result.heldout_loss:.4f}" if result.heldout_loss is not None else "")
-          + f" (uniform: {uniform}; floor INT{s.floor}, ceiling INT{s.ceiling}, {s.moved_down} experts at the floor)")
+          + f" (uniform: {uniform}; floor INT{s.floor}, ceiling INT{s.ceiling}, {s.moved_down} experts at the floor, "
+          f"ranked by {s.importance_method} importance)")
     if not s.feasible:
         print("warning: even INT8 everywhere exceeds the budget on the calibration text; wrote all INT8")
 

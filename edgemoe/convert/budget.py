@@ -10,13 +10,25 @@ Search (widths from {2, 4, 8}):
  1. Uniform stores: the loss of all-2, all-4, all-8. The ceiling is the smallest width whose uniform
     loss is within the budget (8 if none is: the budget cannot be met, reported); the floor is the
     next lower width. If the ceiling is 2, every expert is at 2.
- 2. Importance: each expert alone at the floor, every other at the ceiling, on one half of the
-    calibration windows. Cheap: each window's input to every layer is cached for the all-ceiling
-    model, so an expert's effect is measured by re-running the model from its own layer only (exact).
-    An encoder-decoder model (Seq2SeqModel, windows read as text-to-text: Calibration) is re-run
-    whole: its decoder layers read the encoder's output too, which that cache does not carry.
+ 2. Importance of each expert, on one half of the calibration windows, by one of two methods:
+    local (default)  one pass of the all-ceiling model records, for each expert, its local error:
+                     sum over the tokens routed to it of |w_t * (y_floor(x_t) - y_ceiling(x_t))|^2,
+                     w_t its routing weight, x_t its input (so frequency counts too). Each layer's
+                     sensitivity, measured once per layer, turns local error into loss: the loss
+                     change with the whole layer at the floor, divided by the layer's summed local
+                     error. Importance = sensitivity of its layer x local error. Cost: one pass plus
+                     one re-run per layer, whatever the number of experts.
+    exact            each expert alone at the floor, every other at the ceiling, the loss change.
+                     Cost: one re-run per expert.
+    Re-runs are cheap: each window's input to every layer is cached for the all-ceiling model, so
+    the loss with some layer's experts changed is measured by re-running from that layer only
+    (exact). An encoder-decoder model (Seq2SeqModel, windows read as text-to-text: Calibration) is
+    re-run whole: its decoder layers read the encoder's output too, which that cache does not carry.
  3. The least important experts go down first: binary search, on the other half of the windows,
     for the largest K whose K least important experts at the floor keep the loss within the budget.
+    After a local ranking, the BOUNDARY experts on each side of the cut are re-ranked by their exact
+    importance and K is searched again among them: a ranking error matters only near the cut.
+    The mix must also hold on all the windows: one expert fewer at the floor until its bound does.
     Ranking and choosing on the same text would favour experts whose measured importance was low by
     chance, and the mix would then exceed the budget on new text (measured: docs/budget.md).
 The converter (edgemoe.convert) writes the packed experts the search made and confirms the loss end
@@ -35,6 +47,7 @@ import math
 import statistics
 import time
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -49,6 +62,9 @@ from edgemoe.seq2seq import Seq2SeqModel, text_to_text
 
 WIDTHS = (2, 4, 8)
 METRICS = ("ppl", "top1", "kl")
+IMPORTANCE_METHODS = ("local", "exact")
+# Experts on each side of the cut that local importance re-ranks by their exact importance.
+BOUNDARY = 8
 Key = tuple[int, int]
 
 
@@ -65,17 +81,49 @@ class MixedWidthExperts(ExpertProvider):
         self._cache_bytes, self._cached = cache_bytes, 0
 
     def expert(self, layer: int, expert: int) -> DenseExpert:
-        item = (layer, expert), self.widths[layer, expert]
+        return self.at((layer, expert), self.widths[layer, expert])
+
+    def at(self, key: Key, bits: int) -> DenseExpert:
+        """The expert `key` quantized at `bits`, dequantized (cached)."""
+        item = key, bits
         if item in self._cache:
             self._cache.move_to_end(item)
             return self._cache[item]
         dense = DenseExpert(**{role: kernels.dequantize(qt) for role, qt in self.packed[item].items()},
-                            activation=self.activations[layer, expert])
+                            activation=self.activations[key])
         self._cache[item] = dense
         self._cached += dense.nbytes
         while self._cached > self._cache_bytes and len(self._cache) > 1:
             self._cached -= self._cache.popitem(last=False)[1].nbytes
         return dense
+
+
+class LocalErrors(ExpertProvider):
+    """The experts as `experts.widths` say (the all-ceiling model), recording each expert's local
+    error at `floor` as the layers run: for the tokens routed to it, with routing weights w [S],
+    sum |w * (y_floor - y)|^2 over tokens and hidden units, into `errors` (key -> float)."""
+
+    def __init__(self, experts: MixedWidthExperts, floor: int):
+        self.experts, self.floor = experts, floor
+        self.errors: dict[Key, float] = {}
+        self._token_errors: dict[Key, torch.Tensor] = {}
+
+    def expert(self, layer: int, expert: int):
+        key = layer, expert
+        used, low = self.experts.expert(layer, expert), self.experts.at(key, self.floor)
+
+        def compute(x: torch.Tensor) -> torch.Tensor:
+            y = used(x)
+            self._token_errors[key] = (low(x) - y).float().square().sum(-1)     # [S]
+            return y
+        return compute
+
+    def run(self, layer: int, x: torch.Tensor, batches) -> torch.Tensor:
+        out = super().run(layer, x, batches)      # asks expert() once per active expert
+        for e, _, weights in batches:
+            error = (weights.float().square() * self._token_errors.pop((layer, e))).sum().item()
+            self.errors[layer, e] = self.errors.get((layer, e), 0.0) + error
+        return out
 
 
 class Calibration:
@@ -160,19 +208,25 @@ class BudgetResult:
     ceiling: int
     uniform_loss: dict[int, float]
     importance: dict[Key, float]
+    importance_method: str
     loss: float                       # calibration loss of the chosen widths (estimate)
     loss_bound: float                 # its upper confidence bound, which the budget constrains
     moved_down: int                   # experts at the floor
     feasible: bool                    # False: even all-8 exceeds the budget
     evaluations: int
     seconds: dict[str, float] = field(default_factory=dict)
+    layer_loss: dict[int, float] = field(default_factory=dict)   # local: the loss with each layer at the floor
+    boundary: dict[Key, float] = field(default_factory=dict)     # local: exact importance near the cut
 
     def to_json(self) -> dict:
         return {"metric": self.metric, "budget": self.budget, "floor": self.floor, "ceiling": self.ceiling,
                 "feasible": self.feasible, "calibration_loss": self.loss, "calibration_loss_bound": self.loss_bound,
                 "moved_down": self.moved_down,
                 "uniform_loss": {str(b): v for b, v in self.uniform_loss.items()},
-                "importance": _by_layer(self.importance), "widths": _by_layer(self.widths),
+                "importance": _by_layer(self.importance), "importance_method": self.importance_method,
+                "layer_loss": {str(l): v for l, v in self.layer_loss.items()},
+                "boundary": [[l, e, v] for (l, e), v in sorted(self.boundary.items())],
+                "widths": _by_layer(self.widths),
                 "evaluations": self.evaluations, "seconds": self.seconds}
 
 
@@ -188,15 +242,20 @@ class BudgetSearch:
     does not resume it."""
 
     def __init__(self, model: MoEModel | Seq2SeqModel, calibration: Calibration, group_size: int | None = None,
-                 method: str = "rtn", progress: Callable[[str, int, int], None] | None = None):
+                 method: str = "rtn", progress: Callable[[str, int, int], None] | None = None,
+                 importance: str = "local"):
         if not isinstance(model.experts, InMemoryExperts):
             raise ValueError("budget search: load the checkpoint directory, not a store")
-        self.model, self.calib = model, calibration
+        if importance not in IMPORTANCE_METHODS:
+            raise ValueError(f"--importance {importance!r}: expected one of {IMPORTANCE_METHODS}")
+        self.model, self.calib, self.importance_method = model, calibration, importance
         self.experts = MixedWidthExperts(model.experts, group_size, method)
         self.progress = progress or (lambda stage, done, total: None)
         self.keys = sorted(model.experts.experts)
         self.evaluations = 0
-        self._layer_inputs: list[dict[int, torch.Tensor]] = []
+        self.layer_loss: dict[int, float] = {}
+        self.boundary: dict[Key, float] = {}
+        self._layer_inputs: dict[int, dict[int, torch.Tensor]] = {}   # window -> layer -> input
         self._quantized = type(model)(model.spec, model.dense_weights(), self.experts)
         self._resumable = isinstance(model, MoEModel)
 
@@ -221,37 +280,89 @@ class BudgetSearch:
                              [Segment(cache, window.numel())], start=layer)
             return m.head(x)
 
-    def _cache_layer_inputs(self, widths: dict[Key, int]) -> None:
-        """Record every window's input to every layer under `widths` (the all-ceiling model)."""
+    def _cache_layer_inputs(self, widths: dict[Key, int], windows=None) -> None:
+        """Record the input to every layer of each of `windows` (default all) under `widths` (the
+        all-ceiling model)."""
         self.experts.widths = widths
-        self._layer_inputs = []
-        for window in self.calib.windows:
+        self._layer_inputs = {}
+        for i in (range(len(self.calib.windows)) if windows is None else windows):
+            window = self.calib.windows[i]
             inputs: dict[int, torch.Tensor] = {}
             cache = self._quantized.new_cache()
             with torch.inference_mode():
                 self._quantized.run_layers(self._quantized.embeddings(window), torch.arange(window.numel()),
                                            [Segment(cache, window.numel())],
                                            on_layer_input=lambda l, x: inputs.__setitem__(l, x))
-            self._layer_inputs.append(inputs)
+            self._layer_inputs[i] = inputs
 
     def importance(self, floor: int, ceiling: int, windows=None) -> dict[Key, float]:
+        """Each expert's importance on `windows`, by self.importance_method (module docstring)."""
         base = {key: ceiling for key in self.keys}
+        with self._inputs_cached(base, windows):
+            if self.importance_method == "exact":
+                return self._exact_importance(base, floor, windows)
+            return self._local_importance(base, floor, windows)
+
+    @contextmanager
+    def _inputs_cached(self, widths: dict[Key, int], windows):
+        """Within: the layer inputs of `windows` under `widths` cached (MoEModel), for re-runs."""
         if self._resumable:
-            self._cache_layer_inputs(base)
-        base_loss = self.loss(base, start_layer=0, windows=windows)[0]
+            self._cache_layer_inputs(widths, windows)
+        try:
+            yield
+        finally:
+            self._layer_inputs = {}
+
+    def _exact_importance(self, base: dict[Key, int], floor: int, windows, keys=None,
+                          stage: str = "importance") -> dict[Key, float]:
+        """Each of `keys` (default all) alone at the floor: the loss change."""
+        keys = self.keys if keys is None else keys
+        base_loss = self.loss(base, windows=windows)[0]
         scores = {}
-        for i, key in enumerate(self.keys):
-            start_layer = key[0] if self._resumable else 0
-            scores[key] = self.loss({**base, key: floor}, start_layer=start_layer, windows=windows)[0] - base_loss
-            self.progress("importance", i + 1, len(self.keys))
-        self._layer_inputs = []
+        for i, key in enumerate(keys):
+            loss = self.loss({**base, key: floor}, start_layer=self._start(key[0]), windows=windows)[0]
+            scores[key] = loss - base_loss
+            self.progress(stage, i + 1, len(keys))
         return scores
+
+    def _local_importance(self, base: dict[Key, int], floor: int, windows) -> dict[Key, float]:
+        """Local error x its layer's sensitivity; sets self.layer_loss (layer -> loss change with the
+        whole layer at the floor)."""
+        probe = LocalErrors(self.experts, floor)
+        self._quantized.experts = probe
+        try:
+            base_loss = self.loss(base, windows=windows)[0]
+        finally:
+            self._quantized.experts = self.experts
+        layers = sorted({l for l, _ in self.keys})
+        # Progress in layers computed, so that the bar's rate (and time left) holds: a re-run from a
+        # late layer computes fewer layers than one from an early layer.
+        work = {layer: self.model.spec.num_layers - self._start(layer) for layer in layers}
+        done = 0
+        self.layer_loss, scores = {}, {}
+        for layer in layers:
+            down = {key: floor for key in self.keys if key[0] == layer}
+            loss = self.loss({**base, **down}, start_layer=self._start(layer), windows=windows)[0]
+            self.layer_loss[layer] = loss - base_loss
+            errors = {key: probe.errors.get(key, 0.0) for key in down}
+            total = sum(errors.values())
+            # A layer whose drop did not raise the loss measured nothing to scale by: its experts score 0.
+            sensitivity = max(self.layer_loss[layer], 0.0) / total if total > 0 else 0.0
+            scores.update({key: sensitivity * error for key, error in errors.items()})
+            done += work[layer]
+            self.progress("importance", done, sum(work.values()))
+        return scores
+
+    def _start(self, layer: int) -> int:
+        """The layer a re-run may start from: `layer` on cached inputs, else 0 (Seq2SeqModel)."""
+        return layer if self._resumable else 0
 
     def run(self, budget: float) -> BudgetResult:
         if budget < 0:
             raise ValueError(f"--budget {budget}: expected >= 0")
         seconds: dict[str, float] = {}
         start = time.perf_counter()
+        self.layer_loss, self.boundary = {}, {}
         uniform = {}
         for i, bits in enumerate(WIDTHS):
             uniform[bits] = self.loss({key: bits for key in self.keys})
@@ -263,7 +374,8 @@ class BudgetSearch:
                       uniform_loss={b: v[0] for b, v in uniform.items()}, feasible=bool(within))
         if ceiling == WIDTHS[0] or not within:
             widths = {key: ceiling for key in self.keys}
-            return BudgetResult(widths=widths, floor=ceiling, importance={}, loss=uniform[ceiling][0],
+            return BudgetResult(widths=widths, floor=ceiling, importance={}, importance_method=self.importance_method,
+                                loss=uniform[ceiling][0],
                                 loss_bound=uniform[ceiling][1], moved_down=0, evaluations=self.evaluations,
                                 seconds=seconds, **result)
         floor = WIDTHS[WIDTHS.index(ceiling) - 1]
@@ -274,22 +386,49 @@ class BudgetSearch:
         t = time.perf_counter()
         order = sorted(self.keys, key=lambda k: (importance[k], k))
         k = self._largest_k(order, floor, ceiling, budget, choosing)
-        widths = {key: (floor if i < k else ceiling) for i, key in enumerate(order)}
-        loss, bound = self.loss(widths)              # the chosen mix on the whole calibration text
+        if self.importance_method == "local":
+            order, k = self._refine_boundary(order, k, floor, ceiling, budget, ranking, choosing)
+        widths, k, loss, bound = self._holding_on_all_windows(order, k, floor, ceiling, budget)
         seconds["search"] = time.perf_counter() - t
         seconds["total"] = time.perf_counter() - start
         widths = {key: widths[key] for key in self.keys}
-        return BudgetResult(widths=widths, floor=floor, importance=importance, loss=loss, loss_bound=bound,
-                            moved_down=k, evaluations=self.evaluations, seconds=seconds, **result)
+        return BudgetResult(widths=widths, floor=floor, importance=importance, importance_method=self.importance_method,
+                            loss=loss, loss_bound=bound, moved_down=k, evaluations=self.evaluations,
+                            seconds=seconds, layer_loss=self.layer_loss, boundary=self.boundary, **result)
 
-    def _largest_k(self, order: list[Key], floor: int, ceiling: int, budget: float, windows) -> int:
-        """Binary search on `windows`: the largest K with the K least important at the floor within
-        the budget (K = 0 is the uniform ceiling, within it by construction)."""
+    def _holding_on_all_windows(self, order: list[Key], k: int, floor: int, ceiling: int, budget: float):
+        """(widths, K, loss, bound) of the K least important at the floor on the whole calibration
+        text: chosen on half the windows, the mix must hold on all of them too, so that the bound
+        recorded is the one the budget constrains (one expert fewer at the floor until it does)."""
+        while True:
+            widths = {key: (floor if i < k else ceiling) for i, key in enumerate(order)}
+            loss, bound = self.loss(widths)
+            if bound <= budget or k == 0:
+                return widths, k, loss, bound
+            k -= 1
+
+    def _refine_boundary(self, order: list[Key], k: int, floor: int, ceiling: int, budget: float, ranking,
+                         choosing) -> tuple[list[Key], int]:
+        """The local ranking's errors cost store size only near the cut: the BOUNDARY experts on each
+        side of position k are re-ranked by their exact importance (on the ranking windows), and K
+        searched again among them. Sets self.boundary (key -> exact importance)."""
+        low, high = max(0, k - BOUNDARY), min(len(order), k + BOUNDARY)
+        band = order[low:high]
+        base = {key: ceiling for key in self.keys}
+        with self._inputs_cached(base, ranking):
+            self.boundary = self._exact_importance(base, floor, ranking, band, stage="boundary")
+        order = order[:low] + sorted(band, key=lambda key: (self.boundary[key], key)) + order[high:]
+        return order, self._largest_k(order, floor, ceiling, budget, choosing, low, high)
+
+    def _largest_k(self, order: list[Key], floor: int, ceiling: int, budget: float, windows, lo: int = 0,
+                   hi: int | None = None) -> int:
+        """Binary search on `windows`: the largest K in [lo, hi] with the K least important at the
+        floor within the budget (K = lo is known to be within it: the uniform ceiling for lo = 0)."""
         def widths_for(k):
             return {key: (floor if i < k else ceiling) for i, key in enumerate(order)}
 
-        lo, hi = 0, len(order)       # lo is within the budget; hi is unknown
-        steps, total = 0, max(1, math.ceil(math.log2(len(order) + 1)))
+        hi = len(order) if hi is None else hi      # lo is within the budget; hi is unknown
+        steps, total = 0, max(1, math.ceil(math.log2(hi - lo + 1)))
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if self.loss(widths_for(mid), windows=windows)[1] <= budget:

@@ -30,22 +30,26 @@ from edgemoe.checkpoint import Checkpoint
 from edgemoe.errors import CheckpointError
 from edgemoe.evaluate import evaluate
 from edgemoe.loader import StoreOptions, load_store, model_from_checkpoint, plan_checkpoint
-from edgemoe.options import OptionError, one_of
+from edgemoe.options import OptionError, integer_at_least, one_of
 from edgemoe.tracing import profile_text
 from edgemoe.quant import quantize
 from edgemoe.store.profile_file import save_routing_profile
 from edgemoe.weights import read_expert
 
-from .budget import BudgetResult, BudgetSearch, Calibration, METRICS, heldout_loss, metric_loss
+from .budget import BudgetResult, BudgetSearch, Calibration, IMPORTANCE_METHODS, METRICS, heldout_loss, metric_loss
 from .writer import Key, StoreWriter, check_destination, read_widths
 
 Progress = Callable[[str, int, int], None]    # (stage, done, total)
+# Tokens of the calibration text traced for the routing profile by default: chosen by measurement
+# (docs/budget.md, "The routing profile's tokens").
+PROFILE_TOKENS = 4096
 
 
 @dataclass(frozen=True)
 class QualityBudget:
     """--budget: the largest quality loss allowed, by `metric` (edgemoe.convert.budget), judged on
-    the calibration text's upper confidence bound and confirmed on `heldout_text` when given."""
+    the calibration text's upper confidence bound and confirmed on `heldout_text` when given;
+    `importance`: how experts are ranked, "local" or "exact" (edgemoe.convert.budget)."""
 
     limit: float
     metric: str = "ppl"
@@ -53,9 +57,11 @@ class QualityBudget:
     calib_tokens: int | None = None
     heldout_text: str | None = None
     context: int = 256
+    importance: str = "local"
 
     def __post_init__(self):
         one_of(self.metric, "metric=", METRICS)
+        one_of(self.importance, "importance=", IMPORTANCE_METHODS)
         if not 0.5 <= self.confidence < 1:
             raise OptionError("confidence=", self.confidence, "expected a number in [0.5, 1)")
         if not self.limit >= 0:
@@ -88,17 +94,19 @@ def convert(model_dir, out, bits: int = 4, widths: dict[Key, int] | str | Path |
             method: str = "rtn", compress: str | None = None, force: bool = False, workers: int | None = None,
             budget: QualityBudget | None = None, calib_text: str | None = None, threads: int | None = None,
             progress: Progress | None = None, inputs=(), fallback_bits: int | None = None,
-            allow_no_tokenizer: bool = False) -> ConvertReport:
+            allow_no_tokenizer: bool = False, profile_tokens: int | None = PROFILE_TOKENS) -> ConvertReport:
     """Convert the checkpoint at `model_dir` into a store at `out`. widths: per-expert bits overriding
     `bits` ({(layer, expert): bits}, or a width file: read_widths); budget: search them instead (needs calib_text); calib_text: also profile the store's
     routing on it. inputs: other files the command reads (never overwritten, see check_destination).
     fallback_bits: also store each wider expert narrowed to this width (edgemoe.quant.narrow), the
     copy a runtime reads for a weakly chosen miss (StoreOptions.fallback_below).
-    allow_no_tokenizer: convert a checkpoint without tokenizer.json (see check_tokenizer)."""
+    allow_no_tokenizer: convert a checkpoint without tokenizer.json (see check_tokenizer).
+    profile_tokens: trace at most this many tokens of calib_text for the routing profile (None: all)."""
     start = time.perf_counter()
     one_of(bits, "bits=", (2, 4, 8))
     one_of(compress, "compress=", (None, "zstd"))
     one_of(fallback_bits, "fallback_bits=", (None, 2, 4))
+    integer_at_least(profile_tokens, "profile_tokens=", 1)
     if budget is not None and (widths is not None or calib_text is None):
         raise OptionError("budget=", budget.limit, "needs calibration text (calib_text) and no fixed widths")
     out = Path(out)
@@ -135,7 +143,8 @@ def convert(model_dir, out, bits: int = 4, widths: dict[Key, int] | str | Path |
                                  lambda done, total: report("writing experts", done, total), fallback_bits)
             extra = {"budget": search.to_json()} if search is not None else {}
             manifest = writer.manifest(spec, ckpt.path, method, group_size, extra)
-            heldout = _profile_and_confirm(writer.partial, manifest, calib_text, budget, reference, threads, report)
+            heldout = _profile_and_confirm(writer.partial, manifest, calib_text, profile_tokens, budget, reference,
+                                           threads, report)
             if heldout is not None:
                 manifest.data["budget"]["heldout_loss"] = heldout
             writer.commit(manifest)
@@ -167,20 +176,21 @@ def _search_widths(reference, budget: QualityBudget, calib_text: str, group_size
         ids = ids[:budget.calib_tokens]
     context = min(budget.context, reference.context_length)
     calibration = Calibration(reference, ids, context, budget.metric, budget.confidence)
-    search = BudgetSearch(reference, calibration, group_size, method, report)
+    search = BudgetSearch(reference, calibration, group_size, method, report, budget.importance)
     result = search.run(budget.limit)
     packed = {key: search.experts.packed[key, b] for key, b in result.widths.items()}
     return result, packed
 
 
-def _profile_and_confirm(path: Path, manifest, calib_text, budget, reference, threads,
+def _profile_and_confirm(path: Path, manifest, calib_text, profile_tokens, budget, reference, threads,
                          report: Progress) -> float | None:
-    """Open the store being written: profile its routing on calib_text (saved beside it) and, after
-    a search, measure the held-out loss against the reference model (returned)."""
+    """Open the store being written: profile its routing on calib_text's first profile_tokens tokens
+    (saved beside it) and, after a search, measure the held-out loss against the reference model
+    (returned)."""
     if calib_text is None:
         return None
     with load_store(path, StoreOptions(preload="none"), threads=threads, manifest=manifest) as model:
-        save_routing_profile(path, *profile_text(model, calib_text,
+        save_routing_profile(path, *profile_text(model, calib_text, max_tokens=profile_tokens,
                                                  on_progress=lambda d, t: report("profiling routing", d, t)))
         if budget is None or budget.heldout_text is None:
             return None
