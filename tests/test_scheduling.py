@@ -87,15 +87,15 @@ def test_runtime_hit_rate_equals_the_simulators_on_the_same_trace(store, policy)
 
 
 def test_queued_predictions_for_a_layer_are_cancelled_when_it_routes(store):
-    with open_store(store, place_popular=False) as s:
+    with open_store(store, place_popular=False, readers=1) as s:
         gate, original = threading.Event(), s._read
 
-        def slow_read(key, narrowed=False):
+        def slow_read(key, narrowed=False, preload=False):
             gate.wait(5)
-            return original(key, narrowed)
+            return original(key, narrowed, preload)
 
         s._read = slow_read
-        s.prefetch([(0, 0)])                          # the loader takes this one and blocks in it
+        s.prefetch([(0, 0)])                          # the one reader takes this one and blocks in it
         while len(s._loads):
             threading.Event().wait(0.001)
         s.prefetch([(1, 0), (1, 1), (2, 0)])

@@ -109,9 +109,10 @@ def test_a_model_owns_its_store_and_is_freed_when_closed_without_the_garbage_col
     try:
         with edgemoe.load(store, preload="lookahead", ram="50%") as model:
             greedy(model, n=3)
-            loader = model.store._loader
-            assert loader.is_alive() and model.preloader is not None
-        assert not loader.is_alive() and model.preloader is None and model.routing_hooks == []
+            readers = model.store._loaders
+            assert len(readers) == model.store.readers and all(r.is_alive() for r in readers)
+            assert model.preloader is not None
+        assert not any(r.is_alive() for r in readers) and model.preloader is None and model.routing_hooks == []
         alive = weakref.ref(model)
         del model
         assert alive() is None
