@@ -229,3 +229,98 @@ def test_a_store_held_whole_in_ram_predicts_nothing(store, predictor):
         actual, issued = model.preloader.actual, model.store.stats.preloads_issued
         model.logits(ids)
         assert (model.preloader.actual, model.store.stats.preloads_issued) == (actual, issued)
+
+
+def instrument_reads(s, before_read):
+    """Make s.disk.read call before_read(entry, preload) first, and log the keys whose reads finished."""
+    finished, original = [], s.disk.read
+
+    def read(entry, pause=None):
+        before_read(entry, pause)
+        blob = original(entry, pause)
+        finished.append(entry.key)
+        return blob
+
+    s.disk.read = read
+    return finished
+
+
+def test_no_preload_starts_while_a_caller_reads_an_expert_it_needs(store):
+    with open_store(store, place_popular=False, readers=1) as s:
+        demand_reading, go_on, preload_started = threading.Event(), threading.Event(), threading.Event()
+
+        def before_read(entry, pause):
+            if entry.key == (0, 0):
+                demand_reading.set()
+                go_on.wait(5)
+            else:
+                preload_started.set()
+
+        finished = instrument_reads(s, before_read)
+        caller = threading.Thread(target=s.get, args=(0, 0))
+        caller.start()
+        assert demand_reading.wait(5)
+        s.prefetch([(2, 0)])                          # queued while the caller's read is under way
+        preload_started.wait(0.5)                     # (it must not start: give it the time to)
+        go_on.set()
+        caller.join(5)
+        s.drain()
+        assert finished == [(0, 0), (2, 0)]
+
+
+def test_a_preload_under_way_pauses_between_its_chunks_while_a_caller_waits(store, monkeypatch):
+    from edgemoe.store import disk
+    monkeypatch.setattr(disk, "CHUNK", 4096)          # the tiny experts in several chunks
+    with open_store(store, place_popular=False, readers=1) as s:
+        preload_under_way, demand_reading = threading.Event(), threading.Event()
+        finished, original = [], s.disk.read
+
+        def read(entry, pause=None):
+            if pause is None:                          # the caller's read
+                demand_reading.set()
+            elif not preload_under_way.is_set():
+                store_pause = pause
+
+                def pause():                           # the preload's first pause: once the caller reads,
+                    preload_under_way.set()            # pause as the store says
+                    demand_reading.wait(5)
+                    store_pause()
+            blob = original(entry, pause)
+            finished.append(entry.key)
+            return blob
+
+        s.disk.read = read
+        s.prefetch([(2, 0)])
+        assert preload_under_way.wait(5)              # its first chunk is read
+        s.get(0, 0)                                   # demand arrives while the preload is under way
+        s.drain()
+        assert finished == [(0, 0), (2, 0)]           # the preload waited; it was not cancelled
+        assert set(s.resident()) == {(0, 0), (2, 0)}
+
+
+def test_a_layers_misses_are_read_several_at_once(store):
+    readers = 3
+    with open_store(store, place_popular=False, readers=readers) as s:
+        all_in_flight = threading.Barrier(readers, timeout=5)
+        instrument_reads(s, lambda entry, pause: all_in_flight.wait())   # passes only with `readers` in flight
+        s.begin_layer(1, needed=[(1, e) for e in range(readers)])
+        s.prefetch([(1, e) for e in range(readers)], urgent=True)
+        s.drain()
+        assert not all_in_flight.broken and set(s.resident()) == {(1, e) for e in range(readers)}
+
+
+def test_demand_reads_go_before_preloads_queued_earlier(store):
+    with open_store(store, place_popular=False, readers=1) as s:
+        gate = threading.Event()
+        finished = instrument_reads(s, lambda entry, pause: gate.wait(5) if entry.key == (3, 0) else None)
+        s.prefetch([(3, 0)])                          # the one reader is held in this preload
+        while len(s._loads):
+            threading.Event().wait(0.001)
+        s.prefetch([(3, 1), (3, 2)])                  # preloads queued first
+        s.begin_layer(1, needed=[(1, 0), (1, 1)])
+        s.prefetch([(1, 0), (1, 1)], urgent=True)     # then the running layer's misses
+        gate.set()
+        s.get(1, 0), s.get(1, 1)
+        s.drain()
+        assert set(finished[:3]) == {(3, 0), (1, 0), (1, 1)}   # the preload under way is not cancelled
+        assert finished[3:] == [(3, 1), (3, 2)]
