@@ -118,12 +118,12 @@ def test_preload_budget_is_paid_by_the_disks_idle_time(store):
     assert [preloader.affordable_reads(tokens=3) for _ in range(4)] == [0, 1, 2, 3]
     assert [preloader.affordable_reads(tokens=1) for _ in range(2)] == [2, 2]  # the credit is capped at top-k
     sure = torch.tensor([0.9, 0.8, 0.7, 0.4, 0.0, 0.0])
-    preloader._issue(1, sure, tokens=1, least=0.5)                 # spends the 2 it has: two reads
+    preloader._issue(1, sure, preloader.affordable_reads(1), least=0.5)   # spends the 2 it has: two reads
     assert preloader._predicted[1] == {0, 1} and preloader.credit == pytest.approx(0.0)
     model.store.drain()
     disk.reads, disk.read_seconds = 10, 10 * 0.004
     preloader.credit = 3.0
-    preloader._issue(1, sure, tokens=3, least=0.5)                 # resident ones and p < 0.5 skipped
+    preloader._issue(1, sure, preloader.affordable_reads(3), least=0.5)   # resident ones and p < 0.5 skipped
     assert preloader._predicted[1] == {2} and preloader.credit == pytest.approx(2.0 + 0.75)
     with pytest.raises(ValueError, match="preload='nope'"):
         edgemoe.load(store, preload="nope")
@@ -237,7 +237,7 @@ def instrument_reads(s, before_read):
 
     def read(entry, pause=None):
         before_read(entry, pause)
-        blob = original(entry, pause)
+        blob = original(entry) if pause is None else original(entry, pause)
         finished.append(entry.key)
         return blob
 
@@ -261,7 +261,7 @@ def test_no_preload_starts_while_a_caller_reads_an_expert_it_needs(store):
         caller.start()
         assert demand_reading.wait(5)
         s.prefetch([(2, 0)])                          # queued while the caller's read is under way
-        preload_started.wait(0.5)                     # (it must not start: give it the time to)
+        assert not preload_started.wait(0.5)          # held (given the time to start, it does not)
         go_on.set()
         caller.join(5)
         s.drain()
@@ -285,7 +285,7 @@ def test_a_preload_under_way_pauses_between_its_chunks_while_a_caller_waits(stor
                     preload_under_way.set()            # pause as the store says
                     demand_reading.wait(5)
                     store_pause()
-            blob = original(entry, pause)
+            blob = original(entry) if pause is None else original(entry, pause)
             finished.append(entry.key)
             return blob
 
@@ -324,3 +324,16 @@ def test_demand_reads_go_before_preloads_queued_earlier(store):
         s.drain()
         assert set(finished[:3]) == {(3, 0), (1, 0), (1, 1)}   # the preload under way is not cancelled
         assert finished[3:] == [(3, 1), (3, 2)]
+
+
+def test_nothing_is_predicted_while_the_guard_has_preloading_off(store, monkeypatch):
+    with edgemoe.load(store, preload="correlation", ram="50%", place_popular=False) as model:
+        predictions = []
+        monkeypatch.setattr(model.preloader.profile, "predict", lambda *a: predictions.append(a) or [])
+        model.store.guard.level = 1                   # "no-preload": predicting would only cost time
+        model.store.guard.probe_every = model.store.guard._probe_gap = 10**6
+        greedy(model)
+        assert predictions == [] and model.store.stats.preloads_loaded == 0
+        model.store.guard.level = 0
+        greedy(model)
+        assert predictions                            # the same model predicts once preloads may go

@@ -283,7 +283,7 @@ class TieredStore:
             self._weak = {(int(l), int(e)) for l, e in weak}
             keys = sorted({(int(l), int(e)) for l, e in needed})
             if self.guard is not None:   # before the layer's bytes: the guard judges a window on both
-                self.guard.observe_time(self.stats.demand_wait_seconds, self.stats.preloads_issued,
+                self.guard.observe_time(self.stats.demand_wait_seconds, self.stats.preloads_loaded,
                                         self.disk.read_seconds / self.disk.bytes_read if self.disk.bytes_read else None)
             self.cache.begin_layer(layer, {k: self.manifest.experts[k].length for k in keys},
                                    self.stats.full_width_bytes_read)
