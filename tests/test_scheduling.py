@@ -337,3 +337,20 @@ def test_nothing_is_predicted_while_the_guard_has_preloading_off(store, monkeypa
         model.store.guard.level = 0
         greedy(model)
         assert predictions                            # the same model predicts once preloads may go
+
+
+def test_the_reader_count_comes_from_the_option_else_the_environment(store, monkeypatch):
+    from edgemoe.options import OptionError
+    from edgemoe.store.loads import READERS, reader_count
+    monkeypatch.delenv("EDGEMOE_READERS", raising=False)
+    assert reader_count(None) == READERS and reader_count(3) == 3
+    monkeypatch.setenv("EDGEMOE_READERS", "4")
+    assert reader_count(None) == 4 and reader_count(1) == 1
+    with open_store(store, place_popular=False) as s:
+        assert s.readers == 4 and len(s._loaders) == 4
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("EDGEMOE_READERS", bad)
+        with pytest.raises(OptionError, match=f"EDGEMOE_READERS.*{bad}"):
+            reader_count(None)
+    with pytest.raises(OptionError, match="readers="):
+        reader_count(0)
