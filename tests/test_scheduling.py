@@ -354,3 +354,34 @@ def test_the_reader_count_comes_from_the_option_else_the_environment(store, monk
             reader_count(None)
     with pytest.raises(OptionError, match="readers="):
         reader_count(0)
+
+
+def test_who_reads_a_layers_misses_is_chosen_by_the_wait_each_way_measured():
+    from edgemoe.store.loads import ReadChoice
+    choice = ReadChoice(window_layers=2, probe_every=4)
+
+    def window(wait_per_byte):
+        for _ in range(2):
+            choice.observe_layer(wait_per_byte * 100, 100)
+
+    assert choice.submit                               # the readers first
+    window(0.002)
+    assert not choice.submit                           # then the caller's own reads, to time them too
+    window(0.001)                                      # the caller waited less per byte: keep it
+    assert not choice.submit and choice.seconds_per_byte == {True: 0.002, False: 0.001}
+    window(0.001), window(0.001)
+    assert choice.submit                               # every 4th window the other way is timed again
+    window(0.004)
+    assert not choice.submit                           # still slower: back to the caller's reads
+    choice.observe_layer(0.0, 0), choice.observe_layer(0.0, 0)   # nothing read: nothing learnt
+    assert not choice.submit and choice.seconds_per_byte[False] == 0.001
+
+
+def test_urgent_reads_are_left_to_the_caller_where_its_reads_measured_faster(store):
+    with open_store(store, place_popular=False) as s:
+        s.read_choice.submit = False
+        s.begin_layer(1, needed=[(1, 0), (1, 1)])
+        s.prefetch([(1, 0), (1, 1)], urgent=True)
+        assert len(s._loads) == 0 and s.resident() == {}   # nothing queued: get() reads each
+        s.get(1, 0)
+        assert set(s.resident()) == {(1, 0)}

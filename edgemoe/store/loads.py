@@ -159,3 +159,44 @@ class LoadQueue:
         self._unfinished -= n
         if not self._unfinished:
             self._cond.notify_all()
+
+
+class ReadChoice:
+    """Who reads a layer's misses, chosen by measurement: submitted together to the reader threads
+    (several in flight, overlapped with the layer's resident experts' compute), or read one by one
+    by the caller's thread as it needs them. Which is faster depends on the machine: on an idle
+    machine the readers overlap checksums and compute with reads; on a machine whose cores are
+    taken by other work, every hand-over to a reader thread waits for a core (docs/scheduling.md,
+    "Reads in flight and demand first"). So both are timed: over windows of `window_layers` layers,
+    the seconds callers waited for reads per byte read; the cheaper way is kept, the other tried
+    again for one window every `probe_every` windows (and first, before it has a figure)."""
+
+    def __init__(self, window_layers: int, probe_every: int = 8, smoothing: float = 0.5):
+        self.window_layers, self.probe_every, self.smoothing = window_layers, probe_every, smoothing
+        self.submit = True                                   # the readers first
+        self.seconds_per_byte: dict[bool, float | None] = {True: None, False: None}
+        self._layers = self._windows = 0
+        self._wait = 0.0
+        self._bytes = 0
+
+    def observe_layer(self, wait_seconds: float, read_bytes: int) -> None:
+        """A layer's wait for reads and bytes read (demand and urgent reads; preloads use idle time)."""
+        self._wait += wait_seconds
+        self._bytes += read_bytes
+        self._layers += 1
+        if self._layers >= self.window_layers:
+            self._judge()
+
+    def _judge(self) -> None:
+        if self._bytes:
+            measured = self._wait / self._bytes
+            old = self.seconds_per_byte[self.submit]
+            self.seconds_per_byte[self.submit] = measured if old is None else (
+                (1 - self.smoothing) * old + self.smoothing * measured)
+        self._layers, self._wait, self._bytes = 0, 0.0, 0
+        self._windows += 1
+        mine, other = self.seconds_per_byte[self.submit], self.seconds_per_byte[not self.submit]
+        if mine is None:
+            return                                           # nothing read on demand yet: keep timing this way
+        if other is None or self._windows % self.probe_every == 0 or other < mine:
+            self.submit = not self.submit                    # time the other way (again), or take the cheaper

@@ -12,8 +12,9 @@ the cached bytes; an expert in use by the current step is also held by its calle
 Reads: a pool of reader threads (`readers`, READERS by default: chosen by measurement on this
 project's disk, docs/scheduling.md "Reads in flight and demand first") takes reads from a LoadQueue
 (store/loads.py): a layer's misses submitted together go to the readers at once, ahead of every
-preload; a preload starts only while no demand is pending, and one under way pauses between its
-chunks while a caller waits for another expert.
+preload, or are left to the caller's own reads where those measure faster (ReadChoice); a preload
+starts only while no demand is pending, and one under way pauses between its chunks while a
+caller waits for another expert.
 
 Thread safety: one lock guards the cache and counters; disk reads happen outside it, and a read in
 flight is shared by every thread that asks for the same expert.
@@ -42,11 +43,12 @@ from edgemoe.scheduling.profile import RoutingProfile
 
 from .disk import DiskTier
 from .format import ExpertEntry, Manifest, StoreError, decode_blob, read_manifest
-from .loads import LoadQueue, reader_count
+from .loads import LoadQueue, ReadChoice, reader_count
 from .profile_file import expert_popularity, find_routing_profile, read_popularity, read_profile_file
 
 Key = tuple[int, int]
 PRELOAD_QUEUE = 64    # queued background reads at most: loading is best effort, never a backlog
+READ_CHOICE_TOKENS = 2   # ReadChoice's window: this many tokens' layers (short: a decode of a few tokens chooses)
 
 
 @dataclass
@@ -164,6 +166,9 @@ class TieredStore:
         self._loader_error: BaseException | None = None
         self._closed = False
         self.readers = reader_count(readers)
+        self.read_choice = ReadChoice(READ_CHOICE_TOKENS * max(1, len(self.spec.moe_layer_ids)))
+        self._needed_bytes_read = 0      # by demand and urgent reads (not preloads): ReadChoice's bytes
+        self._choice_start = (0.0, 0)    # (callers' wait, needed bytes read) when the last layer began
         self._loaders = [threading.Thread(target=self._load_loop, name=f"edgemoe-reader-{i}", daemon=True)
                          for i in range(self.readers)]
         for loader in self._loaders:
@@ -265,8 +270,11 @@ class TieredStore:
         """Ask the background loader for these experts, most wanted first; never blocks on I/O.
         urgent: needed by the layer running now (served before predictions, which wait until no
         demand is pending: edgemoe/store/loads.py); a layer's misses given together are read by
-        the pool of readers at once."""
+        the pool of readers at once, unless the caller's own reads measure faster (read_choice:
+        then nothing is queued and get() reads each)."""
         self._raise_loader_error()
+        if urgent and not self.read_choice.submit:
+            return
         with self._lock:   # an urgent read also replaces a fallback copy the running layer cannot use
             wanted = [k for k in ((int(l), int(e)) for l, e in keys) if not self._present(k, full=urgent)]
         for key in wanted:
@@ -285,6 +293,9 @@ class TieredStore:
             if self.guard is not None:   # before the layer's bytes: the guard judges a window on both
                 self.guard.observe_time(self.stats.demand_wait_seconds, self.stats.preloads_loaded,
                                         self.disk.read_seconds / self.disk.bytes_read if self.disk.bytes_read else None)
+            wait, read = self.stats.demand_wait_seconds, self._needed_bytes_read
+            self.read_choice.observe_layer(wait - self._choice_start[0], read - self._choice_start[1])
+            self._choice_start = (wait, read)
             self.cache.begin_layer(layer, {k: self.manifest.experts[k].length for k in keys},
                                    self.stats.full_width_bytes_read)
             self._loads.await_layer(k for k in keys if not self._serves(k))
@@ -362,6 +373,7 @@ class TieredStore:
         blob = self.disk.read(entry, pause=(lambda: self._loads.wait_for_idle_disk(key)) if preload else None)
         with self._lock:
             self.stats.disk_bytes_read += entry.stored_length
+            self._needed_bytes_read += 0 if preload else entry.stored_length
             self.stats.full_width_bytes_read += self.manifest.experts[key].stored_length
             self.stats.fallback_reads += narrowed
         return ResidentExpert(entry, decode_blob(entry, blob), entry.length, narrowed=narrowed, blob=blob)
