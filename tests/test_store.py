@@ -433,7 +433,8 @@ def test_missing_lists_experts_neither_resident_nor_being_read(store):
         s.get(0, 0)
         assert s.missing([(2, 3), (0, 0), (0, 1)]) == [(2, 3), (0, 1)]   # order kept, resident dropped
         read = threading.Event()
-        s._read = lambda key, narrowed=False, preload=False, _read=s._read: (read.wait(5), _read(key, narrowed, preload))[1]
+        s._read = lambda key, narrowed=False, preload=False, _read=s._read: (read.wait(5),
+                                                                             _read(key, narrowed, preload))[1]
         s.prefetch([(2, 3)])
         for _ in range(5000):                         # until the loader has taken it: a read under way
             if len(s._loads) == 0:

@@ -140,7 +140,8 @@ def print_in_flight(record: dict) -> None:
     print("raw O_DIRECT reads, GB/s:")
     for name, gbps in record["raw_gbps"].items():
         print(f"  {name:26} {gbps:6.2f}")
-    print(f"a layer's {record['experts_per_layer']} experts of {record['expert_mb']:.2f} MB, first reads, ms per layer:")
+    print(f"a layer's {record['experts_per_layer']} experts of {record['expert_mb']:.2f} MB, first reads, "
+          "ms per layer:")
     for name, ms in record["layer_ms"].items():
         print(f"  {name:32} {ms:7.1f}")
 

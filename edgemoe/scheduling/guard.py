@@ -15,7 +15,7 @@ level:
 Time as well as bytes (the runtime store; the simulator has no clock): a preload read in the disk's
 idle time costs nothing, one that delays a read the compute waits for costs time whatever the
 bytes. So the store also tells the guard (observe_time) how long its callers waited for reads and
-how many preloads it issued. Windows without preloads measure what on-demand reading costs: wait
+how many preloads it loaded. Windows without preloads measure what on-demand reading costs: wait
 seconds per byte the ghost reads (`wait_per_byte`; before any such window, the disk's own read
 seconds per byte stand in). A window with preloads whose wait exceeds the ghost's bytes at that
 cost by more than `time_margin` (plus SLACK_SECONDS per layer, timer noise) is worse too: the
@@ -97,7 +97,7 @@ class SchemeGuard:
 
     def observe_time(self, wait_seconds: float, preloads: int, read_seconds_per_byte: float | None) -> None:
         """The store's figures so far (cumulative): seconds its callers waited for reads, preloads
-        issued, and the disk's read seconds per byte (None before any read). Call before observe_layer."""
+        loaded, and the disk's read seconds per byte (None before any read). Call before observe_layer."""
         self._wait, self._preloads, self._read_seconds_per_byte = wait_seconds, preloads, read_seconds_per_byte
 
     def observe_layer(self, requests: Iterable[tuple[Key, int]], real_read_bytes: int) -> None:

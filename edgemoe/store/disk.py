@@ -25,7 +25,7 @@ import numpy as np
 from .format import ALIGNMENT, ExpertEntry, Manifest, StoreError, align, crc32
 
 IO_MODES = ("direct", "buffered")
-POOL_KEEP = 2    # released buffers kept per blob size of the store: the only memory the pool holds beyond the RAM tier
+POOL_KEEP = 2    # released buffers kept per blob size of the store: the pool's only memory beyond the RAM tier
 CHUNK = 1 << 20  # a preload reads in chunks of this many bytes and pauses between them while demand waits
 
 
@@ -195,7 +195,7 @@ class DiskTier:
         if isinstance(buffer, mmap.mmap):
             self.pool.release(buffer)
 
-    def _read_buffered(self, fd: int, entry: ExpertEntry, pause: "_Pauses") -> np.ndarray:
+    def _read_buffered(self, fd: int, entry: ExpertEntry, pause: _Pauses) -> np.ndarray:
         buf = np.empty(entry.stored_length, dtype=np.uint8)
         got = _read_chunks(fd, memoryview(buf), entry.offset, pause)
         if got != entry.stored_length:
@@ -205,7 +205,7 @@ class DiskTier:
             os.posix_fadvise(fd, entry.offset, entry.stored_length, os.POSIX_FADV_DONTNEED)
         return buf
 
-    def _read_direct(self, fd: int, entry: ExpertEntry, pause: "_Pauses") -> np.ndarray:
+    def _read_direct(self, fd: int, entry: ExpertEntry, pause: _Pauses) -> np.ndarray:
         size = align(entry.stored_length, ALIGNMENT)
         buffer = self.pool.take(size)
         got = _read_chunks(fd, memoryview(buffer)[:size], entry.offset, pause)

@@ -175,6 +175,7 @@ class TieredStore:
             loader.start()
         if place_popular and self.popularity:
             self._place_popular()
+            self._choice_start = (0.0, self._needed_bytes_read)   # placement is no layer's read
 
     # ---- public API -------------------------------------------------------------------------------
     def __enter__(self) -> "TieredStore":
