@@ -385,3 +385,34 @@ def test_urgent_reads_are_left_to_the_caller_where_its_reads_measured_faster(sto
         assert len(s._loads) == 0 and s.resident() == {}   # nothing queued: get() reads each
         s.get(1, 0)
         assert set(s.resident()) == {(1, 0)}
+
+
+def test_a_paused_preload_goes_on_once_the_caller_has_what_it_waited_for(store, monkeypatch):
+    """All readers paused in preloads, the running layer's urgent reads still queued: the caller
+    reads them itself, and the preloads then finish (a drain returns) rather than wait for a reader."""
+    from edgemoe.store import disk
+    monkeypatch.setattr(disk, "CHUNK", 4096)
+    with open_store(store, place_popular=False, readers=1) as s:
+        held, go_on, original = threading.Event(), threading.Event(), s.disk.read
+
+        def read(entry, pause=None):
+            if pause is not None and not held.is_set():
+                store_pause = pause
+
+                def pause():                          # the preload's first pause waits for the layer below
+                    held.set()
+                    go_on.wait(5)
+                    store_pause()
+            return original(entry) if pause is None else original(entry, pause)
+
+        s.disk.read = read
+        s.prefetch([(2, 0)])
+        assert held.wait(5)                           # the one reader is in the preload
+        s.begin_layer(1, needed=[(1, 0)])
+        s.prefetch([(1, 0)], urgent=True)             # queued: no reader is free
+        go_on.set()                                   # the preload pauses: layer 1 awaits (1, 0)
+        s.get(1, 0)                                   # the caller reads it itself
+        drain = threading.Thread(target=s.drain, daemon=True)
+        drain.start()
+        drain.join(5)
+        assert not drain.is_alive() and set(s.resident()) == {(1, 0), (2, 0)}

@@ -131,7 +131,9 @@ class LoadQueue:
                 self._cond.wait()
 
     def _demand_pending(self) -> bool:
-        return bool(self._awaiting or self._demanded or self._urgent)
+        """The running layer awaits a read, or a caller reads or waits for one. (Queued urgent reads
+        go first anyway; a paused preload holds a reader, so it must not wait for them to be taken.)"""
+        return bool(self._awaiting or self._demanded)
 
     def task_done(self) -> None:
         with self._cond:
