@@ -35,13 +35,30 @@ def test_a_released_buffer_is_reused_only_once_nothing_views_it():
     assert pool.reused == 1 and len(pool.take(8192)) == 8192   # sizes must match: a fresh one
 
 
-def test_the_pool_keeps_at_most_keep_released_buffers_of_each_size():
+def test_the_pool_keeps_at_most_keep_released_buffers_the_oldest_dropped():
     pool = BufferPool(keep=2)
-    buffers = [pool.take(4096) for _ in range(3)] + [pool.take(8192)]
+    buffers = [pool.take(4096), pool.take(8192), pool.take(4096)]
     for b in buffers:
         pool.release(b)
-    assert len(pool._released[4096]) == 2 and buffers[0] not in pool._released[4096]
-    assert list(pool._released[8192]) == [buffers[3]]
+    assert list(pool._released) == buffers[1:]
+
+
+def test_a_larger_released_buffer_serves_a_smaller_read_best_fit_never_one_still_viewed():
+    pool = BufferPool(keep=4)
+    buffers = {"large": pool.take(6 * 4096), "medium": pool.take(4 * 4096), "viewed": pool.take(3 * 4096)}
+    ids = {name: id(b) for name, b in buffers.items()}
+    buffers["large"][:] = b"\x01" * (6 * 4096)           # its pages are in memory now
+    view = np.frombuffer(buffers["viewed"], dtype=np.uint8)   # an expert still computing from it
+    for name in list(buffers):
+        pool.release(buffers.pop(name))                   # only the pool (and the view) refer to them
+    assert id(pool.take(2 * 4096)) == ids["medium"] and pool.reused == 1   # the smallest that fits
+    large = pool.take(5 * 4096)
+    assert id(large) == ids["large"] and pool.reused == 2
+    assert large[:5 * 4096] == b"\x01" * (5 * 4096)      # the part the read needs is kept
+    assert large[5 * 4096:] == bytes(4096)               # the tail's pages were given back (zero when touched)
+    assert id(pool.take(3 * 4096)) != ids["viewed"] and pool.allocated == 4   # still viewed: a fresh one
+    del view
+    assert id(pool.take(3 * 4096)) == ids["viewed"]
 
 
 def test_direct_and_buffered_reads_decode_alike_and_direct_recycles(store):

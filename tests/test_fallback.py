@@ -169,3 +169,17 @@ def test_a_corrupt_copy_is_detected_when_read(store, tmp_path):
         with pytest.raises(StoreError, match=f"checksum mismatch for layer {entry.layer} expert {entry.expert} "
                                              r"\(fallback-00000.bin"):
             opened.get(*entry.key, fallback=True)
+
+
+def test_fallback_copies_and_full_experts_share_one_pool_of_read_buffers(store):
+    """A fallback copy's read takes the buffer an evicted full expert left: no fresh buffer per size."""
+    full = max(e.length for e in read_manifest(store).experts.values())
+    with open_store(store, ram=2 * full, policy="lru", place_popular=False, guard=False) as s:
+        if not s.disk._direct:
+            pytest.skip("the file system refuses O_DIRECT: buffered reads use no pool")
+        s.get(0, 0), s.get(0, 1)                       # two full experts fill the RAM tier
+        for layer, expert in [(1, 0), (1, 1), (1, 2), (1, 3), (0, 2), (0, 3)]:
+            s.get(layer, expert, fallback=True)         # each evicts what the tier held longest
+        # Fresh buffers: the two full experts', the first copy's and (1, 3)'s, the one read while no
+        # evicted buffer was released (recycled at exact sizes only, it took 6 and reused 2).
+        assert s.disk.pool.allocated == 4 and s.disk.pool.reused == 4

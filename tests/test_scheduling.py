@@ -90,15 +90,15 @@ def test_runtime_hit_rate_equals_the_simulators_on_the_same_trace(store, policy)
 
 
 def test_queued_predictions_for_a_layer_are_cancelled_when_it_routes(store):
-    with open_store(store, place_popular=False) as s:
+    with open_store(store, place_popular=False, readers=1) as s:
         gate, original = threading.Event(), s._read
 
-        def slow_read(key, narrowed=False):
+        def slow_read(key, narrowed=False, preload=False):
             gate.wait(5)
-            return original(key, narrowed)
+            return original(key, narrowed, preload)
 
         s._read = slow_read
-        s.prefetch([(0, 0)])                          # the loader takes this one and blocks in it
+        s.prefetch([(0, 0)])                          # the one reader takes this one and blocks in it
         while len(s._loads):
             threading.Event().wait(0.001)
         s.prefetch([(1, 0), (1, 1), (2, 0)])
@@ -121,12 +121,12 @@ def test_preload_budget_is_paid_by_the_disks_idle_time(store):
     assert [preloader.affordable_reads(tokens=3) for _ in range(4)] == [0, 1, 2, 3]
     assert [preloader.affordable_reads(tokens=1) for _ in range(2)] == [2, 2]  # the credit is capped at top-k
     sure = torch.tensor([0.9, 0.8, 0.7, 0.4, 0.0, 0.0])
-    preloader._issue(1, sure, tokens=1, least=0.5)                 # spends the 2 it has: two reads
+    preloader._issue(1, sure, preloader.affordable_reads(1), least=0.5)   # spends the 2 it has: two reads
     assert preloader._predicted[1] == {0, 1} and preloader.credit == pytest.approx(0.0)
     model.store.drain()
     disk.reads, disk.read_seconds = 10, 10 * 0.004
     preloader.credit = 3.0
-    preloader._issue(1, sure, tokens=3, least=0.5)                 # resident ones and p < 0.5 skipped
+    preloader._issue(1, sure, preloader.affordable_reads(3), least=0.5)   # resident ones and p < 0.5 skipped
     assert preloader._predicted[1] == {2} and preloader.credit == pytest.approx(2.0 + 0.75)
     with pytest.raises(ValueError, match="preload='nope'"):
         edgemoe.load(store, preload="nope")
@@ -232,3 +232,190 @@ def test_a_store_held_whole_in_ram_predicts_nothing(store, predictor):
         actual, issued = model.preloader.actual, model.store.stats.preloads_issued
         model.logits(ids)
         assert (model.preloader.actual, model.store.stats.preloads_issued) == (actual, issued)
+
+
+def instrument_reads(s, before_read):
+    """Make s.disk.read call before_read(entry, preload) first, and log the keys whose reads finished."""
+    finished, original = [], s.disk.read
+
+    def read(entry, pause=None):
+        before_read(entry, pause)
+        blob = original(entry) if pause is None else original(entry, pause)
+        finished.append(entry.key)
+        return blob
+
+    s.disk.read = read
+    return finished
+
+
+def test_no_preload_starts_while_a_caller_reads_an_expert_it_needs(store):
+    with open_store(store, place_popular=False, readers=1) as s:
+        demand_reading, go_on, preload_started = threading.Event(), threading.Event(), threading.Event()
+
+        def before_read(entry, pause):
+            if entry.key == (0, 0):
+                demand_reading.set()
+                go_on.wait(5)
+            else:
+                preload_started.set()
+
+        finished = instrument_reads(s, before_read)
+        caller = threading.Thread(target=s.get, args=(0, 0))
+        caller.start()
+        assert demand_reading.wait(5)
+        s.prefetch([(2, 0)])                          # queued while the caller's read is under way
+        assert not preload_started.wait(0.5)          # held (given the time to start, it does not)
+        go_on.set()
+        caller.join(5)
+        s.drain()
+        assert finished == [(0, 0), (2, 0)]
+
+
+def test_a_preload_under_way_pauses_between_its_chunks_while_a_caller_waits(store, monkeypatch):
+    from edgemoe.store import disk
+    monkeypatch.setattr(disk, "CHUNK", 4096)          # the tiny experts in several chunks
+    with open_store(store, place_popular=False, readers=1) as s:
+        preload_under_way, demand_reading = threading.Event(), threading.Event()
+        finished, original = [], s.disk.read
+
+        def read(entry, pause=None):
+            if pause is None:                          # the caller's read
+                demand_reading.set()
+            elif not preload_under_way.is_set():
+                store_pause = pause
+
+                def pause():                           # the preload's first pause: once the caller reads,
+                    preload_under_way.set()            # pause as the store says
+                    demand_reading.wait(5)
+                    store_pause()
+            blob = original(entry) if pause is None else original(entry, pause)
+            finished.append(entry.key)
+            return blob
+
+        s.disk.read = read
+        s.prefetch([(2, 0)])
+        assert preload_under_way.wait(5)              # its first chunk is read
+        s.get(0, 0)                                   # demand arrives while the preload is under way
+        s.drain()
+        assert finished == [(0, 0), (2, 0)]           # the preload waited; it was not cancelled
+        assert set(s.resident()) == {(0, 0), (2, 0)}
+
+
+def test_a_layers_misses_are_read_several_at_once(store):
+    readers = 3
+    with open_store(store, place_popular=False, readers=readers) as s:
+        all_in_flight = threading.Barrier(readers, timeout=5)
+        instrument_reads(s, lambda entry, pause: all_in_flight.wait())   # passes only with `readers` in flight
+        s.begin_layer(1, needed=[(1, e) for e in range(readers)])
+        s.prefetch([(1, e) for e in range(readers)], urgent=True)
+        s.drain()
+        assert not all_in_flight.broken and set(s.resident()) == {(1, e) for e in range(readers)}
+
+
+def test_demand_reads_go_before_preloads_queued_earlier(store):
+    with open_store(store, place_popular=False, readers=1) as s:
+        gate = threading.Event()
+        finished = instrument_reads(s, lambda entry, pause: gate.wait(5) if entry.key == (3, 0) else None)
+        s.prefetch([(3, 0)])                          # the one reader is held in this preload
+        while len(s._loads):
+            threading.Event().wait(0.001)
+        s.prefetch([(3, 1), (3, 2)])                  # preloads queued first
+        s.begin_layer(1, needed=[(1, 0), (1, 1)])
+        s.prefetch([(1, 0), (1, 1)], urgent=True)     # then the running layer's misses
+        gate.set()
+        s.get(1, 0), s.get(1, 1)
+        s.drain()
+        assert set(finished[:3]) == {(3, 0), (1, 0), (1, 1)}   # the preload under way is not cancelled
+        assert finished[3:] == [(3, 1), (3, 2)]
+
+
+def test_nothing_is_predicted_while_the_guard_has_preloading_off(store, monkeypatch):
+    with edgemoe.load(store, preload="correlation", ram="50%", place_popular=False) as model:
+        predictions = []
+        monkeypatch.setattr(model.preloader.profile, "predict", lambda *a: predictions.append(a) or [])
+        model.store.guard.level = 1                   # "no-preload": predicting would only cost time
+        model.store.guard.probe_every = model.store.guard._probe_gap = 10**6
+        greedy(model)
+        assert predictions == [] and model.store.stats.preloads_loaded == 0
+        model.store.guard.level = 0
+        greedy(model)
+        assert predictions                            # the same model predicts once preloads may go
+
+
+def test_the_reader_count_comes_from_the_option_else_the_environment(store, monkeypatch):
+    from edgemoe.options import OptionError
+    from edgemoe.store.loads import READERS, reader_count
+    monkeypatch.delenv("EDGEMOE_READERS", raising=False)
+    assert reader_count(None) == READERS and reader_count(3) == 3
+    monkeypatch.setenv("EDGEMOE_READERS", "4")
+    assert reader_count(None) == 4 and reader_count(1) == 1
+    with open_store(store, place_popular=False) as s:
+        assert s.readers == 4 and len(s._loaders) == 4
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("EDGEMOE_READERS", bad)
+        with pytest.raises(OptionError, match=f"EDGEMOE_READERS.*{bad}"):
+            reader_count(None)
+    with pytest.raises(OptionError, match="readers="):
+        reader_count(0)
+
+
+def test_who_reads_a_layers_misses_is_chosen_by_the_wait_each_way_measured():
+    from edgemoe.store.loads import ReadChoice
+    choice = ReadChoice(window_layers=2, probe_every=4)
+
+    def window(wait_per_byte):
+        for _ in range(2):
+            choice.observe_layer(wait_per_byte * 100, 100)
+
+    assert choice.submit                               # the readers first
+    window(0.002)
+    assert not choice.submit                           # then the caller's own reads, to time them too
+    window(0.001)                                      # the caller waited less per byte: keep it
+    assert not choice.submit and choice.seconds_per_byte == {True: 0.002, False: 0.001}
+    window(0.001), window(0.001)
+    assert choice.submit                               # every 4th window the other way is timed again
+    window(0.004)
+    assert not choice.submit                           # still slower: back to the caller's reads
+    choice.observe_layer(0.0, 0), choice.observe_layer(0.0, 0)   # nothing read: nothing learnt
+    assert not choice.submit and choice.seconds_per_byte[False] == 0.001
+
+
+def test_urgent_reads_are_left_to_the_caller_where_its_reads_measured_faster(store):
+    with open_store(store, place_popular=False) as s:
+        s.read_choice.submit = False
+        s.begin_layer(1, needed=[(1, 0), (1, 1)])
+        s.prefetch([(1, 0), (1, 1)], urgent=True)
+        assert len(s._loads) == 0 and s.resident() == {}   # nothing queued: get() reads each
+        s.get(1, 0)
+        assert set(s.resident()) == {(1, 0)}
+
+
+def test_a_paused_preload_goes_on_once_the_caller_has_what_it_waited_for(store, monkeypatch):
+    """All readers paused in preloads, the running layer's urgent reads still queued: the caller
+    reads them itself, and the preloads then finish (a drain returns) rather than wait for a reader."""
+    from edgemoe.store import disk
+    monkeypatch.setattr(disk, "CHUNK", 4096)
+    with open_store(store, place_popular=False, readers=1) as s:
+        held, go_on, original = threading.Event(), threading.Event(), s.disk.read
+
+        def read(entry, pause=None):
+            if pause is not None and not held.is_set():
+                store_pause = pause
+
+                def pause():                          # the preload's first pause waits for the layer below
+                    held.set()
+                    go_on.wait(5)
+                    store_pause()
+            return original(entry) if pause is None else original(entry, pause)
+
+        s.disk.read = read
+        s.prefetch([(2, 0)])
+        assert held.wait(5)                           # the one reader is in the preload
+        s.begin_layer(1, needed=[(1, 0)])
+        s.prefetch([(1, 0)], urgent=True)             # queued: no reader is free
+        go_on.set()                                   # the preload pauses: layer 1 awaits (1, 0)
+        s.get(1, 0)                                   # the caller reads it itself
+        drain = threading.Thread(target=s.drain, daemon=True)
+        drain.start()
+        drain.join(5)
+        assert not drain.is_alive() and set(s.resident()) == {(1, 0), (2, 0)}

@@ -109,9 +109,10 @@ def test_a_model_owns_its_store_and_is_freed_when_closed_without_the_garbage_col
     try:
         with edgemoe.load(store, preload="lookahead", ram="50%") as model:
             greedy(model, n=3)
-            loader = model.store._loader
-            assert loader.is_alive() and model.preloader is not None
-        assert not loader.is_alive() and model.preloader is None and model.routing_hooks == []
+            readers = model.store._loaders
+            assert len(readers) == model.store.readers and all(r.is_alive() for r in readers)
+            assert model.preloader is not None
+        assert not any(r.is_alive() for r in readers) and model.preloader is None and model.routing_hooks == []
         alive = weakref.ref(model)
         del model
         assert alive() is None
@@ -432,7 +433,8 @@ def test_missing_lists_experts_neither_resident_nor_being_read(store):
         s.get(0, 0)
         assert s.missing([(2, 3), (0, 0), (0, 1)]) == [(2, 3), (0, 1)]   # order kept, resident dropped
         read = threading.Event()
-        s._read = lambda key, narrowed=False, _read=s._read: (read.wait(5), _read(key, narrowed))[1]
+        s._read = lambda key, narrowed=False, preload=False, _read=s._read: (read.wait(5),
+                                                                             _read(key, narrowed, preload))[1]
         s.prefetch([(2, 3)])
         for _ in range(5000):                         # until the loader has taken it: a read under way
             if len(s._loads) == 0:

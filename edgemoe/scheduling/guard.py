@@ -12,6 +12,16 @@ level:
     1 "no-preload"  the configured policy, no preloads
     2 "lru"         LRU eviction (GuardedPolicy), no preloads: what the ghost does
 
+Time as well as bytes (the runtime store; the simulator has no clock): a preload read in the disk's
+idle time costs nothing, one that delays a read the compute waits for costs time whatever the
+bytes. So the store also tells the guard (observe_time) how long its callers waited for reads and
+how many preloads it loaded. Windows without preloads measure what on-demand reading costs: wait
+seconds per byte the ghost reads (`wait_per_byte`; before any such window, the disk's own read
+seconds per byte stand in). A window with preloads whose wait exceeds the ghost's bytes at that
+cost by more than `time_margin` (plus SLACK_SECONDS per layer, timer noise) is worse too: the
+preloads added I/O wait, and preloading turns itself off. Without preloads nothing is judged on
+time, so a store without a preloader steps exactly as the simulator does.
+
 At a lower level it probes the level above for one window after `probe_every` windows, and stays
 there if that window is not worse; each failed probe doubles the wait (up to MAX_PROBE_GAP windows),
 so that a scheme that does not pay costs little more than LRU. Routing that changes its character (a new kind of prompt) is
@@ -35,6 +45,7 @@ Key = tuple[int, int]
 LEVELS = ("full", "no-preload", "lru")
 GUARD_WINDOW_TOKENS = 8    # a window of this many tokens' layers: enough requests to compare reads
 MAX_PROBE_GAP = 128
+SLACK_SECONDS = 1e-4       # per layer of a window: waits this small are timer noise, not the preloads'
 
 
 class GhostLRU:
@@ -64,9 +75,16 @@ class GhostLRU:
 
 
 class SchemeGuard:
-    def __init__(self, budget: int, window_layers: int, margin: float = 0.02, probe_every: int = 16):
+    def __init__(self, budget: int, window_layers: int, margin: float = 0.02, probe_every: int = 16,
+                 time_margin: float = 0.1):
         self.ghost = GhostLRU(budget)
         self.window_layers, self.margin, self.probe_every = window_layers, margin, probe_every
+        self.time_margin = time_margin
+        self.wait_per_byte: float | None = None   # measured in windows without preloads
+        self.slower_windows = 0                   # windows judged worse on time (not on bytes)
+        self._wait = self._wait_start = 0.0
+        self._preloads = self._preloads_start = 0
+        self._read_seconds_per_byte: float | None = None
         self.level = 0
         self.reference: AdaptivePolicy | None = None   # None: the ghost LRU
         self.lowest = len(LEVELS) - 1
@@ -94,6 +112,11 @@ class SchemeGuard:
     def use_lru(self) -> bool:
         return self.level == 2
 
+    def observe_time(self, wait_seconds: float, preloads: int, read_seconds_per_byte: float | None) -> None:
+        """The store's figures so far (cumulative): seconds its callers waited for reads, preloads
+        loaded, and the disk's read seconds per byte (None before any read). Call before observe_layer."""
+        self._wait, self._preloads, self._read_seconds_per_byte = wait_seconds, preloads, read_seconds_per_byte
+
     def observe_layer(self, requests: Iterable[tuple[Key, int]], real_read_bytes: int) -> None:
         """A layer's requests ((key, bytes), in the order the cache serves them) and the bytes the real
         cache has read from disk so far, demand and preloads."""
@@ -110,7 +133,9 @@ class SchemeGuard:
     def _judge(self, real_read_bytes: int) -> None:
         real = real_read_bytes - self._real_start
         ghost = self.reference_read_bytes - self._ghost_start
-        worse = real > ghost * (1 + self.margin)
+        slower = self._slower(self._wait - self._wait_start, self._preloads - self._preloads_start, ghost)
+        worse = real > ghost * (1 + self.margin) or slower
+        self.slower_windows += slower and real <= ghost * (1 + self.margin)
         if self._probing:
             self._probing = False
             if worse:
@@ -126,6 +151,20 @@ class SchemeGuard:
                 self._set(self.level - 1)
                 self._probing = True
         self._window, self._real_start, self._ghost_start = 0, real_read_bytes, self.reference_read_bytes
+        self._wait_start, self._preloads_start = self._wait, self._preloads
+
+    def _slower(self, wait: float, preloads: int, ghost_bytes: int) -> bool:
+        """Did this window's preloads make the compute wait longer than reading the ghost's misses
+        on demand would have? A window without preloads measures the latter instead."""
+        if not preloads:
+            if ghost_bytes:
+                measured = wait / ghost_bytes
+                self.wait_per_byte = measured if self.wait_per_byte is None else (self.wait_per_byte + measured) / 2
+            return False
+        reference = self.wait_per_byte if self.wait_per_byte is not None else self._read_seconds_per_byte
+        if reference is None:
+            return False
+        return wait > ghost_bytes * reference * (1 + self.time_margin) + SLACK_SECONDS * self.window_layers
 
     def _set(self, level: int) -> None:
         self.level, self._windows_down = level, 0

@@ -24,7 +24,9 @@ reads that fit in the time the disk was idle since the previous layer (time betw
 MoE layers minus the disk tier's read time in it; moving averages), and each preload spends one.
 The credit is capped at top-k per token. When the compute waits for reads (disk-bound), the
 disk is never idle and nothing is preloaded: every preload would delay a read the compute needs.
-Before anything is measured, top-k reads per token are affordable. When a layer's real routing is
+Before anything is measured, top-k reads per token are affordable. When none is, or the guard has
+turned preloading off, nothing is predicted at all: a prediction costs the compute thread's time
+(the profile's look-ups, the next router). When a layer's real routing is
 known, preloads still queued for it are dropped; the store starts a preload only once the running
 layer has the experts it waits for (edgemoe/store/loads.py).
 
@@ -106,9 +108,12 @@ class Preloader:
         nxt = self.next_moe.get(layer)
         if nxt is None or self.store.holds_everything():
             return
+        affordable = self._affordable(hidden.shape[0])
+        if not affordable:
+            return
         weights, experts = self.route(nxt, hidden)
         scores = torch.zeros(self.spec.num_experts).index_add_(0, experts.reshape(-1), weights.reshape(-1).float())
-        self._issue(nxt, scores, hidden.shape[0], least=1e-9, certain=True)
+        self._issue(nxt, scores, affordable, least=1e-9, certain=True)
 
     def on_routing(self, layer, experts, weights, positions, segments) -> None:
         if self.store.holds_everything():   # a model that fits: predicting would only cost time
@@ -122,12 +127,13 @@ class Preloader:
         for history, token_experts in zip(self._history, chosen):
             history[layer] = token_experts
         nxt = self.next_moe.get(layer)
-        if nxt is not None and self.predictor == "correlation":
+        affordable = self._affordable(len(chosen)) if nxt is not None and self.predictor == "correlation" else 0
+        if affordable:
             unneeded = torch.ones(self.spec.num_experts)   # P(no token needs e)
             for history in self._history:
                 for e, p in self.profile.predict(nxt, history):
                     unneeded[e] *= 1 - p
-            self._issue(nxt, 1 - unneeded, len(chosen), least=MIN_PROBABILITY)
+            self._issue(nxt, 1 - unneeded, affordable, least=MIN_PROBABILITY)
 
     # ---- internals --------------------------------------------------------------------------------
     def _time_layer(self) -> None:
@@ -153,15 +159,22 @@ class Preloader:
         self.credit = min(most, self.credit + reads)
         return int(self.credit)
 
-    def _issue(self, layer: int, scores: torch.Tensor, tokens: int, least: float, certain: bool = False) -> None:
+    def _affordable(self, tokens: int) -> int:
+        """Preloads that may go for the next layer: none while the guard has turned preloading off
+        (then predicting would only take the compute thread's time), else affordable_reads."""
+        guard = self.store.guard
+        if guard is not None and not guard.allow_preload:
+            return 0
+        return self.affordable_reads(tokens)
+
+    def _issue(self, layer: int, scores: torch.Tensor, affordable: int, least: float, certain: bool = False) -> None:
         """Preload the best-scored experts of `layer` scoring at least `least` that the store admits
-        (not resident nor being read, worth their read: TieredStore.admit), as many as are affordable.
+        (not resident nor being read, worth their read: TieredStore.admit), at most `affordable`.
         scores are probabilities of use, unless `certain` (then each counts as p = 1)."""
-        affordable = self.affordable_reads(tokens)
         values = scores.tolist()
         likely = [((layer, e), 1.0 if certain else values[e])
                   for e in torch.argsort(scores, descending=True, stable=True).tolist() if values[e] >= least]
-        chosen = self.store.admit(likely)[:affordable] if affordable else []   # admit weighs victims: skip it when nothing may go
+        chosen = self.store.admit(likely)[:affordable]
         self.credit = max(0.0, self.credit - len(chosen))
         self._predicted[layer] = {e for _, e in chosen}
         self.store.prefetch(chosen)

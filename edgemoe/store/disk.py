@@ -18,48 +18,101 @@ import sys
 import threading
 import time
 from collections import deque
+from typing import Callable
 
 import numpy as np
 
 from .format import ALIGNMENT, ExpertEntry, Manifest, StoreError, align, crc32
 
 IO_MODES = ("direct", "buffered")
-POOL_KEEP = 2    # released buffers kept per size: the only memory the pool holds beyond the RAM tier
+POOL_KEEP = 2    # released buffers kept per blob size of the store: the pool's only memory beyond the RAM tier
+CHUNK = 1 << 20  # a preload reads in chunks of this many bytes and pauses between them while demand waits
 
 
 class BufferPool:
-    """Page-aligned read buffers, recycled: a buffer released when its expert left the cache is
-    handed out again only once nothing refers to it (CPython's reference count: every numpy view of
-    an expert's arrays keeps its buffer alive), so a buffer a computation still reads is never
-    overwritten. Buffers are reused at their exact size; at most `keep` released buffers of each
-    size wait for reuse (a store's blobs come in a few sizes: one per width, and the fallback copies')."""
+    """Page-aligned read buffers, recycled across sizes: a buffer released when its expert left the
+    cache is handed out again only once nothing refers to it (CPython's reference count: every numpy
+    view of an expert's arrays keeps its buffer alive), so a buffer a computation still reads is never
+    overwritten. Any released buffer at least as large as asked for serves, the smallest such (best
+    fit), so that fallback copies, the widths of a budget store and full experts share one pool; the
+    pages past what the read needs are given back to the kernel (madvise DONTNEED), so a large buffer
+    serving a small read holds the small read's memory only. At most `keep` released buffers wait
+    for reuse, the oldest dropped first."""
 
     def __init__(self, keep: int = POOL_KEEP):
         self.keep = keep
-        self._released: dict[int, deque[mmap.mmap]] = {}
+        self._released: deque[mmap.mmap] = deque()
         self._lock = threading.Lock()
         self.reused = 0
         self.allocated = 0
 
     def take(self, size: int) -> mmap.mmap:
+        """A buffer of at least `size` bytes (its first `size` bytes are the ones to read into)."""
         with self._lock:
-            released = self._released.get(size, ())
-            for i in range(len(released)):
+            best = None
+            for i in range(len(self._released)):
                 # 2 references: the deque's and getrefcount's argument; any view of it adds one.
-                if sys.getrefcount(released[i]) == 2:
-                    buffer = released[i]
-                    del released[i]
-                    self.reused += 1
-                    return buffer
+                length = len(self._released[i])
+                if (length >= size and sys.getrefcount(self._released[i]) == 2
+                        and (best is None or length < len(self._released[best]))):
+                    best = i
+            if best is not None:
+                buffer = self._released[best]
+                del self._released[best]
+                self.reused += 1
+                _give_back_tail(buffer, size)
+                return buffer
             self.allocated += 1
-        return mmap.mmap(-1, size)   # anonymous mappings are page-aligned, as O_DIRECT needs
+        return _anonymous(size)
 
     def release(self, buffer: mmap.mmap) -> None:
         with self._lock:
-            released = self._released.setdefault(len(buffer), deque())
-            released.append(buffer)
-            if len(released) > self.keep:
-                released.popleft()
+            self._released.append(buffer)
+            if len(self._released) > self.keep:
+                self._released.popleft()
+
+
+def _anonymous(size: int) -> mmap.mmap:
+    """Page-aligned memory, as O_DIRECT needs; private, so that madvise(DONTNEED) frees its pages
+    (a shared anonymous mapping, mmap's default, keeps them in shared memory)."""
+    if hasattr(mmap, "MAP_ANONYMOUS"):
+        return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return mmap.mmap(-1, size)
+
+
+def _give_back_tail(buffer: mmap.mmap, used: int) -> None:
+    """Free the physical pages of `buffer` past its first `used` bytes (zero pages if touched again)."""
+    start = align(used, mmap.PAGESIZE)
+    if start < len(buffer) and hasattr(mmap, "MADV_DONTNEED"):
+        buffer.madvise(mmap.MADV_DONTNEED, start, len(buffer) - start)
+
+
+class _Pauses:
+    """A read's pause hook and the time spent in it (not counted as reading)."""
+
+    def __init__(self, pause: Callable[[], None] | None):
+        self.pause, self.seconds = pause, 0.0
+
+    def __call__(self) -> None:
+        start = time.perf_counter()
+        self.pause()
+        self.seconds += time.perf_counter() - start
+
+
+def _read_chunks(fd: int, view: memoryview, offset: int, pause: _Pauses) -> int:
+    """pread `view` from `offset`, whole, or in CHUNK-byte parts with a pause between them (chunks
+    are multiples of the page size, as O_DIRECT needs); the bytes read (fewer at the end of the file)."""
+    step = CHUNK if pause.pause is not None else len(view)
+    got = 0
+    for start in range(0, len(view), step):
+        if start:
+            pause()
+        chunk = view[start:start + step]
+        n = os.preadv(fd, [chunk], offset + start)
+        got += n
+        if n < len(chunk):
+            break
+    return got
 
 
 def drop_page_cache(path) -> None:
@@ -84,11 +137,13 @@ class DiskTier:
         self.io = io
         self._fds: dict[str, int] = {}
         self._direct = io == "direct" and hasattr(os, "O_DIRECT")
-        self.pool = BufferPool()
+        sizes = {align(e.stored_length, ALIGNMENT) for e in (*manifest.experts.values(), *manifest.fallback.values())}
+        self.pool = BufferPool(keep=POOL_KEEP * max(1, len(sizes)))
         self._verified: set[tuple[str, int]] = set()    # (file, offset) of the blobs checked
         self._lock = threading.Lock()
         self.reads = 0
-        self.read_seconds = 0.0   # wall time of reads, checksum included: the preloader's I/O estimate
+        self.bytes_read = 0
+        self.read_seconds = 0.0   # wall time of reads, checksum included, pauses not: the preloader's I/O estimate
         self.read_cpu_seconds = 0.0   # CPU time of the reading threads in reads (kernel copies included)
 
     def _fd(self, name: str) -> int:
@@ -106,13 +161,15 @@ class DiskTier:
             self._fds[name] = fd
         return fd
 
-    def read(self, entry: ExpertEntry) -> np.ndarray:
-        """The expert's blob (decompressed): uint8 [entry.length], owned by the caller."""
+    def read(self, entry: ExpertEntry, pause: Callable[[], None] | None = None) -> np.ndarray:
+        """The expert's blob (decompressed): uint8 [entry.length], owned by the caller. pause: read
+        in chunks of CHUNK bytes and call it between them (a preload lets demand reads go first)."""
         start, cpu = time.perf_counter(), time.thread_time()
         with self._lock:
             fd = self._fd(entry.file)
             direct = self._direct
-        stored = self._read_direct(fd, entry) if direct else self._read_buffered(fd, entry)
+        paused = _Pauses(pause)
+        stored = self._read_direct(fd, entry, paused) if direct else self._read_buffered(fd, entry, paused)
         key = entry.file, entry.offset     # an expert and its fallback copy are two blobs
         if key not in self._verified:
             if crc32(stored) != entry.crc32:
@@ -122,7 +179,8 @@ class DiskTier:
                 self._verified.add(key)
         with self._lock:
             self.reads += 1
-            self.read_seconds += time.perf_counter() - start
+            self.bytes_read += entry.stored_length
+            self.read_seconds += time.perf_counter() - start - paused.seconds
             self.read_cpu_seconds += time.thread_time() - cpu
         if entry.compression == "zstd":
             import zstandard
@@ -144,9 +202,9 @@ class DiskTier:
         if isinstance(buffer, mmap.mmap):
             self.pool.release(buffer)
 
-    def _read_buffered(self, fd: int, entry: ExpertEntry) -> np.ndarray:
+    def _read_buffered(self, fd: int, entry: ExpertEntry, pause: _Pauses) -> np.ndarray:
         buf = np.empty(entry.stored_length, dtype=np.uint8)
-        got = os.preadv(fd, [memoryview(buf)], entry.offset)
+        got = _read_chunks(fd, memoryview(buf), entry.offset, pause)
         if got != entry.stored_length:
             raise StoreError(f"{self.manifest.path / entry.file}: short read for {entry.where()} "
                              f"({got} of {entry.stored_length} bytes): truncated file")
@@ -154,9 +212,10 @@ class DiskTier:
             os.posix_fadvise(fd, entry.offset, entry.stored_length, os.POSIX_FADV_DONTNEED)
         return buf
 
-    def _read_direct(self, fd: int, entry: ExpertEntry) -> np.ndarray:
-        buffer = self.pool.take(align(entry.stored_length, ALIGNMENT))
-        got = os.preadv(fd, [buffer], entry.offset)
+    def _read_direct(self, fd: int, entry: ExpertEntry, pause: _Pauses) -> np.ndarray:
+        size = align(entry.stored_length, ALIGNMENT)
+        buffer = self.pool.take(size)
+        got = _read_chunks(fd, memoryview(buffer)[:size], entry.offset, pause)
         if got < entry.stored_length:
             self.pool.release(buffer)
             raise StoreError(f"{self.manifest.path / entry.file}: short read for {entry.where()} "

@@ -166,7 +166,7 @@ def _read_text(path: Path) -> str | None:
 def read_buffer_bytes(manifest) -> int:
     """Read buffers held outside the RAM tier's capacity: a whole layer's experts in use by one step
     (a prefill chunk may route to every expert; with a small cache they are read, used, then
-    dropped) and the disk tier's pool of released buffers (POOL_KEEP of each blob size)."""
+    dropped) and the disk tier's pool of released buffers (POOL_KEEP per blob size)."""
     lengths = [e.length for e in manifest.experts.values()]
     if not lengths:
         return 0

@@ -9,12 +9,20 @@ twice. Any capacity gives correct results: an expert larger than a whole tier is
 cached, and a capacity smaller than one layer's active experts just re-reads them. The capacity bounds
 the cached bytes; an expert in use by the current step is also held by its caller until it is done.
 
+Reads: a pool of reader threads (`readers`, READERS by default: chosen by measurement on this
+project's disk, docs/scheduling.md "Reads in flight and demand first") takes reads from a LoadQueue
+(store/loads.py): a layer's misses submitted together go to the readers at once, ahead of every
+preload, or are left to the caller's own reads where those measure faster (ReadChoice); a preload
+starts only while no demand is pending, and one under way pauses between its chunks while a
+caller waits for another expert.
+
 Thread safety: one lock guards the cache and counters; disk reads happen outside it, and a read in
 flight is shared by every thread that asks for the same expert.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -35,12 +43,13 @@ from edgemoe.scheduling.profile import RoutingProfile
 
 from .disk import DiskTier
 from .format import ExpertEntry, Manifest, StoreError, decode_blob, read_manifest
-from .loads import LoadQueue
+from .loads import LoadQueue, ReadChoice, reader_count
 from .profile_file import (expert_popularity, find_routing_profile, read_popularity, read_predictor_choice,
                            read_profile_file)
 
 Key = tuple[int, int]
 PRELOAD_QUEUE = 64    # queued background reads at most: loading is best effort, never a backlog
+READ_CHOICE_TOKENS = 2   # ReadChoice's window: this many tokens' layers (short: a decode of a few tokens chooses)
 
 
 @dataclass
@@ -93,7 +102,8 @@ class StoreStats(CacheStats):
         self.preloads_cancelled = 0   # still queued when the real routing was known
         self.preloads_loaded = 0
         self.fallback_reads = 0       # reads of a narrower copy (get(..., fallback=True) on a miss)
-        self.loader_cpu_seconds = 0.0  # the background loader thread's CPU time, its reads included
+        self.loader_cpu_seconds = 0.0  # the reader threads' CPU time, their reads included
+        self.demand_wait_seconds = 0.0  # time callers of get() waited for a read (theirs or a reader's)
 
     @property
     def ram(self) -> TierStats:
@@ -110,7 +120,7 @@ class StoreStats(CacheStats):
                 "preloads_issued": self.preloads_issued, "preloads_cancelled": self.preloads_cancelled,
                 "preloads_loaded": self.preloads_loaded, "preloads_used": self.preloads_used,
                 "preloads_wasted": self.preloads_wasted, "fallback_reads": self.fallback_reads,
-                "loader_cpu_seconds": self.loader_cpu_seconds}
+                "loader_cpu_seconds": self.loader_cpu_seconds, "demand_wait_seconds": self.demand_wait_seconds}
 
 
 class TieredStore:
@@ -119,13 +129,14 @@ class TieredStore:
     def __init__(self, path, ram: int | str | None = None, vram: int | str | None = 0,
                  device: str | torch.device | None = None, policy: str = "lru", io: str = "direct",
                  place_popular: bool = True, routing_profile: RoutingProfile | None = None, guard: bool = True,
-                 manifest: Manifest | None = None):
+                 manifest: Manifest | None = None, readers: int | None = None):
         """ram, vram: bytes, sizes like "512MiB", or shares of the store's expert bytes like "25%"
         (ram None: unlimited). routing_profile: one to use instead of the store's profile.json
         (a benchmark's, built from the routing it replays). guard: with a RAM capacity (and no VRAM
         tier), measure the scheme against a ghost on-demand LRU cache and fall back when it reads
         more (edgemoe.scheduling.guard). manifest: the store's manifest, already parsed (the converter
-        opens the store it writes before its manifest is on disk)."""
+        opens the store it writes before its manifest is on disk). readers: reads in flight from the
+        background (None: $EDGEMOE_READERS, else READERS)."""
         self.manifest = manifest if manifest is not None else read_manifest(Path(path))
         self.path = self.manifest.path
         self.spec = self.manifest.spec
@@ -158,10 +169,17 @@ class TieredStore:
         self._loads = LoadQueue(PRELOAD_QUEUE)
         self._loader_error: BaseException | None = None
         self._closed = False
-        self._loader = threading.Thread(target=self._load_loop, name="edgemoe-preload", daemon=True)
-        self._loader.start()
+        self.readers = reader_count(readers)
+        self.read_choice = ReadChoice(READ_CHOICE_TOKENS * max(1, len(self.spec.moe_layer_ids)))
+        self._needed_bytes_read = 0      # by demand and urgent reads (not preloads): ReadChoice's bytes
+        self._choice_start = (0.0, 0)    # (callers' wait, needed bytes read) when the last layer began
+        self._loaders = [threading.Thread(target=self._load_loop, name=f"edgemoe-reader-{i}", daemon=True)
+                         for i in range(self.readers)]
+        for loader in self._loaders:
+            loader.start()
         if place_popular and self.popularity:
             self._place_popular()
+            self._choice_start = (0.0, self._needed_bytes_read)   # placement is no layer's read
 
     # ---- public API -------------------------------------------------------------------------------
     def __enter__(self) -> "TieredStore":
@@ -213,10 +231,12 @@ class TieredStore:
                 if event is None:
                     event = self._in_flight[key] = threading.Event()
                     break
-            event.wait()   # another thread (the preloader) is reading it
+            with self._waiting_for(key):
+                event.wait()   # a reader thread is reading it
             self._raise_loader_error()
         try:
-            item = self._read(key, narrowed=fallback)
+            with self._waiting_for(key):
+                item = self._read(key, narrowed=fallback)
             with self._lock:
                 return self.cache.place(item, kind="demand")
         finally:
@@ -253,9 +273,13 @@ class TieredStore:
 
     def prefetch(self, keys, urgent: bool = False) -> None:
         """Ask the background loader for these experts, most wanted first; never blocks on I/O.
-        urgent: needed by the layer running now (served before predictions, which wait until the
-        running layer has every expert it began without: edgemoe/store/loads.py)."""
+        urgent: needed by the layer running now (served before predictions, which wait until no
+        demand is pending: edgemoe/store/loads.py); a layer's misses given together are read by
+        the pool of readers at once, unless the caller's own reads measure faster (read_choice:
+        then nothing is queued and get() reads each)."""
         self._raise_loader_error()
+        if urgent and not self.read_choice.submit:
+            return
         with self._lock:   # an urgent read also replaces a fallback copy the running layer cannot use
             wanted = [k for k in ((int(l), int(e)) for l, e in keys) if not self._present(k, full=urgent)]
         for key in wanted:
@@ -271,6 +295,12 @@ class TieredStore:
         with self._lock:
             self._weak = {(int(l), int(e)) for l, e in weak}
             keys = sorted({(int(l), int(e)) for l, e in needed})
+            if self.guard is not None:   # before the layer's bytes: the guard judges a window on both
+                self.guard.observe_time(self.stats.demand_wait_seconds, self.stats.preloads_loaded,
+                                        self.disk.read_seconds / self.disk.bytes_read if self.disk.bytes_read else None)
+            wait, read = self.stats.demand_wait_seconds, self._needed_bytes_read
+            self.read_choice.observe_layer(wait - self._choice_start[0], read - self._choice_start[1])
+            self._choice_start = (wait, read)
             self.cache.begin_layer(layer, {k: self.manifest.experts[k].length for k in keys},
                                    self.stats.full_width_bytes_read)
             self._loads.await_layer(k for k in keys if not self._serves(k))
@@ -291,7 +321,8 @@ class TieredStore:
             return
         self._closed = True
         self._loads.close()
-        self._loader.join(timeout=5)
+        for loader in self._loaders:
+            loader.join(timeout=5)
         self.disk.close()
 
     # ---- internals --------------------------------------------------------------------------------
@@ -328,13 +359,26 @@ class TieredStore:
         item = self.cache.find(key)
         return item is not None and (not item.narrowed or key in self._weak)
 
-    def _read(self, key: Key, narrowed: bool = False) -> ResidentExpert:
-        """Read the expert, or its fallback copy when `narrowed` and the store has one."""
+    @contextlib.contextmanager
+    def _waiting_for(self, key: Key):
+        """A caller reads `key` or waits for its read: demand (no preload starts meanwhile), timed."""
+        start = time.perf_counter()
+        try:
+            with self._loads.demand(key):
+                yield
+        finally:
+            with self._lock:
+                self.stats.demand_wait_seconds += time.perf_counter() - start
+
+    def _read(self, key: Key, narrowed: bool = False, preload: bool = False) -> ResidentExpert:
+        """Read the expert, or its fallback copy when `narrowed` and the store has one. preload: in
+        chunks, pausing between them while a caller waits for another expert."""
         narrowed = narrowed and key in self.manifest.fallback
         entry = self.manifest.fallback[key] if narrowed else self.manifest.experts[key]
-        blob = self.disk.read(entry)
+        blob = self.disk.read(entry, pause=(lambda: self._loads.wait_for_idle_disk(key)) if preload else None)
         with self._lock:
             self.stats.disk_bytes_read += entry.stored_length
+            self._needed_bytes_read += 0 if preload else entry.stored_length
             self.stats.full_width_bytes_read += self.manifest.experts[key].stored_length
             self.stats.fallback_reads += narrowed
         return ResidentExpert(entry, decode_blob(entry, blob), entry.length, narrowed=narrowed, blob=blob)
@@ -367,7 +411,8 @@ class TieredStore:
             try:
                 self._load_one(*work)
             finally:
-                self.stats.loader_cpu_seconds += time.thread_time() - cpu
+                with self._lock:
+                    self.stats.loader_cpu_seconds += time.thread_time() - cpu
                 self._loads.task_done()
 
     def _load_one(self, key: Key, urgent: bool) -> None:
@@ -377,7 +422,7 @@ class TieredStore:
             event = self._in_flight[key] = threading.Event()
             narrowed = urgent and key in self._weak
         try:
-            item = self._read(key, narrowed)
+            item = self._read(key, narrowed, preload=not urgent)
             with self._lock:
                 if not urgent:
                     self.stats.preloads_loaded += 1
