@@ -158,7 +158,13 @@ class TieredStore:
         unlimited = 1 << 62
         tiers = ([("vram", vram_capacity)] if vram_capacity else []) + [
             ("ram", ram_capacity if ram_capacity is not None else unlimited)]
-        guarded = guard and ram_capacity is not None and not vram_capacity
+        # A RAM tier that holds every expert never evicts: no policy has anything to choose, and
+        # no scheme anything to guard. Adaptive eviction's ghosts would cost ~0.1 ms a layer of
+        # bookkeeping there (a fine-grained decode token, all in RAM: profile_decode.py), so the
+        # cheapest policy keeps the order.
+        holds_all = not vram_capacity and (ram_capacity is None or ram_capacity >= self.manifest.expert_bytes)
+        policy = "lru" if holds_all else policy
+        guarded = guard and ram_capacity is not None and not vram_capacity and not holds_all
         self.cache = ExpertCache(
             tiers, lambda: make_policy(policy, self.spec.num_layers, self.popularity, self.routing_profile),
             guard=SchemeGuard(ram_capacity, GUARD_WINDOW_TOKENS * len(self.spec.moe_layer_ids)) if guarded else None,
