@@ -1,14 +1,18 @@
 """Where an expert computes, decided by measured latencies (Fiddler's rule), never by constants in code.
 
 For an expert of width `bits` and shape (I, D), with S tokens routed to it:
-- fused-int(S), fused-float(S): the numba SwiGLU kernel on the packed weights, with int8 or float32
-  activations (edgemoe.kernels.swiglu_expert_int / swiglu_expert); grow about linearly in S;
+- fused-int(S): the numba SwiGLU kernel on the packed weights with int8 activations
+  (edgemoe.kernels.swiglu_expert_int); grows about linearly in S;
 - dequant(S): dequantize the three matrices once (numba), then torch matmuls; about constant plus a
   small slope in S.
 A short calibration times both at a few token counts on this machine and fits t = a + b*S per path
-and width; the choice for S is the cheaper prediction. Results are cached per machine and shape in
-the user cache directory ($EDGEMOE_CACHE_DIR, else ~/.cache/edgemoe/latency.json), so a machine
-calibrates once and every later run (and every tier) makes the same choice for the same S.
+and width; the choice for S is the cheaper prediction. "fused-float" (float32 activations) is
+never chosen: its slope measured twice the integer kernel's, and with a layer's experts in one
+integer call (StoreExperts.layer_kernel) a per-expert path costs more again; a near tie of the
+fits at one token once sent every INT8 expert of a fine-grained model to it, one call each, at
+half the decode speed. It stays available as --compute fused-float.
+Results are cached per machine and shape in the user cache directory ($EDGEMOE_CACHE_DIR, else
+~/.cache/edgemoe/latency.json), so a machine calibrates once and every later run (and every tier) makes the same choice for the same S.
 With a VRAM tier on a torch device, a third path is calibrated for experts held in RAM: "device",
 copy the packed arrays to the device (measured seconds per byte) and dequantize + multiply there;
 its cost is t = a + b*S plus the copy of the expert's bytes (Fiddler's CPU-vs-GPU rule). Experts
@@ -32,7 +36,7 @@ import torch
 from .files import atomic_write
 
 CALIBRATION_TOKENS = (1, 4, 16, 64)
-PATHS = ("fused-int", "fused-float", "dequant")
+PATHS = ("fused-int", "dequant")
 
 
 def cache_file() -> Path:
@@ -76,7 +80,8 @@ class LatencyModel:
         expert of `nbytes` packed bytes held in RAM."""
         if bits not in self.fits[PATHS[0]]:
             raise KeyError(f"latency model has no calibration for INT{bits}")
-        return min(self.fits, key=lambda p: self.predict(p, bits, tokens, nbytes))
+        return min((p for p in self.fits if p in PATHS + ("device",)),
+                   key=lambda p: self.predict(p, bits, tokens, nbytes))
 
     def crossover(self, bits: int) -> int | None:
         """The smallest token count for which dequantize + matmul wins, or None below 4096 tokens."""
@@ -149,7 +154,6 @@ def calibrate(shape: tuple[int, int], widths, repeats: int = 5, tokens=CALIBRATI
             x = torch.randn(s, dim, generator=g)
             xn = x.numpy()
             measured["fused-int"].append(fastest_time(lambda: kernels.swiglu_expert_int(xn, *qts.values()), repeats))
-            measured["fused-float"].append(fastest_time(lambda: kernels.swiglu_expert(xn, *qts.values()), repeats))
             measured["dequant"].append(fastest_time(
                 lambda: swiglu(x, *(kernels.dequantize(q, gemm_dtype) for q in qts.values())), repeats))
             if device:

@@ -156,3 +156,11 @@ def test_calibration_times_the_fastest_run(monkeypatch):
     clock = iter([0.0, 0.001, 1.0, 1.050, 2.0, 2.001])
     monkeypatch.setattr(latency.time, "perf_counter", lambda: next(clock))
     assert latency.fastest_time(lambda: None, 3) == pytest.approx(0.001)
+
+
+def test_fused_float_is_never_the_automatic_choice():
+    """Even where its fit predicts it cheapest (a calibration from before, or a near tie at one token):
+    the layer kernel computes fused-int experts in one call, fused-float one call each."""
+    fits = {"fused-int": {8: (2.6e-5, 2.1e-5)}, "fused-float": {8: (0.8e-5, 3.5e-5)}, "dequant": {8: (3e-4, 6e-6)}}
+    model = LatencyModel(fits, (384, 1024), "m")
+    assert model.choose(8, 1) == "fused-int" and model.choose(8, 64) == "dequant"
