@@ -98,15 +98,20 @@ class LatencyModel:
         return cls(fits, tuple(d["shape"]), d["machine"], d.get("device"), d.get("copy_seconds_per_byte", 0.0))
 
 
-def median_time(fn, repeats: int) -> float:
-    """Median wall time of fn over `repeats` calls, after one untimed call."""
-    fn()  # warm-up (and numba compilation on first use)
+def _call_times(fn, repeats: int) -> list[float]:
+    """Wall times of `repeats` calls of fn, after one untimed call (warm-up, numba compilation)."""
+    fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def median_time(fn, repeats: int) -> float:
+    """Median wall time of fn over `repeats` calls, after one untimed call."""
+    return statistics.median(_call_times(fn, repeats))
 
 
 def _fit(tokens, seconds) -> tuple[float, float]:
@@ -121,13 +126,7 @@ def fastest_time(fn, repeats: int) -> float:
     """The fastest wall time of fn over `repeats` calls, after one untimed call: contention (another
     process taking the core, a descheduled thread) only adds time, and one such call in a median of
     three made a kernel of 0.05 ms look like 5 ms in a calibration cached for good."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return min(_call_times(fn, repeats))
 
 
 def calibrate(shape: tuple[int, int], widths, repeats: int = 5, tokens=CALIBRATION_TOKENS,

@@ -14,6 +14,8 @@ import edgemoe
 from edgemoe.convert import convert
 from edgemoe.cache import KVCache
 from edgemoe.decode import DecodeEngine
+from edgemoe.kernels import int_paths
+from edgemoe.kernels.ops import INT_PATH_ENV
 from edgemoe.layers import linear
 from edgemoe.model import Segment
 from edgemoe.store import read_manifest
@@ -172,3 +174,16 @@ def test_greedy_text_is_the_same_whatever_the_budget_and_policy(store_of):
             assert model.decode_engine is not None
             outputs.append(model.generate([1, 5, 9], max_new_tokens=12, temperature=0, stop_token_ids=[]))
     assert outputs[1:] == outputs[:-1]
+
+
+@pytest.mark.parametrize("path", int_paths())
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_first_position_is_bit_identical_on_every_integer_path_and_dtype(store_of, monkeypatch, path, dtype):
+    """The bit-identity above with each integer path this CPU runs forced (both forwards take it
+    from the environment) and with a bfloat16 checkpoint (its dense matrices quantized alike)."""
+    monkeypatch.setenv(INT_PATH_ENV, path)
+    store = store_of("qwen3_moe", dtype=dtype)
+    with load(store) as engine, load(store, engine=False) as generic:
+        x, h, _, _ = first_layer_step(engine, 11)
+        rx, rh, _, _ = first_layer_step(generic, 11)
+    assert torch.equal(x, rx) and torch.equal(h, rh)

@@ -159,9 +159,8 @@ class TieredStore:
         tiers = ([("vram", vram_capacity)] if vram_capacity else []) + [
             ("ram", ram_capacity if ram_capacity is not None else unlimited)]
         # A RAM tier that holds every expert never evicts: no policy has anything to choose, and
-        # no scheme anything to guard. Adaptive eviction's ghosts would cost ~0.1 ms a layer of
-        # bookkeeping there (a fine-grained decode token, all in RAM: profile_decode.py), so the
-        # cheapest policy keeps the order.
+        # no scheme anything to guard. Adaptive eviction's ghosts would update every candidate
+        # policy on every request for nothing, so the cheapest policy keeps the order.
         holds_all = not vram_capacity and (ram_capacity is None or ram_capacity >= self.manifest.expert_bytes)
         policy = "lru" if holds_all else policy
         guarded = guard and ram_capacity is not None and not vram_capacity and not holds_all
