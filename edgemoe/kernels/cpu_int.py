@@ -31,13 +31,11 @@ import numpy as np
 
 from ._jit import njit_exact, njit_exact_inline, njit_exact_parallel
 from .cpu import _block_size
-from .simd import (BLOCK, ROWS, VNNI_BLOCK, avx2_dot2, avx2_dot4, avx2_dot8, avx2_rows2, avx2_rows4, avx2_rows8,
-                   vnni_dot2, vnni_dot4, vnni_dot8, vnni_rows4, vnni_rows8)
+from .simd import BLOCK, VNNI_BLOCK, avx2_dot2, avx2_dot4, avx2_dot8, vnni_dot2, vnni_dot4, vnni_dot8
 from .views import float32_view, uint8_view
 
 PORTABLE, AVX2, VNNI = 0, 1, 2
-U0, U1, U2, U3 = np.uint64(0), np.uint64(1), np.uint64(2), np.uint64(3)
-UB, UV = np.uint64(BLOCK), np.uint64(VNNI_BLOCK)
+U0, UB, UV = np.uint64(0), np.uint64(BLOCK), np.uint64(VNNI_BLOCK)
 
 
 @njit_exact_inline
@@ -112,87 +110,22 @@ def _group_dot(path, bits, packed, b0, plane, xq, x0):
     return acc + _portable_dot(bits, packed, b0 + done, plane, plane - done, xq, x0 + done)
 
 
-@njit_exact_inline
-def _avx2_rows(bits, packed, b0, row_bytes, plane, xq, x0, blocks):
-    if bits == 2:
-        return avx2_rows2(packed, b0, row_bytes, xq, x0, plane, blocks)
-    if bits == 4:
-        return avx2_rows4(packed, b0, row_bytes, xq, x0, plane, blocks)
-    return avx2_rows8(packed, b0, row_bytes, xq, x0, plane, blocks)
-
-
-@njit_exact_inline
-def _group_dot_rows(path, bits, packed, b0, row_bytes, plane, xq, x0):
-    """The isums of one group for ROWS consecutive rows (row k's plane bytes at packed[b0 + k * row_bytes]),
-    on a SIMD path: the blocks of _group_dot, ROWS rows per instruction stream."""
-    s0, s1, s2, s3 = np.int64(0), np.int64(0), np.int64(0), np.int64(0)
-    done = U0
-    if path == VNNI and bits != 2:
-        blocks = plane // UV
-        if bits == 4:
-            v0, v1, v2, v3 = vnni_rows4(packed, b0, row_bytes, xq, x0, plane, blocks)
-        else:
-            v0, v1, v2, v3 = vnni_rows8(packed, b0, row_bytes, xq, x0, plane, blocks)
-        s0, s1, s2, s3 = np.int64(v0), np.int64(v1), np.int64(v2), np.int64(v3)
-        done = blocks * UV
-    if plane - done >= UB:
-        blocks = (plane - done) // UB
-        a0, a1, a2, a3 = _avx2_rows(bits, packed, b0 + done, row_bytes, plane, xq, x0 + done, blocks)
-        s0, s1, s2, s3 = s0 + a0, s1 + a1, s2 + a2, s3 + a3
-        done += blocks * UB
-    if done < plane:
-        nb = plane - done
-        s0 += _portable_dot(bits, packed, b0 + done, plane, nb, xq, x0 + done)
-        s1 += _portable_dot(bits, packed, b0 + U1 * row_bytes + done, plane, nb, xq, x0 + done)
-        s2 += _portable_dot(bits, packed, b0 + U2 * row_bytes + done, plane, nb, xq, x0 + done)
-        s3 += _portable_dot(bits, packed, b0 + U3 * row_bytes + done, plane, nb, xq, x0 + done)
-    return s0, s1, s2, s3
-
-
 @njit_exact
 def _rows(path, bits, g, packed, scale, zero, xq, xstride, xs, qs, t0, t1, r0, r1, out):
     """out[t, r] for rows r0 <= r < r1 and tokens t0 <= t < t1. packed uint8 [R * NG * P] and xq
-    int8 are flat, token t's activations at xq[t * xstride:]; xs float32 [T, NG], qs int64 [T, NG].
-    On a SIMD path, ROWS rows at a time (the same sums, so the same bits), then row by row."""
+    int8 are flat, token t's activations at xq[t * xstride:]; xs float32 [T, NG], qs int64 [T, NG]."""
     ngroups = np.uint64(scale.shape[1])
     group = np.uint64(g)
     plane = np.uint64(g * bits // 8)
     row_bytes = ngroups * plane
     stride = np.uint64(xstride)
-    first = np.uint64(r0)
-    if path != PORTABLE:
-        first = _rows_by_four(path, bits, packed, scale, zero, xq, stride, xs, qs, t0, t1, r0, r1, out,
-                              ngroups, group, plane, row_bytes)
-    for r in range(first, np.uint64(r1)):
+    for r in range(np.uint64(r0), np.uint64(r1)):
         for t in range(np.uint64(t0), np.uint64(t1)):  # the row's bytes stay in L1 for the next token
             acc = np.float32(0)
             for gi in range(ngroups):
                 isum = _group_dot(path, bits, packed, r * row_bytes + gi * plane, plane, xq, t * stride + gi * group)
                 acc += (scale[r, gi] * xs[t, gi]) * (np.float32(isum) - zero[r, gi] * np.float32(qs[t, gi]))
             out[t, r] = acc
-
-
-@njit_exact_inline
-def _rows_by_four(path, bits, packed, scale, zero, xq, stride, xs, qs, t0, t1, r0, r1, out,
-                  ngroups, group, plane, row_bytes):
-    """_rows for the rows r0 <= r < r0 + ROWS * n (n as many whole blocks of ROWS as fit): the same
-    float epilogue per row and group, in the same order. Returns the first row left. (ROWS is 4: the
-    four rows' variables are written out.)"""
-    r = np.uint64(r0)
-    while r + np.uint64(ROWS) <= np.uint64(r1):
-        for t in range(np.uint64(t0), np.uint64(t1)):
-            a0, a1, a2, a3 = np.float32(0), np.float32(0), np.float32(0), np.float32(0)
-            for gi in range(ngroups):
-                i0, i1, i2, i3 = _group_dot_rows(path, bits, packed, r * row_bytes + gi * plane, row_bytes, plane,
-                                                 xq, t * stride + gi * group)
-                xsg, qsg = xs[t, gi], np.float32(qs[t, gi])
-                a0 += (scale[r, gi] * xsg) * (np.float32(i0) - zero[r, gi] * qsg)
-                a1 += (scale[r + U1, gi] * xsg) * (np.float32(i1) - zero[r + U1, gi] * qsg)
-                a2 += (scale[r + U2, gi] * xsg) * (np.float32(i2) - zero[r + U2, gi] * qsg)
-                a3 += (scale[r + U3, gi] * xsg) * (np.float32(i3) - zero[r + U3, gi] * qsg)
-            out[t, r], out[t, r + U1], out[t, r + U2], out[t, r + U3] = a0, a1, a2, a3
-        r += np.uint64(ROWS)
-    return r
 
 
 @njit_exact

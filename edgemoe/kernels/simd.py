@@ -21,13 +21,6 @@ vnni_dot(bits): the same sum over 64-byte blocks (NB = P // 64) with AVX-512 VNN
 code x s8 activation, four adjacent products added into each int32 lane, no saturation: exact at
 every width, INT8 included), one accumulator per plane.
 
-avx2_rows(bits) and vnni_rows(bits)(packed, b0, row_bytes, xq, x0, plane, nblocks) -> ROWS int32: the same sums
-for ROWS consecutive rows at once (row k's bytes start at b0 + k * row_bytes), the activations loaded
-once for all of them. One row's sum is a chain of dependent vpdpbusd (or vpaddd) through its
-accumulators; interleaving ROWS rows gives the core ROWS independent chains, and the horizontal
-reductions and the loop's bookkeeping are shared (the "_l2" rows of tools/bench_kernels.py --parts int
-measure a core's decoding speed with the weight in its L2 cache, where latency, not memory, bounds it).
-
 They run on CPUs with their feature only: edgemoe/kernels/cpu_int.py calls them on the "avx2" and
 "avx512vnni" paths, which edgemoe/kernels/ops.py offers only when numba compiles for such a CPU.
 For any other target (aarch64, old x86) they compile to a RuntimeError, so that the kernels holding
@@ -48,7 +41,6 @@ from ._jit import target_has
 I8, I16, I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 BLOCK = 32  # bytes per 256-bit vector
 VNNI_BLOCK = 64  # bytes per 512-bit vector
-ROWS = 4  # rows per call of the *_rows intrinsics
 
 
 def _vec(t, n):
@@ -173,72 +165,3 @@ def _vnni_body(bits, builder, pbase, xbase, b0, x0, plane, nblocks):
 
 
 vnni_dot2, vnni_dot4, vnni_dot8 = (_dot_intrinsic("avx512vnni", partial(_vnni_body, b)) for b in (2, 4, 8))
-
-
-def _rows_intrinsic(feature: str, body):
-    """An intrinsic (packed, b0, row_bytes, xq, x0, plane, nblocks) -> UniTuple(int32, ROWS) whose code
-    `body` writes (builder, packed base, xq base, b0, row_bytes, x0, plane, nblocks) -> ROWS int32 sums;
-    compiled for a CPU without `feature` it raises instead of failing to compile."""
-    @intrinsic
-    def dot(typingctx, packed, b0, row_bytes, xq, x0, plane, nblocks):
-        sig = types.UniTuple(types.int32, ROWS)(packed, b0, row_bytes, xq, x0, plane, nblocks)
-
-        def codegen(context, builder, sig, args):
-            if not target_has(feature):
-                with builder.if_then(cgutils.true_bit):
-                    context.call_conv.return_user_exc(builder, RuntimeError, (f"{feature} code on a CPU without it",))
-                return context.make_tuple(builder, sig.return_type, [ir.Constant(I32, 0)] * ROWS)
-            packed_a, b0_v, row_bytes_v, xq_a, x0_v, plane_v, nblocks_v = args
-            pbase = cgutils.create_struct_proxy(sig.args[0])(context, builder, value=packed_a).data
-            xbase = cgutils.create_struct_proxy(sig.args[3])(context, builder, value=xq_a).data
-            sums = body(builder, pbase, xbase, b0_v, row_bytes_v, x0_v, plane_v, nblocks_v)
-            return context.make_tuple(builder, sig.return_type, sums)
-
-        return sig, codegen
-
-    return dot
-
-
-def _row_offsets(builder, b0, row_bytes):
-    return [builder.add(b0, builder.mul(row_bytes, ir.Constant(row_bytes.type, k))) for k in range(ROWS)]
-
-
-def _avx2_rows_body(bits, builder, pbase, xbase, b0, row_bytes, x0, plane, nblocks):
-    starts = _row_offsets(builder, b0, row_bytes)
-    accs = [cgutils.alloca_once_value(builder, _splat(I32, 8, 0)) for _ in range(ROWS)]
-    with cgutils.for_range(builder, nblocks) as loop:
-        step = builder.mul(loop.index, ir.Constant(loop.index.type, BLOCK))
-        xoff = builder.add(x0, step)
-        for start, acc in zip(starts, accs):   # the activation loads repeat per row; LLVM keeps one
-            poff = builder.add(start, step)
-            block = (_block_int8(builder, pbase, xbase, poff, xoff) if bits == 8
-                     else _block_small(builder, bits, pbase, xbase, poff, xoff, plane))
-            builder.store(builder.add(builder.load(acc), block), acc)
-    return [_hsum(builder, builder.load(acc)) for acc in accs]
-
-
-avx2_rows2, avx2_rows4, avx2_rows8 = (_rows_intrinsic("avx2", partial(_avx2_rows_body, b)) for b in (2, 4, 8))
-
-
-def _vnni_rows_body(bits, builder, pbase, xbase, b0, row_bytes, x0, plane, nblocks):
-    starts = _row_offsets(builder, b0, row_bytes)
-    accs = [[cgutils.alloca_once_value(builder, _splat(I32, VNNI_BLOCK // 4, 0)) for _ in range(8 // bits)]
-            for _ in range(ROWS)]
-    with cgutils.for_range(builder, nblocks) as loop:
-        step = builder.mul(loop.index, ir.Constant(loop.index.type, VNNI_BLOCK))
-        xoff = builder.add(x0, step)
-        for start, row_accs in zip(starts, accs):
-            sums = _block_vnni(builder, bits, pbase, xbase, builder.add(start, step), xoff, plane,
-                               [builder.load(a) for a in row_accs])
-            for acc, total in zip(row_accs, sums):
-                builder.store(total, acc)
-    out = []
-    for row_accs in accs:
-        total = builder.load(row_accs[0])
-        for acc in row_accs[1:]:
-            total = builder.add(total, builder.load(acc))
-        out.append(_call(builder, "llvm.vector.reduce.add.v16i32", I32, [total]))
-    return out
-
-
-vnni_rows4, vnni_rows8 = (_rows_intrinsic("avx512vnni", partial(_vnni_rows_body, b)) for b in (4, 8))  # INT2: AVX2
