@@ -9,8 +9,8 @@ S shared-expert hidden, E experts):
     layers.{l}.attn_norm [D]  .mlp_norm [D]   (norm="layer": + norm_bias, .attn_norm_bias, .mlp_norm_bias [D])
     layers.{l}.q [H*Dh, D]  .k [K*Dh, D]  .v [K*Dh, D]  .o [D, H*Dh]  (+ .q_bias .k_bias .v_bias, + .o_bias [D])
     layers.{l}.q_norm / .k_norm  [Dh] ("head" norms) or [H*Dh] / [K*Dh] ("proj" norms)
-    layers.{l}.router [E, D]  (+ .router_bias [E]: the sigmoid router's selection-only bias, or the
-        "topk_softmax" router's logit bias)
+    layers.{l}.router [E, D]  (+ .router_bias [E] where the router kind has one (Router.has_bias): DeepSeek-V3's
+        selection-only bias, GPT-OSS's logit bias)
     layers.{l}.sinks [H]      (attention_sinks: one learned extra logit per head in the softmax denominator)
     layers.{l}.shared.gate / .up [S, D]  .shared.down [D, S]  .shared_gate [1, D] (absent when ungated)
     layers.{l}.mlp.gate / .up [F, D]  .mlp.down [D, F]       (dense-MLP layers)
@@ -73,6 +73,9 @@ class ModelSpec:
     expert_hidden: int
     moe_layers: tuple[bool, ...]          # per layer: MoE block (True) or dense MLP (False)
     sliding_windows: tuple[int | None, ...]  # per layer: attention window, None = full
+    # How a MoE layer chooses its experts: a Router (edgemoe/models/common.py) of the kind the architecture
+    # file declares, holding that kind's parameters (DeepSeek's expert groups, Phi-3.5-MoE's jitter, ...).
+    routing: Any
     dense_hidden: int = 0
     shared_expert_hidden: int = 0         # 0: no shared expert
     qkv_bias: bool = False
@@ -98,11 +101,7 @@ class ModelSpec:
     rope_long_after: int | None = None
     rope_long_inv_freq: tuple[float, ...] | None = None
     rope_long_attention_factor: float = 1.0
-    router: str = "softmax"               # a ROUTERS name in edgemoe/layers.py
-    n_group: int = 1                      # group-limited routing: expert groups, and groups kept per token
-    topk_group: int = 1
     routed_scaling_factor: float = 1.0    # multiplies the routed experts' weights
-    router_jitter_eps: float = 0.0        # sparsemixer: relative score gap that still counts as a tie
     shared_expert_gated: bool = True      # shared expert behind a sigmoid gate (Qwen2-MoE) or always on
     # The experts' computation: "swiglu", down(silu(gate x) * (up x)), or "gpt_oss", GPT-OSS's clamped
     # SwiGLU with biases (edgemoe/kernels/activations.py), which uses the two fields after it.
@@ -139,15 +138,11 @@ class ModelSpec:
                                   f"{self.expert_activation} experts)")
         if self.encoder_layers:
             self._check_encoder_decoder()
-        choices = {"norm": ("rms", "layer"), "attention": ("gqa", "mla"),
-                   "router": ("softmax", "softmax_group", "sigmoid_group", "sparsemixer", "topk_softmax")}
+        choices = {"norm": ("rms", "layer"), "attention": ("gqa", "mla")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise CheckpointError(f"config: {name}={getattr(self, name)!r} (expected one of {allowed})")
-        if self.router in ("softmax_group", "sigmoid_group"):
-            self._check_groups()
-        if self.router == "sparsemixer" and self.top_k != 2:
-            raise CheckpointError(f"config: num_experts_per_tok={self.top_k}: sparsemixer routing picks 2 experts")
+        self.routing.check(self)
 
     def _check_encoder_decoder(self) -> None:
         if not 0 < self.encoder_layers < self.num_layers:
@@ -161,31 +156,28 @@ class ModelSpec:
         if self.expert_capacity is not None and self.expert_capacity < 1:
             raise CheckpointError(f"config: expert_capacity={self.expert_capacity} (expected >= 1)")
 
-    def _check_groups(self) -> None:
-        if self.n_group < 1 or self.num_experts % self.n_group:
-            raise CheckpointError(f"config: n_group={self.n_group} does not divide {self.num_experts} experts")
-        if not 1 <= self.topk_group <= self.n_group:
-            raise CheckpointError(f"config: topk_group={self.topk_group} outside 1..n_group={self.n_group}")
-        if self.router == "sigmoid_group" and self.num_experts // self.n_group < 2:
-            raise CheckpointError(f"config: n_group={self.n_group} leaves fewer than 2 experts per group "
-                                  "(groups are ranked by their two best scores)")
-        kept = self.topk_group * self.num_experts // self.n_group
-        if self.top_k > kept:
-            raise CheckpointError(f"config: num_experts_per_tok={self.top_k} exceeds the {kept} experts "
-                                  f"of topk_group={self.topk_group} groups")
-
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """The manifest's spec: every field under its name, the router as "router": kind and its parameters."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "routing"}
+        return {**d, **self.routing.spec_fields()}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelSpec":
+        from .models import router_from_fields   # the routers are declared by the architecture files
+
         d = dict(d)
+        d["routing"] = router_from_fields(d)
         d["moe_layers"] = tuple(d["moe_layers"])
         d["sliding_windows"] = tuple(d["sliding_windows"])
         for name in ("rope_inv_freq", "rope_long_inv_freq"):
             if d.get(name) is not None:
                 d[name] = tuple(d[name])
         return cls(**d)
+
+    @property
+    def router(self) -> str:
+        """The router's kind ("softmax", "sigmoid_group", ...; the decode engine computes "softmax" itself)."""
+        return self.routing.kind
 
     @property
     def key_dim(self) -> int:
@@ -290,7 +282,7 @@ class ModelSpec:
             F = self.dense_hidden
             return {"mlp.gate": (F, D), "mlp.up": (F, D), "mlp.down": (D, F)}
         shapes: dict[str, tuple[int, ...]] = {"router": (self.num_experts, D)}
-        if self.router in ("sigmoid_group", "topk_softmax"):
+        if self.routing.has_bias:
             shapes["router_bias"] = (self.num_experts,)
         if self.expert_activation == "gpt_oss":
             shapes["expert_gate_up_bias"] = (self.num_experts, 2 * self.expert_hidden)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
 from types import ModuleType
 
 from ..errors import CheckpointError, UnsupportedModelError
 from . import (deepseek_v2, deepseek_v3, gpt_oss, mixtral, olmoe, phimoe, qwen2_moe, qwen3_moe,
                switch_transformers)
+from .common import ROUTERS, Router
 from ..spec import ExpertNames, ModelSpec, TensorNames
 
 ARCHITECTURES: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (mixtral, qwen2_moe, qwen3_moe, olmoe,
@@ -30,4 +32,20 @@ def parse_spec(config: dict, where: str = "config.json") -> ModelSpec:
         raise CheckpointError(f"{where}: {e}") from None
 
 
-__all__ = ["ARCHITECTURES", "ExpertNames", "ModelSpec", "TensorNames", "architecture", "parse_spec"]
+def router_from_fields(d: dict) -> Router:
+    """The Router a manifest's spec names ("router": kind, its parameters beside it), taking the keys of
+    every kind out of `d`: manifests written before routers were declared per architecture list every
+    kind's parameters (n_group, topk_group, router_jitter_eps), at their defaults where unused. The
+    architecture files above have registered their kinds in ROUTERS."""
+    kind = d.pop("router", "softmax")
+    if kind not in ROUTERS:
+        raise CheckpointError(f"router={kind!r}: expected one of {', '.join(ROUTERS)}")
+    params = {f.name: d[f.name] for f in fields(ROUTERS[kind]) if f.name in d}
+    for router in ROUTERS.values():
+        for f in fields(router):
+            d.pop(f.name, None)
+    return ROUTERS[kind](**params)
+
+
+__all__ = ["ARCHITECTURES", "ExpertNames", "ModelSpec", "TensorNames", "architecture", "parse_spec",
+           "router_from_fields"]

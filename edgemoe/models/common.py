@@ -1,8 +1,72 @@
-"""Pieces shared by the architecture files: the common attention/norm part of a config and its names."""
+"""Pieces shared by the architecture files: the common attention/norm part of a config and its names,
+and the routers: the base class an architecture file declares its own router with, the registry of
+router kinds (edgemoe.models.router_from_fields rebuilds one from a store manifest), and the plain
+softmax top-k router most architectures use.
+
+Shapes: T tokens, E experts, A experts chosen per token.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+from typing import ClassVar
+
+import torch
+
 from ..spec import config_bool, config_float, config_int, config_str, rope_theta
+
+ROUTERS: dict[str, type["Router"]] = {}   # kind (the manifest's "router") -> class; filled by register_router
+
+
+def register_router(cls: type["Router"]) -> type["Router"]:
+    """Class decorator: makes the router kind known to ModelSpec.from_dict (stores name it by kind)."""
+    ROUTERS[cls.kind] = cls
+    return cls
+
+
+@dataclass(frozen=True)
+class Router:
+    """How a MoE layer chooses its experts from its router's float32 logits: ModelSpec.routing.
+
+    A kind is a subclass, declared in the architecture file that uses it and registered with
+    register_router; its parameters are its dataclass fields, which a store manifest's spec holds
+    beside "router": kind under the same names. top_k, norm_topk_prob and routed_scaling_factor stay
+    on ModelSpec: every kind reads them the same way (the decode engine too)."""
+
+    kind: ClassVar[str]
+    has_bias: ClassVar[bool] = False   # a MoE layer has router_bias [E] (canonical roles: edgemoe/spec.py)
+
+    def check(self, spec) -> None:
+        """Refuse a spec this router cannot serve, with a CheckpointError naming the config field."""
+
+    def choose(self, logits: torch.Tensor, bias: torch.Tensor | None, spec) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [T, E] float32 (bias [E] if has_bias) -> (weights [T, A] float32, experts [T, A] int64),
+        before routed_scaling_factor."""
+        raise NotImplementedError
+
+    def spec_fields(self) -> dict:
+        """The manifest's keys for this router."""
+        return {"router": self.kind, **{f.name: getattr(self, f.name) for f in fields(self)}}
+
+
+def softmax_topk(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    probs = torch.softmax(logits, dim=-1)  # [T, E]
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+@register_router
+@dataclass(frozen=True)
+class SoftmaxTopK(Router):
+    """Mixtral, Qwen, OLMoE, DeepSeek-V2 "greedy", Switch: the top_k softmax probabilities, renormalised
+    if norm_topk_prob. The decode engine computes this kind in one numba call (edgemoe/decode.py)."""
+
+    kind = "softmax"
+
+    def choose(self, logits, bias, spec):
+        return softmax_topk(logits, spec.top_k, spec.norm_topk_prob)
 
 
 def attention_fields(config: dict, rope_types: tuple[str, ...] = ("default",)) -> dict:

@@ -13,13 +13,30 @@ the store keeps as dense tensors (expert_gate_up_bias, expert_down_bias).
 
 from __future__ import annotations
 
-from .common import attention_fields, llama_style_names
+from dataclasses import dataclass
+
+import torch
+
+from .common import Router, attention_fields, llama_style_names, register_router
 from .yarn import yarn_fields
 from ..errors import CheckpointError
 from ..spec import (ExpertNames, ModelSpec, TensorNames, config_bool, config_float, config_int, config_list,
                     config_object, config_str, rope_parameters)
 
 MODEL_TYPE = "gpt_oss"
+
+
+@register_router
+@dataclass(frozen=True)
+class TopKSoftmax(Router):
+    """GPT-OSS: the top_k of the logits plus router_bias [E], softmaxed among themselves."""
+
+    kind = "topk_softmax"
+    has_bias = True
+
+    def choose(self, logits, bias, spec):
+        top, experts = torch.topk(logits + bias, spec.top_k, dim=-1)
+        return torch.softmax(top, dim=-1), experts
 
 
 def sliding_windows(config: dict, num_layers: int) -> tuple[int | None, ...]:
@@ -65,7 +82,7 @@ def parse_config(config: dict) -> ModelSpec:
         qkv_bias=bias,
         o_bias=bias,
         attention_sinks=True,
-        router="topk_softmax",
+        routing=TopKSoftmax(),
         expert_activation="gpt_oss",
         swiglu_alpha=config_float(config, "swiglu_alpha", default=1.702, above=0),
         swiglu_limit=config_float(config, "swiglu_limit", default=7.0, above=0),

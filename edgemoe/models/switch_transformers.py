@@ -17,6 +17,7 @@ Checkpoint names (stack s = encoder / decoder, block i):
 
 from __future__ import annotations
 
+from .common import SoftmaxTopK
 from ..errors import CheckpointError
 from ..spec import ExpertNames, ModelSpec, TensorNames, config_bool, config_float, config_int, config_str
 
@@ -58,6 +59,7 @@ def parse_config(config: dict) -> ModelSpec:
         num_experts=config_int(config, "num_experts"),
         top_k=1,
         norm_topk_prob=False,
+        routing=SoftmaxTopK(),
         expert_hidden=d_ff,
         moe_layers=flags,
         sliding_windows=(None,) * (encoder + decoder),
