@@ -8,7 +8,7 @@ from types import ModuleType
 from ..errors import CheckpointError, UnsupportedModelError
 from . import (deepseek_v2, deepseek_v3, gpt_oss, mixtral, olmoe, phimoe, qwen2_moe, qwen3_moe,
                switch_transformers)
-from .common import ROUTERS, Router
+from .common import KINDS, Part
 from ..spec import ExpertNames, ModelSpec, TensorNames
 
 ARCHITECTURES: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (mixtral, qwen2_moe, qwen3_moe, olmoe,
@@ -32,20 +32,22 @@ def parse_spec(config: dict, where: str = "config.json") -> ModelSpec:
         raise CheckpointError(f"{where}: {e}") from None
 
 
-def router_from_fields(d: dict) -> Router:
-    """The Router a manifest's spec names ("router": kind, its parameters beside it), taking the keys of
-    every kind out of `d`: manifests written before routers were declared per architecture list every
-    kind's parameters (n_group, topk_group, router_jitter_eps), at their defaults where unused. The
-    architecture files above have registered their kinds in ROUTERS."""
-    kind = d.pop("router", "softmax")
-    if kind not in ROUTERS:
-        raise CheckpointError(f"router={kind!r}: expected one of {', '.join(ROUTERS)}")
-    params = {f.name: d[f.name] for f in fields(ROUTERS[kind]) if f.name in d}
-    for router in ROUTERS.values():
-        for f in fields(router):
+def part_from_fields(d: dict, part: type[Part]) -> Part:
+    """The `part` (Router, ExpertKind) a manifest's spec names (part.key: kind, absent in manifests
+    written before that key existed: part.default; the kind's parameters beside it), taking the keys
+    of every kind of `part` out of `d`: manifests written before the kinds were declared by their
+    architecture files list every kind's parameters, at their defaults where unused. The
+    architecture files above have registered their kinds."""
+    kinds = KINDS[part.key]
+    kind = d.pop(part.key, part.default)
+    if kind not in kinds:
+        raise CheckpointError(f"{part.key}={kind!r}: expected one of {', '.join(kinds)}")
+    params = {f.name: d[f.name] for f in fields(kinds[kind]) if f.name in d}
+    for other in kinds.values():
+        for f in fields(other):
             d.pop(f.name, None)
-    return ROUTERS[kind](**params)
+    return kinds[kind](**params)
 
 
-__all__ = ["ARCHITECTURES", "ExpertNames", "ModelSpec", "TensorNames", "architecture", "parse_spec",
-           "router_from_fields"]
+__all__ = ["ARCHITECTURES", "ExpertNames", "ModelSpec", "TensorNames", "architecture",
+           "parse_spec", "part_from_fields"]

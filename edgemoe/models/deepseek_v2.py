@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CheckpointError
-from .common import Router, SoftmaxTopK, attention_fields, llama_style_names, qwen_style_mlp_names, register_router
+from .common import Router, SoftmaxTopK, SwiGLU, attention_fields, llama_style_names, qwen_style_mlp_names, register
 from ..spec import ModelSpec, TensorNames, config_bool, config_float, config_int, config_str, rope_parameters
 from .yarn import yarn_fields
 
@@ -63,7 +63,7 @@ class GroupLimitedRouter(Router):
         return torch.topk(choice, top_k, dim=-1).indices
 
 
-@register_router
+@register
 @dataclass(frozen=True)
 class GroupLimitedSoftmax(GroupLimitedRouter):
     """DeepSeek-V2 "group_limited_greedy": softmax, experts only from the groups with the highest best score."""
@@ -104,6 +104,7 @@ def mla_fields(config: dict) -> dict:
     expert_hidden = config_int(config, "moe_intermediate_size")
     return dict(
         attention="mla",
+        expert_kind=SwiGLU(),
         q_lora_rank=config_int(config, "q_lora_rank", default=0, minimum=0),
         kv_lora_rank=config_int(config, "kv_lora_rank"),
         qk_nope_head_dim=nope,
@@ -133,10 +134,9 @@ def parse_config(config: dict) -> ModelSpec:
         # transformers' DeepSeek-V2 ignores it, DeepSeek's own code renormalises without the scaling
         # factor: refuse rather than pick one.
         raise CheckpointError("norm_topk_prob=true is not supported for deepseek_v2")
+    routing = SoftmaxTopK()
     if method == "group_limited_greedy":
-        routing = GroupLimitedSoftmax(n_group=config_int(config, "n_group"), topk_group=config_int(config, "topk_group"))
-    else:
-        routing = SoftmaxTopK()
+        routing = GroupLimitedSoftmax(config_int(config, "n_group"), config_int(config, "topk_group"))
     return ModelSpec(
         model_type=MODEL_TYPE,
         norm_topk_prob=False,

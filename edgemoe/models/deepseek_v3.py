@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .common import register_router
+from .common import register
 from .deepseek_v2 import GroupLimitedRouter, deepseek_names, mla_fields
 from ..errors import CheckpointError
 from ..spec import ModelSpec, TensorNames, config_bool, config_int
@@ -23,7 +23,7 @@ from ..spec import ModelSpec, TensorNames, config_bool, config_int
 MODEL_TYPE = "deepseek_v3"
 
 
-@register_router
+@register
 @dataclass(frozen=True)
 class SigmoidGroup(GroupLimitedRouter):
     """DeepSeek-V3: sigmoid scores; the bias [E] (e_score_correction_bias) only steers selection, groups

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .common import Router, attention_fields, register_router
+from .common import Router, SwiGLU, attention_fields, register
 from .mixtral import tensor_names as mixtral_names
 from ..errors import CheckpointError
 from ..spec import ModelSpec, TensorNames, config_bool, config_float, config_int, config_list, rope_parameters
@@ -22,7 +22,7 @@ from ..spec import ModelSpec, TensorNames, config_bool, config_float, config_int
 MODEL_TYPE = "phimoe"
 
 
-@register_router
+@register
 @dataclass(frozen=True)
 class SparseMixer(Router):
     """Phi-3.5-MoE's sparsemixer at inference: the best expert, then the best of the rest; each weighs
@@ -69,6 +69,7 @@ def parse_config(config: dict) -> ModelSpec:
         o_bias=bias,
         lm_head_bias=config_bool(config, "lm_head_bias", default=False),
         routing=SparseMixer(router_jitter_eps=config_float(config, "router_jitter_noise", default=0.01, minimum=0)),
+        expert_kind=SwiGLU(),
         **fields,
     )
 
