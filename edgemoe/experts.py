@@ -34,19 +34,18 @@ class Expert(Protocol):
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
+# The function of each expert kind other than SwiGLU (spec.expert_kind, declared by its model file).
+ACTIVATIONS = {"gpt_oss": gpt_oss_expert, "relu": relu_expert}
+
+
 def expert_activations(spec: ModelSpec, dense: dict[str, torch.Tensor]) -> Callable[[int, int], Activation]:
-    """(layer, expert) -> that expert's Activation, its biases taken from the model's dense weights
-    (canonical names, edgemoe/spec.py); None for every expert of a SwiGLU model."""
-    if spec.expert_activation == "gpt_oss":
-        def bound(layer: int, expert: int) -> Activation:
-            gate_up = dense[f"layers.{layer}.expert_gate_up_bias"][expert].float()    # [2I], interleaved
-            return partial(gpt_oss_expert, gate_bias=gate_up[0::2], up_bias=gate_up[1::2],
-                           down_bias=dense[f"layers.{layer}.expert_down_bias"][expert].float(),
-                           alpha=spec.swiglu_alpha, limit=spec.swiglu_limit)
-        return bound
-    if spec.expert_activation == "relu":
-        return lambda layer, expert: relu_expert
-    return lambda layer, expert: None
+    """(layer, expert) -> that expert's Activation: its kind's function with the arguments the kind
+    gives (its biases, taken from the model's dense weights, and its parameters); None for every expert
+    of a SwiGLU model."""
+    if spec.expert_activation == "swiglu":
+        return lambda layer, expert: None
+    function = ACTIVATIONS[spec.expert_activation]
+    return lambda layer, expert: partial(function, **spec.expert_kind.arguments(dense, layer, expert))
 
 
 def dense_matmul(weights: dict[str, torch.Tensor]) -> Matmul:

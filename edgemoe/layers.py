@@ -1,10 +1,11 @@
 """The dense math of a decoder layer: RMSNorm / LayerNorm, rotary embeddings, attention over a KV cache
-(with optional attention sinks), SwiGLU, routing (one function per router kind, chosen by
-ModelSpec.router). Plain functions on tensors, inference only.
+(with optional attention sinks), SwiGLU, routing (the router logits here; the choice of experts by
+ModelSpec.routing, a Router its architecture file declares: edgemoe/models/). Plain functions on
+tensors, inference only.
 
 Shapes: T tokens in the step (all sequences, flattened), D hidden, H query heads, K kv heads, Dh head dim
 (Dk key, Dv value dims when they differ), S tokens of one sequence in the step, L cached length of that
-sequence, E experts, A active per token, G expert groups.
+sequence, E experts, A active per token.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 
 from .dense import QuantizedLinear
 from .kernels.cpu import rms_norm_kernel
+from .models.common import softmax_topk
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -134,84 +136,15 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool) ->
     return softmax_topk(linear(x, router).float(), top_k, normalize)
 
 
-def softmax_topk(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    probs = torch.softmax(logits, dim=-1)  # [T, E]
-    weights, experts = torch.topk(probs, top_k, dim=-1)
-    if normalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, experts
-
-
-def group_limited_topk(choice: torch.Tensor, spec, group_score) -> torch.Tensor:
-    """Experts [T, A] with the top_k highest `choice` scores [T, E] among the topk_group groups of
-    experts that group_score ([T, G, E/G] -> [T, G]) ranks highest."""
-    T = choice.shape[0]
-    grouped = choice.view(T, spec.n_group, -1)                                   # [T, G, E/G]
-    kept = torch.topk(group_score(grouped), spec.topk_group, dim=-1).indices      # [T, topk_group]
-    in_kept = torch.zeros(T, spec.n_group, dtype=torch.bool).scatter_(1, kept, True)
-    choice = grouped.masked_fill(~in_kept[..., None], float("-inf")).view(T, -1)
-    return torch.topk(choice, spec.top_k, dim=-1).indices
-
-
-def route_softmax(logits, spec, bias):
-    """Mixtral, Qwen, OLMoE, DeepSeek-V2 "greedy": the top_k softmax probabilities."""
-    return softmax_topk(logits, spec.top_k, spec.norm_topk_prob)
-
-
-def route_softmax_group(logits, spec, bias):
-    """DeepSeek-V2 "group_limited_greedy": softmax, experts only from the groups with the highest best score."""
-    probs = torch.softmax(logits, dim=-1)
-    experts = group_limited_topk(probs, spec, lambda g: g.max(dim=-1).values)
-    return probs.gather(1, experts), experts
-
-
-def route_sigmoid_group(logits, spec, bias):
-    """DeepSeek-V3: sigmoid scores; the bias [E] only steers selection (groups ranked by the sum of their
-    two best biased scores); weights are the unbiased scores, renormalised if norm_topk_prob."""
-    scores = torch.sigmoid(logits)
-    experts = group_limited_topk(scores + bias, spec, lambda g: g.topk(2, dim=-1).values.sum(dim=-1))
-    weights = scores.gather(1, experts)
-    if spec.norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights, experts
-
-
-def route_sparsemixer(logits, spec, bias):
-    """Phi-3.5-MoE's sparsemixer at inference: the best expert, then the best of the rest; each weighs
-    its softmax among the experts whose score is within a relative gap 2 * router_jitter_eps of it."""
-    first_weight, first = _sparsemixer_pick(logits, logits, spec.router_jitter_eps)
-    rest = logits.scatter(-1, first, float("-inf"))
-    second_weight, second = _sparsemixer_pick(rest, logits, spec.router_jitter_eps)
-    return torch.cat((first_weight, second_weight), dim=-1), torch.cat((first, second), dim=-1)
-
-
-def _sparsemixer_pick(candidates: torch.Tensor, scores: torch.Tensor, eps: float):
-    """The best of `candidates` [T, E] (-inf: not a candidate) and its weight, both [T, 1]."""
-    best, index = candidates.max(dim=-1, keepdim=True)
-    too_far = (best - scores) / scores.abs().clamp(min=best) > 2 * eps
-    weights = torch.softmax(candidates.masked_fill(too_far, float("-inf")), dim=-1)
-    return weights.gather(-1, index), index
-
-
-def route_topk_softmax(logits, spec, bias):
-    """GPT-OSS: the top_k of the biased logits, softmaxed among themselves."""
-    top, experts = torch.topk(logits + bias, spec.top_k, dim=-1)
-    return torch.softmax(top, dim=-1), experts
-
-
-ROUTERS = {"softmax": route_softmax, "softmax_group": route_softmax_group, "sigmoid_group": route_sigmoid_group,
-           "sparsemixer": route_sparsemixer, "topk_softmax": route_topk_softmax}
-
-
 def route_by_spec(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | None, spec) -> tuple[torch.Tensor, torch.Tensor]:
-    """The spec's router: x [T, D], router [E, D] (bias [E] for sigmoid_group, topk_softmax) -> (weights [T, A]
+    """The spec's router: x [T, D], router [E, D] (bias [E] where spec.routing.has_bias) -> (weights [T, A]
     float32, experts [T, A] int64), weights scaled by routed_scaling_factor."""
     return choose_experts(linear(x, router).float(), bias, spec)
 
 
 def choose_experts(logits: torch.Tensor, bias: torch.Tensor | None, spec) -> tuple[torch.Tensor, torch.Tensor]:
     """route_by_spec from the router's float32 logits [T, E] (the decode engine computes them in its kernel)."""
-    weights, experts = ROUTERS[spec.router](logits, spec, bias)
+    weights, experts = spec.routing.choose(logits, bias, spec)
     if spec.routed_scaling_factor != 1.0:
         weights = weights * spec.routed_scaling_factor
     return weights, experts

@@ -5,7 +5,7 @@ sequence (its KV cache and its run of tokens). Everything but attention works on
 batch, so the expert path never depends on how many sequences, beams or positions arrive.
 
 The parts that differ between architectures are chosen by spec fields: the q/k/v projections by
-spec.attention (edgemoe/attention.py), the router by spec.router (edgemoe/layers.py), the norm kind
+spec.attention (edgemoe/attention.py), the router by spec.routing (edgemoe/models/), the norm kind
 by spec.norm; shared experts (gated or not) and dense-MLP layers are dense weights like attention.
 
 Shapes: T tokens in the step, D hidden, V vocab, H heads, K kv heads, Dk / Dv key / value dims per head,

@@ -9,8 +9,8 @@ S shared-expert hidden, E experts):
     layers.{l}.attn_norm [D]  .mlp_norm [D]   (norm="layer": + norm_bias, .attn_norm_bias, .mlp_norm_bias [D])
     layers.{l}.q [H*Dh, D]  .k [K*Dh, D]  .v [K*Dh, D]  .o [D, H*Dh]  (+ .q_bias .k_bias .v_bias, + .o_bias [D])
     layers.{l}.q_norm / .k_norm  [Dh] ("head" norms) or [H*Dh] / [K*Dh] ("proj" norms)
-    layers.{l}.router [E, D]  (+ .router_bias [E]: the sigmoid router's selection-only bias, or the
-        "topk_softmax" router's logit bias)
+    layers.{l}.router [E, D]  (+ .router_bias [E] where the router kind has one (Router.has_bias): DeepSeek-V3's
+        selection-only bias, GPT-OSS's logit bias)
     layers.{l}.sinks [H]      (attention_sinks: one learned extra logit per head in the softmax denominator)
     layers.{l}.shared.gate / .up [S, D]  .shared.down [D, S]  .shared_gate [1, D] (absent when ungated)
     layers.{l}.mlp.gate / .up [F, D]  .mlp.down [D, F]       (dense-MLP layers)
@@ -20,8 +20,8 @@ Cq / Ckv query / key-value latent ranks) replaces q, k, v, o by:
     layers.{l}.kv_a [Ckv+R, D]  .kv_a_norm [Ckv]  .kv_b [H*(N+Dv), Ckv]  .o [D, H*Dv]
     (+ .q_a_bias [Cq], .kv_a_bias [Ckv+R] and .o_bias [D] with attention biases)
 Experts (I expert hidden): (layer, expert) -> gate [I, D], up [I, D], down [D, I]; an ungated expert
-(expert_activation "relu") has no gate.
-Expert biases (expert_activation="gpt_oss"), dense and stacked over a layer's experts:
+(Switch's relu kind) has no gate. An expert kind may add dense roles of its own per MoE layer
+(ExpertKind.dense_shapes), e.g. GPT-OSS's biases, dense and stacked over a layer's experts:
     layers.{l}.expert_gate_up_bias [E, 2I] (gate biases at even indices, up at odd, as GPT-OSS stores them)
     layers.{l}.expert_down_bias [E, D]
 
@@ -43,11 +43,6 @@ from typing import Any
 
 from .errors import CheckpointError
 
-
-# The matrices of an expert of each ModelSpec.expert_activation kind, in their stored order.
-EXPERT_ROLES = {"swiglu": ("gate", "up", "down"), "gpt_oss": ("gate", "up", "down"), "relu": ("up", "down")}
-# The dense MLP's activation that goes with each kind.
-HIDDEN_ACTS = {"swiglu": "silu", "gpt_oss": "silu", "relu": "relu"}
 
 POSITIVE_INTEGERS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                      "max_position_embeddings", "num_experts", "top_k", "expert_hidden")
@@ -73,6 +68,12 @@ class ModelSpec:
     expert_hidden: int
     moe_layers: tuple[bool, ...]          # per layer: MoE block (True) or dense MLP (False)
     sliding_windows: tuple[int | None, ...]  # per layer: attention window, None = full
+    # How a MoE layer chooses its experts: a Router (edgemoe/models/common.py) of the kind the architecture
+    # file declares, holding that kind's parameters (DeepSeek's expert groups, Phi-3.5-MoE's jitter, ...).
+    routing: Any
+    # What each routed expert computes: an ExpertKind (edgemoe/models/common.py) the architecture file
+    # declares, holding that kind's parameters (GPT-OSS's clamp, ...); its roles and dense-MLP activation.
+    expert_kind: Any
     dense_hidden: int = 0
     shared_expert_hidden: int = 0         # 0: no shared expert
     qkv_bias: bool = False
@@ -98,18 +99,8 @@ class ModelSpec:
     rope_long_after: int | None = None
     rope_long_inv_freq: tuple[float, ...] | None = None
     rope_long_attention_factor: float = 1.0
-    router: str = "softmax"               # a ROUTERS name in edgemoe/layers.py
-    n_group: int = 1                      # group-limited routing: expert groups, and groups kept per token
-    topk_group: int = 1
     routed_scaling_factor: float = 1.0    # multiplies the routed experts' weights
-    router_jitter_eps: float = 0.0        # sparsemixer: relative score gap that still counts as a tie
     shared_expert_gated: bool = True      # shared expert behind a sigmoid gate (Qwen2-MoE) or always on
-    # The experts' computation: "swiglu", down(silu(gate x) * (up x)), or "gpt_oss", GPT-OSS's clamped
-    # SwiGLU with biases (edgemoe/kernels/activations.py), which uses the two fields after it.
-    expert_activation: str = "swiglu"     # an EXPERT_ROLES kind: "swiglu", "gpt_oss" (clamped, biased) or
-                                          # "relu" (ungated: down(relu(up x)))
-    swiglu_alpha: float = 1.702           # gpt_oss: glu = gate * sigmoid(swiglu_alpha * gate)
-    swiglu_limit: float = 7.0             # gpt_oss: gate clamped above, up on both sides, at this limit
     attention_sinks: bool = False         # a learned per-head logit joins each softmax (GPT-OSS)
     skipped_layers: int = 0               # checkpoint layers after the decoder's that generation does not
                                           # use (DeepSeek-V3's multi-token prediction): their tensors are skipped
@@ -130,24 +121,17 @@ class ModelSpec:
                                   f"num_key_value_heads={self.num_kv_heads}")
         if not 1 <= self.top_k <= self.num_experts:
             raise CheckpointError(f"config: num_experts_per_tok={self.top_k} with {self.num_experts} experts")
-        if self.expert_activation not in EXPERT_ROLES:
-            raise CheckpointError(f"config: expert_activation={self.expert_activation!r} "
-                                  f"(expected one of {tuple(EXPERT_ROLES)})")
-        if self.hidden_act != HIDDEN_ACTS[self.expert_activation]:
+        if self.hidden_act != self.expert_kind.hidden_act:
             raise CheckpointError(f"config: hidden_act={self.hidden_act!r} (only "
-                                  f"{HIDDEN_ACTS[self.expert_activation]!r} is supported with "
+                                  f"{self.expert_kind.hidden_act!r} is supported with "
                                   f"{self.expert_activation} experts)")
         if self.encoder_layers:
             self._check_encoder_decoder()
-        choices = {"norm": ("rms", "layer"), "attention": ("gqa", "mla"),
-                   "router": ("softmax", "softmax_group", "sigmoid_group", "sparsemixer", "topk_softmax")}
+        choices = {"norm": ("rms", "layer"), "attention": ("gqa", "mla")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise CheckpointError(f"config: {name}={getattr(self, name)!r} (expected one of {allowed})")
-        if self.router in ("softmax_group", "sigmoid_group"):
-            self._check_groups()
-        if self.router == "sparsemixer" and self.top_k != 2:
-            raise CheckpointError(f"config: num_experts_per_tok={self.top_k}: sparsemixer routing picks 2 experts")
+        self.routing.check(self)
 
     def _check_encoder_decoder(self) -> None:
         if not 0 < self.encoder_layers < self.num_layers:
@@ -161,31 +145,36 @@ class ModelSpec:
         if self.expert_capacity is not None and self.expert_capacity < 1:
             raise CheckpointError(f"config: expert_capacity={self.expert_capacity} (expected >= 1)")
 
-    def _check_groups(self) -> None:
-        if self.n_group < 1 or self.num_experts % self.n_group:
-            raise CheckpointError(f"config: n_group={self.n_group} does not divide {self.num_experts} experts")
-        if not 1 <= self.topk_group <= self.n_group:
-            raise CheckpointError(f"config: topk_group={self.topk_group} outside 1..n_group={self.n_group}")
-        if self.router == "sigmoid_group" and self.num_experts // self.n_group < 2:
-            raise CheckpointError(f"config: n_group={self.n_group} leaves fewer than 2 experts per group "
-                                  "(groups are ranked by their two best scores)")
-        kept = self.topk_group * self.num_experts // self.n_group
-        if self.top_k > kept:
-            raise CheckpointError(f"config: num_experts_per_tok={self.top_k} exceeds the {kept} experts "
-                                  f"of topk_group={self.topk_group} groups")
-
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """The manifest's spec: every field under its name; the router and the expert kind as their kinds
+        ("router", "expert_activation") and their parameters."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("routing", "expert_kind")}
+        return {**d, **self.routing.spec_fields(), **self.expert_kind.spec_fields()}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelSpec":
+        from .models import part_from_fields   # the kinds are declared by the architecture files
+        from .models.common import ExpertKind, Router
+
         d = dict(d)
+        d["routing"] = part_from_fields(d, Router)
+        d["expert_kind"] = part_from_fields(d, ExpertKind)
         d["moe_layers"] = tuple(d["moe_layers"])
         d["sliding_windows"] = tuple(d["sliding_windows"])
         for name in ("rope_inv_freq", "rope_long_inv_freq"):
             if d.get(name) is not None:
                 d[name] = tuple(d[name])
         return cls(**d)
+
+    @property
+    def expert_activation(self) -> str:
+        """The expert kind's name ("swiglu", "gpt_oss", "relu")."""
+        return self.expert_kind.kind
+
+    @property
+    def router(self) -> str:
+        """The router's kind ("softmax", "sigmoid_group", ...; the decode engine computes "softmax" itself)."""
+        return self.routing.kind
 
     @property
     def key_dim(self) -> int:
@@ -207,7 +196,7 @@ class ModelSpec:
 
     @property
     def expert_roles(self) -> tuple[str, ...]:
-        return EXPERT_ROLES[self.expert_activation]
+        return self.expert_kind.roles
 
     def dense_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every canonical dense role this model has, with its shape."""
@@ -290,11 +279,9 @@ class ModelSpec:
             F = self.dense_hidden
             return {"mlp.gate": (F, D), "mlp.up": (F, D), "mlp.down": (D, F)}
         shapes: dict[str, tuple[int, ...]] = {"router": (self.num_experts, D)}
-        if self.router in ("sigmoid_group", "topk_softmax"):
+        if self.routing.has_bias:
             shapes["router_bias"] = (self.num_experts,)
-        if self.expert_activation == "gpt_oss":
-            shapes["expert_gate_up_bias"] = (self.num_experts, 2 * self.expert_hidden)
-            shapes["expert_down_bias"] = (self.num_experts, D)
+        shapes.update(self.expert_kind.dense_shapes(self))
         if self.shared_expert_hidden:
             S = self.shared_expert_hidden
             shapes.update({"shared.gate": (S, D), "shared.up": (S, D), "shared.down": (D, S)})

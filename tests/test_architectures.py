@@ -131,6 +131,81 @@ def test_spec_round_trips_through_a_store_manifest(tiny_model):
     assert ModelSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
 
 
+# One checkpoint per router kind, its parameters away from their defaults where it has any.
+ROUTER_KINDS = {"softmax": ("mixtral", {}),
+                "softmax_group": ("deepseek_v2", dict(topk_method="group_limited_greedy", n_group=3, topk_group=2)),
+                "sigmoid_group": ("deepseek_v3", {}),
+                "sparsemixer": ("phimoe", dict(router_jitter_noise=0.3)),
+                "topk_softmax": ("gpt_oss", {})}
+# The router and expert-kind parameters a manifest written before these kinds moved into the architecture
+# files held for every model, with their defaults then (ModelSpec's n_group, topk_group,
+# router_jitter_eps, swiglu_alpha and swiglu_limit).
+EARLIER_KIND_KEYS = {"n_group": 1, "topk_group": 1, "router_jitter_eps": 0.0, "swiglu_alpha": 1.702, "swiglu_limit": 7.0}
+
+
+def test_every_router_kind_registered_has_a_checkpoint_here():
+    assert set(ROUTER_KINDS) == set(edgemoe.models.KINDS["router"])
+
+
+@pytest.mark.parametrize("kind", ROUTER_KINDS)
+def test_each_router_is_its_kind_and_parameters_in_the_manifest(tiny_model, kind):
+    arch, overrides = ROUTER_KINDS[kind]
+    config = json.loads((tiny_model(arch, **overrides) / "config.json").read_text())
+    spec = edgemoe.models.parse_spec(config)
+    written = json.loads(json.dumps(spec.to_dict()))
+    assert written["router"] == kind == spec.router and "routing" not in written
+    assert {name for name in EARLIER_KIND_KEYS if name in written} == {
+        name for name in EARLIER_KIND_KEYS if hasattr(spec.routing, name) or hasattr(spec.expert_kind, name)}
+    assert ModelSpec.from_dict(written) == spec
+
+
+@pytest.mark.parametrize("arch, kind, roles", [("mixtral", "swiglu", ("gate", "up", "down")),
+                                               ("gpt_oss", "gpt_oss", ("gate", "up", "down")),
+                                               ("switch_transformers", "relu", ("up", "down"))])
+def test_each_expert_kind_is_its_name_roles_and_parameters_in_the_manifest(tiny_model, arch, kind, roles):
+    overrides = {"swiglu_limit": 0.5} if arch == "gpt_oss" else {}
+    config = json.loads((tiny_model(arch, **overrides) / "config.json").read_text())
+    spec = edgemoe.models.parse_spec(config)
+    written = json.loads(json.dumps(spec.to_dict()))
+    assert written["expert_activation"] == kind == spec.expert_activation and "expert_kind" not in written
+    assert spec.expert_roles == roles and ModelSpec.from_dict(written) == spec
+    assert ("swiglu_limit" in written) == (kind == "gpt_oss") and written.get("swiglu_limit", 0.5) == 0.5
+    assert set(edgemoe.models.KINDS["expert_activation"]) == {"swiglu", "gpt_oss", "relu"}
+
+
+@pytest.mark.parametrize("kind", ["softmax", "sigmoid_group", "sparsemixer", "topk_softmax"])
+def test_a_store_written_before_the_kinds_moved_loads_as_it_did(tiny_model, tmp_path, kind):
+    """A manifest that lists every router kind's and expert kind's parameters (as every store written
+    before held them) loads the same router and experts with their own parameters, and the same logits."""
+    from edgemoe.convert import convert
+    from edgemoe.store.format import MANIFEST
+
+    arch, overrides = ROUTER_KINDS[kind]
+    convert(tiny_model(arch, **overrides), tmp_path / "s", bits=4)
+    with edgemoe.load(tmp_path / "s", compute="fused-float") as model:
+        spec, expected = model.spec, model.logits([5, 6, 7, 8])
+    manifest = json.loads((tmp_path / "s" / MANIFEST).read_text())
+    earlier = {**EARLIER_KIND_KEYS, **manifest["spec"]}
+    assert set(earlier) != set(manifest["spec"])
+    (tmp_path / "s" / MANIFEST).write_text(json.dumps({**manifest, "spec": earlier}))
+    with edgemoe.load(tmp_path / "s", compute="fused-float") as model:
+        assert model.spec == spec and model.spec.routing == spec.routing and model.spec.expert_kind == spec.expert_kind
+        assert torch.equal(model.logits([5, 6, 7, 8]), expected)
+
+
+def test_a_manifest_naming_an_unknown_router_is_refused_in_one_line(tiny_model, tmp_path):
+    from edgemoe.convert import convert
+    from edgemoe.store import StoreError
+    from edgemoe.store.format import MANIFEST
+
+    convert(tiny_model("mixtral"), tmp_path / "s", bits=4)
+    manifest = json.loads((tmp_path / "s" / MANIFEST).read_text())
+    manifest["spec"]["router"] = "noaux_tc"
+    (tmp_path / "s" / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(StoreError, match=r"manifest.json: spec: .*router='noaux_tc': expected one of softmax,"):
+        edgemoe.load(tmp_path / "s")
+
+
 @pytest.mark.parametrize("arch", ["phimoe", "deepseek_v3", "gpt_oss"])
 def test_a_twin_built_from_dense_weights_is_the_same_model(tiny_model, arch):
     """The budget search builds its quantized twin from dense_weights(): every bias and norm must come along."""

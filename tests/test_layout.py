@@ -11,7 +11,8 @@ PACKAGE = REPO / "edgemoe"
 
 # Lowest first. A module may import modules of its own layer and of the layers below it, never above.
 LAYERS = [
-    ("vocabulary", {"edgemoe.errors", "edgemoe.spec", "edgemoe.options", "edgemoe.files"}),
+    # models/: each architecture's config, names and router, which a store's spec is rebuilt with
+    ("vocabulary", {"edgemoe.errors", "edgemoe.spec", "edgemoe.options", "edgemoe.files", "edgemoe.models"}),
     ("quant", {"edgemoe.quant"}),
     ("kernels", {"edgemoe.kernels"}),
     ("scheduling", {"edgemoe.scheduling"}),

@@ -1,8 +1,112 @@
-"""Pieces shared by the architecture files: the common attention/norm part of a config and its names."""
+"""Pieces shared by the architecture files: the common attention/norm part of a config and its names,
+and the parts of a model an architecture file may declare its own kind of: its router (Router,
+ModelSpec.routing) and what its experts compute (ExpertKind, ModelSpec.expert_kind). Here: their
+base classes, the registry of kinds (edgemoe.models.part_from_fields rebuilds one from a store
+manifest), and the kinds most architectures use: softmax top-k routing and SwiGLU experts.
+
+Shapes: T tokens, E experts, A experts chosen per token, D hidden, I expert hidden.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+import torch
+
 from ..spec import config_bool, config_float, config_int, config_str, rope_theta
+
+
+@dataclass(frozen=True)
+class Part:
+    """A part of the model that comes in kinds, each a frozen dataclass subclass declared in the
+    architecture file that uses it (or here, when several share it) and made known with @register.
+    Its parameters are its fields: a store manifest's spec holds them under their own names beside
+    `key`: kind (the keys the manifests written before these classes already had)."""
+
+    key: ClassVar[str]    # the manifest's key naming the kind, and the default kind when it is absent
+    default: ClassVar[str]
+    kind: ClassVar[str]
+
+    def spec_fields(self) -> dict:
+        return {self.key: self.kind, **{f.name: getattr(self, f.name) for f in fields(self)}}
+
+
+KINDS: dict[str, dict[str, type[Part]]] = {}   # Part.key -> kind -> class; filled by @register
+
+
+def register(cls: type[Part]) -> type[Part]:
+    """Class decorator: makes the kind known to ModelSpec.from_dict (manifests name it by kind)."""
+    KINDS.setdefault(cls.key, {})[cls.kind] = cls
+    return cls
+
+
+@dataclass(frozen=True)
+class Router(Part):
+    """How a MoE layer chooses its experts from its router's float32 logits: ModelSpec.routing.
+    top_k, norm_topk_prob and routed_scaling_factor stay on ModelSpec: every kind reads them the same
+    way (the decode engine too)."""
+
+    key = "router"
+    default = "softmax"
+    has_bias: ClassVar[bool] = False   # a MoE layer has router_bias [E] (canonical roles: edgemoe/spec.py)
+
+    def check(self, spec) -> None:
+        """Refuse a spec this router cannot serve, with a CheckpointError naming the config field."""
+
+    def choose(self, logits: torch.Tensor, bias: torch.Tensor | None, spec) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [T, E] float32 (bias [E] if has_bias) -> (weights [T, A] float32, experts [T, A] int64),
+        before routed_scaling_factor."""
+        raise NotImplementedError
+
+
+def softmax_topk(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    probs = torch.softmax(logits, dim=-1)  # [T, E]
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+@register
+@dataclass(frozen=True)
+class SoftmaxTopK(Router):
+    """Mixtral, Qwen, OLMoE, DeepSeek-V2 "greedy", Switch: the top_k softmax probabilities, renormalised
+    if norm_topk_prob. The decode engine computes this kind in one numba call (edgemoe/decode.py)."""
+
+    kind = "softmax"
+
+    def choose(self, logits, bias, spec):
+        return softmax_topk(logits, spec.top_k, spec.norm_topk_prob)
+
+
+@dataclass(frozen=True)
+class ExpertKind(Part):
+    """What each routed expert computes: ModelSpec.expert_kind (the manifest's "expert_activation").
+    A kind other than SwiGLU is computed by its function in edgemoe/kernels/activations.py (named in
+    edgemoe.experts.ACTIVATIONS), over the compute path's matmul, with the arguments it gets here."""
+
+    key = "expert_activation"
+    default = "swiglu"
+    roles: ClassVar[tuple[str, ...]] = ("gate", "up", "down")   # its matrices, in their stored order
+    hidden_act: ClassVar[str] = "silu"                           # the dense MLP's activation with it
+
+    def dense_shapes(self, spec) -> dict[str, tuple[int, ...]]:
+        """Dense roles of a MoE layer beside its router (e.g. the experts' biases), with their shapes."""
+        return {}
+
+    def arguments(self, dense: dict[str, torch.Tensor], layer: int, expert: int) -> dict[str, Any]:
+        """The keyword arguments of one expert's activation function: its biases, taken from the model's
+        dense weights (canonical names), and the kind's parameters."""
+        return {}
+
+
+@register
+@dataclass(frozen=True)
+class SwiGLU(ExpertKind):
+    """down(silu(gate x) * (up x)): every architecture but GPT-OSS and Switch."""
+
+    kind = "swiglu"
 
 
 def attention_fields(config: dict, rope_types: tuple[str, ...] = ("default",)) -> dict:

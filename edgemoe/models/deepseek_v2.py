@@ -12,13 +12,72 @@ A layer is MoE when l >= first_k_dense_replace and l % moe_layer_freq == 0 (Deep
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
+
 from ..errors import CheckpointError
-from .common import attention_fields, llama_style_names, qwen_style_mlp_names
+from .common import Router, SoftmaxTopK, SwiGLU, attention_fields, llama_style_names, qwen_style_mlp_names, register
 from ..spec import ModelSpec, TensorNames, config_bool, config_float, config_int, config_str, rope_parameters
 from .yarn import yarn_fields
 
 MODEL_TYPE = "deepseek_v2"
-TOPK_METHODS = {"greedy": "softmax", "group_limited_greedy": "softmax_group"}
+TOPK_METHODS = ("greedy", "group_limited_greedy")
+
+
+@dataclass(frozen=True)
+class GroupLimitedRouter(Router):
+    """Group-limited routing: the E experts form n_group groups of E/G; a token's experts come only
+    from the topk_group groups that group_score ranks highest (G expert groups)."""
+
+    n_group: int = 1
+    topk_group: int = 1
+
+    def check(self, spec) -> None:
+        E = spec.num_experts
+        if self.n_group < 1 or E % self.n_group:
+            raise CheckpointError(f"config: n_group={self.n_group} does not divide {E} experts")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise CheckpointError(f"config: topk_group={self.topk_group} outside 1..n_group={self.n_group}")
+        self.check_group_size(E // self.n_group)
+        kept = self.topk_group * E // self.n_group
+        if spec.top_k > kept:
+            raise CheckpointError(f"config: num_experts_per_tok={spec.top_k} exceeds the {kept} experts "
+                                  f"of topk_group={self.topk_group} groups")
+
+    def check_group_size(self, size: int) -> None:
+        """Refuse groups of `size` experts that group_score cannot rank."""
+
+    @staticmethod
+    def group_score(grouped: torch.Tensor) -> torch.Tensor:
+        """[T, G, E/G] -> [T, G]: a group's rank."""
+        raise NotImplementedError
+
+    def top_experts(self, choice: torch.Tensor, top_k: int) -> torch.Tensor:
+        """Experts [T, A] with the top_k highest `choice` scores [T, E] among the kept groups."""
+        T = choice.shape[0]
+        grouped = choice.view(T, self.n_group, -1)                                    # [T, G, E/G]
+        kept = torch.topk(self.group_score(grouped), self.topk_group, dim=-1).indices  # [T, topk_group]
+        in_kept = torch.zeros(T, self.n_group, dtype=torch.bool).scatter_(1, kept, True)
+        choice = grouped.masked_fill(~in_kept[..., None], float("-inf")).view(T, -1)
+        return torch.topk(choice, top_k, dim=-1).indices
+
+
+@register
+@dataclass(frozen=True)
+class GroupLimitedSoftmax(GroupLimitedRouter):
+    """DeepSeek-V2 "group_limited_greedy": softmax, experts only from the groups with the highest best score."""
+
+    kind = "softmax_group"
+
+    @staticmethod
+    def group_score(grouped):
+        return grouped.max(dim=-1).values
+
+    def choose(self, logits, bias, spec):
+        probs = torch.softmax(logits, dim=-1)
+        experts = self.top_experts(probs, spec.top_k)
+        return probs.gather(1, experts), experts
 
 
 def moe_layer_flags(config: dict, num_layers: int) -> tuple[bool, ...]:
@@ -45,6 +104,7 @@ def mla_fields(config: dict) -> dict:
     expert_hidden = config_int(config, "moe_intermediate_size")
     return dict(
         attention="mla",
+        expert_kind=SwiGLU(),
         q_lora_rank=config_int(config, "q_lora_rank", default=0, minimum=0),
         kv_lora_rank=config_int(config, "kv_lora_rank"),
         qk_nope_head_dim=nope,
@@ -74,13 +134,13 @@ def parse_config(config: dict) -> ModelSpec:
         # transformers' DeepSeek-V2 ignores it, DeepSeek's own code renormalises without the scaling
         # factor: refuse rather than pick one.
         raise CheckpointError("norm_topk_prob=true is not supported for deepseek_v2")
-    grouped = method == "group_limited_greedy"
+    routing = SoftmaxTopK()
+    if method == "group_limited_greedy":
+        routing = GroupLimitedSoftmax(config_int(config, "n_group"), config_int(config, "topk_group"))
     return ModelSpec(
         model_type=MODEL_TYPE,
         norm_topk_prob=False,
-        router=TOPK_METHODS[method],
-        n_group=config_int(config, "n_group") if grouped else 1,
-        topk_group=config_int(config, "topk_group") if grouped else 1,
+        routing=routing,
         rope_interleave=True,   # V2 rotates adjacent pairs (complex multiplication)
         **mla_fields(config),
     )

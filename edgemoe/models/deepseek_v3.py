@@ -11,21 +11,52 @@ used for generation; their tensors are skipped.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
-from .deepseek_v2 import deepseek_names, mla_fields
+import torch
+
+from .common import register
+from .deepseek_v2 import GroupLimitedRouter, deepseek_names, mla_fields
+from ..errors import CheckpointError
 from ..spec import ModelSpec, TensorNames, config_bool, config_int
 
 MODEL_TYPE = "deepseek_v3"
+
+
+@register
+@dataclass(frozen=True)
+class SigmoidGroup(GroupLimitedRouter):
+    """DeepSeek-V3: sigmoid scores; the bias [E] (e_score_correction_bias) only steers selection, groups
+    ranked by the sum of their two best biased scores; weights are the unbiased scores, renormalised if
+    norm_topk_prob."""
+
+    kind = "sigmoid_group"
+    has_bias = True
+
+    def check_group_size(self, size):
+        if size < 2:
+            raise CheckpointError(f"config: n_group={self.n_group} leaves fewer than 2 experts per group "
+                                  "(groups are ranked by their two best scores)")
+
+    @staticmethod
+    def group_score(grouped):
+        return grouped.topk(2, dim=-1).values.sum(dim=-1)
+
+    def choose(self, logits, bias, spec):
+        scores = torch.sigmoid(logits)
+        experts = self.top_experts(scores + bias, spec.top_k)
+        weights = scores.gather(1, experts)
+        if spec.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights, experts
 
 
 def parse_config(config: dict) -> ModelSpec:
     return ModelSpec(
         model_type=MODEL_TYPE,
         norm_topk_prob=config_bool(config, "norm_topk_prob", default=True),
-        router="sigmoid_group",
-        n_group=config_int(config, "n_group", default=1),
-        topk_group=config_int(config, "topk_group", default=1),
+        routing=SigmoidGroup(n_group=config_int(config, "n_group", default=1),
+                             topk_group=config_int(config, "topk_group", default=1)),
         rope_interleave=config_bool(config, "rope_interleave", default=True),
         skipped_layers=config_int(config, "num_nextn_predict_layers", "num_mtp_layers", default=0, minimum=0),
         **mla_fields(config),

@@ -1,7 +1,7 @@
 """GPT-OSS (openai/gpt-oss-20b, -120b): biased q/k/v/o, learned attention sinks, sliding-window attention
 on alternate layers (layer_types), YaRN rotary embeddings (models/yarn.py), a biased router whose top-k
-logits are softmaxed among themselves, and experts computing a clamped SwiGLU with biases
-(expert_activation "gpt_oss", edgemoe/kernels/activations.py); every layer MoE.
+logits are softmaxed among themselves (TopKSoftmax), and experts computing a clamped SwiGLU with
+biases (GptOssExperts; the function is edgemoe/kernels/activations.py's gpt_oss_expert); every layer MoE.
 
 Checkpoint names (per layer l, prefix model.layers.{l}.): self_attn.{q,k,v,o}_proj.weight / .bias,
 self_attn.sinks [H], mlp.router.weight [E, D] / .bias [E], and the experts fused (ExpertNames, fused
@@ -13,13 +13,51 @@ the store keeps as dense tensors (expert_gate_up_bias, expert_down_bias).
 
 from __future__ import annotations
 
-from .common import attention_fields, llama_style_names
+from dataclasses import dataclass
+
+import torch
+
+from .common import ExpertKind, Router, attention_fields, llama_style_names, register
 from .yarn import yarn_fields
 from ..errors import CheckpointError
 from ..spec import (ExpertNames, ModelSpec, TensorNames, config_bool, config_float, config_int, config_list,
                     config_object, config_str, rope_parameters)
 
 MODEL_TYPE = "gpt_oss"
+
+
+@register
+@dataclass(frozen=True)
+class TopKSoftmax(Router):
+    """GPT-OSS: the top_k of the logits plus router_bias [E], softmaxed among themselves."""
+
+    kind = "topk_softmax"
+    has_bias = True
+
+    def choose(self, logits, bias, spec):
+        top, experts = torch.topk(logits + bias, spec.top_k, dim=-1)
+        return torch.softmax(top, dim=-1), experts
+
+
+@register
+@dataclass(frozen=True)
+class GptOssExperts(ExpertKind):
+    """GPT-OSS's clamped SwiGLU with biases; the biases are dense roles of each MoE layer, stacked over
+    its experts."""
+
+    kind = "gpt_oss"
+    swiglu_alpha: float = 1.702     # glu = gate * sigmoid(swiglu_alpha * gate)
+    swiglu_limit: float = 7.0       # gate clamped above, up on both sides, at this limit
+
+    def dense_shapes(self, spec):
+        return {"expert_gate_up_bias": (spec.num_experts, 2 * spec.expert_hidden),
+                "expert_down_bias": (spec.num_experts, spec.hidden_size)}
+
+    def arguments(self, dense, layer, expert):
+        gate_up = dense[f"layers.{layer}.expert_gate_up_bias"][expert].float()    # [2I], interleaved
+        return dict(gate_bias=gate_up[0::2], up_bias=gate_up[1::2],
+                    down_bias=dense[f"layers.{layer}.expert_down_bias"][expert].float(),
+                    alpha=self.swiglu_alpha, limit=self.swiglu_limit)
 
 
 def sliding_windows(config: dict, num_layers: int) -> tuple[int | None, ...]:
@@ -65,10 +103,9 @@ def parse_config(config: dict) -> ModelSpec:
         qkv_bias=bias,
         o_bias=bias,
         attention_sinks=True,
-        router="topk_softmax",
-        expert_activation="gpt_oss",
-        swiglu_alpha=config_float(config, "swiglu_alpha", default=1.702, above=0),
-        swiglu_limit=config_float(config, "swiglu_limit", default=7.0, above=0),
+        routing=TopKSoftmax(),
+        expert_kind=GptOssExperts(swiglu_alpha=config_float(config, "swiglu_alpha", default=1.702, above=0),
+                                  swiglu_limit=config_float(config, "swiglu_limit", default=7.0, above=0)),
         **fields,
     )
 

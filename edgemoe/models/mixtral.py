@@ -6,7 +6,7 @@ model.layers.{l}.block_sparse_moe.experts.{e}.w1 / w3 / w2 .weight (gate, up, do
 
 from __future__ import annotations
 
-from .common import attention_fields, llama_style_names
+from .common import SoftmaxTopK, SwiGLU, attention_fields, llama_style_names
 from ..spec import ExpertNames, ModelSpec, TensorNames, config_int
 
 MODEL_TYPE = "mixtral"
@@ -21,6 +21,8 @@ def parse_config(config: dict) -> ModelSpec:
         num_experts=config_int(config, "num_local_experts"),
         top_k=config_int(config, "num_experts_per_tok"),
         norm_topk_prob=True,  # Mixtral always renormalises the top-k weights
+        routing=SoftmaxTopK(),
+        expert_kind=SwiGLU(),
         expert_hidden=config_int(config, "intermediate_size"),
         moe_layers=(True,) * num_layers,
         sliding_windows=(window,) * num_layers,

@@ -1,6 +1,6 @@
 """Phi-3.5-MoE: Mixtral's layout with LayerNorm (weight and bias) instead of RMSNorm, biases on q/k/v/o
 when attention_bias, an optional LM-head bias, and sparsemixer routing (two experts; at inference
-deterministic: see route_sparsemixer in edgemoe/layers.py).
+deterministic: SparseMixer below).
 
 Checkpoint names: Mixtral's (block_sparse_moe.gate.weight, block_sparse_moe.experts.{e}.w1 / w3 / w2
 .weight) plus input_layernorm / post_attention_layernorm / model.norm .bias, self_attn.{q,k,v,o}_proj.bias
@@ -10,15 +10,43 @@ and lm_head.bias.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-from .common import attention_fields
+from .common import Router, SwiGLU, attention_fields, register
 from .mixtral import tensor_names as mixtral_names
 from ..errors import CheckpointError
 from ..spec import ModelSpec, TensorNames, config_bool, config_float, config_int, config_list, rope_parameters
 
 MODEL_TYPE = "phimoe"
+
+
+@register
+@dataclass(frozen=True)
+class SparseMixer(Router):
+    """Phi-3.5-MoE's sparsemixer at inference: the best expert, then the best of the rest; each weighs
+    its softmax among the experts whose score is within a relative gap 2 * router_jitter_eps of it."""
+
+    kind = "sparsemixer"
+    router_jitter_eps: float = 0.0
+
+    def check(self, spec):
+        if spec.top_k != 2:
+            raise CheckpointError(f"config: num_experts_per_tok={spec.top_k}: sparsemixer routing picks 2 experts")
+
+    def choose(self, logits, bias, spec):
+        first_weight, first = self._pick(logits, logits)
+        rest = logits.scatter(-1, first, float("-inf"))
+        second_weight, second = self._pick(rest, logits)
+        return torch.cat((first_weight, second_weight), dim=-1), torch.cat((first, second), dim=-1)
+
+    def _pick(self, candidates: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The best of `candidates` [T, E] (-inf: not a candidate) and its weight, both [T, 1]."""
+        best, index = candidates.max(dim=-1, keepdim=True)
+        too_far = (best - scores) / scores.abs().clamp(min=best) > 2 * self.router_jitter_eps
+        weights = torch.softmax(candidates.masked_fill(too_far, float("-inf")), dim=-1)
+        return weights.gather(-1, index), index
 
 
 def parse_config(config: dict) -> ModelSpec:
@@ -40,8 +68,8 @@ def parse_config(config: dict) -> ModelSpec:
         qkv_bias=bias,
         o_bias=bias,
         lm_head_bias=config_bool(config, "lm_head_bias", default=False),
-        router="sparsemixer",
-        router_jitter_eps=config_float(config, "router_jitter_noise", default=0.01, minimum=0),
+        routing=SparseMixer(router_jitter_eps=config_float(config, "router_jitter_noise", default=0.01, minimum=0)),
+        expert_kind=SwiGLU(),
         **fields,
     )
 

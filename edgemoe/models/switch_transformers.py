@@ -17,6 +17,9 @@ Checkpoint names (stack s = encoder / decoder, block i):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from .common import ExpertKind, SoftmaxTopK, register
 from ..errors import CheckpointError
 from ..spec import ExpertNames, ModelSpec, TensorNames, config_bool, config_float, config_int, config_str
 
@@ -24,6 +27,17 @@ MODEL_TYPE = "switch_transformers"
 # T5 has no position embeddings; the context is bounded only by memory. This is the length the released
 # models were trained on (the T5 / Switch papers' 512 input tokens), used as edgemoe's context limit.
 CONTEXT_LENGTH = 512
+
+
+@register
+@dataclass(frozen=True)
+class ReluExperts(ExpertKind):
+    """Ungated relu experts, down(relu(up x)) (edgemoe/kernels/activations.py's relu_expert), with relu
+    dense MLPs."""
+
+    kind = "relu"
+    roles = ("up", "down")
+    hidden_act = "relu"
 
 
 def sparse_flags(num_layers: int, num_sparse: int) -> tuple[bool, ...]:
@@ -58,6 +72,7 @@ def parse_config(config: dict) -> ModelSpec:
         num_experts=config_int(config, "num_experts"),
         top_k=1,
         norm_topk_prob=False,
+        routing=SoftmaxTopK(),
         expert_hidden=d_ff,
         moe_layers=flags,
         sliding_windows=(None,) * (encoder + decoder),
@@ -65,7 +80,7 @@ def parse_config(config: dict) -> ModelSpec:
         tie_word_embeddings=config_bool(config, "tie_word_embeddings", default=True),
         hidden_act="relu",
         attention_scale=1.0,           # T5 does not scale q.k
-        expert_activation="relu",
+        expert_kind=ReluExperts(),
         encoder_layers=encoder,
         relative_attention_buckets=config_int(config, "relative_attention_num_buckets", default=32),
         relative_attention_max_distance=config_int(config, "relative_attention_max_distance", default=128),
