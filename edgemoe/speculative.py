@@ -167,7 +167,7 @@ def self_draft(target: MoEModel, capacity: int | None = None) -> MoEModel:
     if target.store is not None and target.store.manifest.fallback:
         if capacity is not None:
             raise OptionError("draft_ram=", capacity, "the store's fallback copies the self-draft uses are held "
-                              "in its RAM tier, within ram=")
+                              "in its RAM tier, within the store's RAM budget")
         experts, name = FallbackDraftExperts(target.experts), f"INT{target.store.manifest.fallback_bits} fallback"
     else:
         experts, name = LowWidthExperts(target.experts, capacity), f"INT{DRAFT_BITS}"
@@ -252,7 +252,7 @@ class ReadProbe:
         return (f"speculative decoding off: it read {speculative / 2**10:.0f} KiB of experts per token over "
                 f"{self.speculative[1]} tokens (n = {self.num_draft}) against {plain / 2**10:.0f} KiB for plain "
                 f"decoding over {self.plain[1]}, under a RAM budget of {self.store.ram_capacity / 2**20:.1f} MiB; "
-                f"decoding plainly from here (more RAM, or a smaller --speculate, may let it pay)")
+                f"decoding plainly from here")
 
 
 # ---- the decoder ----------------------------------------------------------------------------------
@@ -306,6 +306,8 @@ class Speculator:
                  probe_tokens: int = PROBE_TOKENS, off: str | None = None):
         if num_draft < 1:
             raise ValueError(f"num_draft must be >= 1, got {num_draft}")
+        if draft is None and off is None:
+            raise ValueError("Speculator: no draft, and no reason given for speculation to be off")
         self.target, self.draft, self.num_draft, self.shares_cache = target, draft, num_draft, shares_cache
         self.stats = SpeculationStats(off=off)
         self._warned = False

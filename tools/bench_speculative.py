@@ -3,6 +3,7 @@
 
     python tools/bench_speculative.py [--store STORE] [--ram 25%] [--tokens 64] [--speculate 2 4]
                                       [--draft self] [--temperature 0] [--prompts 4] [--probe 0 4]
+                                      [--prefetch on [off]]
 
 Runs, on the bundled model's checkpoint (all in RAM) and on STORE (default: the bundled model
 converted to INT4 with 2-bit fallback copies in a temporary directory) with --ram, each of: plain
@@ -10,7 +11,8 @@ decoding (generate.stream_tokens) and speculative decoding (edgemoe.speculative)
 --speculate n, each --draft (self: the self-draft, from the store's fallback copies or INT2 copies
 of a checkpoint's experts; a path: a separate draft) and each --probe (tokens measured plainly,
 then speculatively, before speculation is turned off where it reads more per token; 0: never
-off; only under a RAM budget, so the checkpoint runs once with 0). Every run opens a fresh
+off; only under a RAM budget, so the checkpoint runs once with 0) and each --prefetch (off: the
+draft prefetches nothing, to see what its prefetch reads; only from the store). Every run opens a fresh
 model and decodes the same --prompts prompts, the first lines of the bundled model's held-out
 text, --tokens tokens each (no stop tokens). A warm-up run first compiles the kernels. Reported
 per configuration: milliseconds per output token after the first (decode only, prefill left
@@ -43,10 +45,12 @@ def prompts(count: int) -> list[str]:
 
 
 def run(path: Path, ram, texts: list[str], opts: GenerationOptions, draft: str | None, n: int,
-        probe: int = 0) -> dict:
+        probe: int = 0, prefetch: bool = True) -> dict:
     store_options = {} if ram is None else {"ram": ram}
     with edgemoe.load(path, **store_options) as model:
         speculator = speculator_for(model, draft, n, probe_tokens=probe) if draft else None
+        if speculator is not None:
+            speculator.prefetches = speculator.prefetches and prefetch
         outputs, decode_seconds, decode_tokens = [], 0.0, 0
         for text in texts:
             ids = model.tokenizer.encode(text)
@@ -57,7 +61,8 @@ def run(path: Path, ram, texts: list[str], opts: GenerationOptions, draft: str |
                 decode_tokens += len(outputs[-1]) - 1
             else:
                 outputs.append(list(speculator.stream(ids, opts, warn=lambda message: print(message))))
-        row = {"draft": draft or "plain", "n": n if draft else None, "probe": probe if draft else None}
+        row = {"draft": draft or "plain", "n": n if draft else None, "probe": probe if draft else None,
+               "prefetch": ("on" if prefetch else "off") if draft else "-"}
         if speculator is not None:
             s = speculator.stats
             decode_seconds, decode_tokens = s.decode_seconds, s.emitted - len(texts)
@@ -99,11 +104,12 @@ def table(rows: list[dict]) -> None:
     def fmt(v, spec=".3f"):
         return "-" if v is None else format(v, spec)
 
-    print("| model | draft | n | probe | ms/token | draft ms/round | verify ms/round | acceptance | prefetched "
+    print("| model | draft | n | probe | prefetch | ms/token | draft ms/round | verify ms/round | acceptance | prefetched "
           "| prefetch precision | disk MiB/token | copies MiB/token | off | INT2 copy MiB | same as plain |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['draft']} | {fmt(r['n'], 'd')} | {fmt(r['probe'], 'd')} | {r['ms_per_token']:.1f} "
+        print(f"| {r['model']} | {r['draft']} | {fmt(r['n'], 'd')} | {fmt(r['probe'], 'd')} | {r['prefetch']} "
+              f"| {r['ms_per_token']:.1f} "
               f"| {fmt(r.get('draft_ms_per_round'), '.1f')} | {fmt(r.get('verify_ms_per_round'), '.1f')} "
               f"| {fmt(r.get('acceptance'))} "
               f"| {fmt(r.get('prefetched'), 'd')} | {fmt(r.get('prefetch_precision'))} "
@@ -122,6 +128,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--probe", type=int, nargs="+", default=[0, PROBE_TOKENS],
                         help="speculation's probe tokens under --ram (0: never turned off)")
+    parser.add_argument("--prefetch", nargs="+", choices=["on", "off"], default=["on"],
+                        help="the draft's prefetch, from the store (off: to see what it reads)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON too")
     args = parser.parse_args()
     texts = prompts(args.prompts)
@@ -140,9 +148,11 @@ def main() -> None:
             for draft in args.draft:
                 for n in args.speculate:
                     for probe in args.probe if ram is not None else [0]:
-                        row = run(path, ram, texts, opts, draft, n, probe)
-                        same = row["outputs"] == plain["outputs"]
-                        rows.append({**row, "model": name, "same": same if args.temperature == 0 else "(sampled)"})
+                        for prefetch in args.prefetch if ram is not None else ["on"]:
+                            row = run(path, ram, texts, opts, draft, n, probe, prefetch == "on")
+                            same = row["outputs"] == plain["outputs"]
+                            rows.append({**row, "model": name,
+                                         "same": same if args.temperature == 0 else "(sampled)"})
         table(rows)
         print()
         for name, path in (("bundled checkpoint", bundled_model_path()), ("store", store)):
