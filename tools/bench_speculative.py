@@ -3,7 +3,7 @@
 
     python tools/bench_speculative.py [--store STORE] [--ram 25%] [--tokens 64] [--speculate 2 4]
                                       [--draft self] [--temperature 0] [--prompts 4] [--probe 0 4]
-                                      [--prefetch on [off]]
+                                      [--prefetch on [off]] [--breakdown]
 
 Runs, on the bundled model's checkpoint (all in RAM) and on STORE (default: the bundled model
 converted to INT4 with 2-bit fallback copies in a temporary directory) with --ram, each of: plain
@@ -20,7 +20,9 @@ out), the draft's and the verification's milliseconds per round, acceptance rate
 experts and their precision (used by the verification that followed / prefetched), expert
 bytes read from disk per output token (prefill included) and of them the fallback copies' (the
 draft's reads: copies read x their mean size), whether the probe turned speculation off, the
-self-draft's INT2 copy size (a checkpoint's), and whether greedy output equals plain decoding's. Also: the cost of building the INT2 copy of every
+self-draft's INT2 copy size (a checkpoint's), and whether greedy output equals plain decoding's.
+--breakdown: also, per speculative run from the store, its bytes read per output token by what
+read them (ReadBreakdown). Also: the cost of building the INT2 copy of every
 expert at load (the alternative to building each the first time it is used).
 """
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -44,13 +47,58 @@ def prompts(count: int) -> list[str]:
     return lines[:count]
 
 
+class ReadBreakdown:
+    """A speculative run's store reads, by what read them: the draft's own reads (its thread, while
+    it drafts: fallback copies), reads by the loader while the draft runs (its prefetches), the
+    verification's reads of experts prefetched in the same round (evicted before it used them) and
+    of others, and the rest (prefill, plain steps). Wraps the store's disk reads and the round's two
+    halves of this one Speculator, for this tool only."""
+
+    def __init__(self, speculator):
+        self.bytes: dict[str, int] = {}
+        self.phase = "other"
+        store, caller = speculator.target.store, threading.current_thread()
+        read, propose, verify = store.disk.read, speculator._propose, speculator._verify
+
+        def counted_read(entry, **kwargs):
+            blob = read(entry, **kwargs)
+            self._count(entry, threading.current_thread() is caller, speculator._round_prefetched)
+            return blob
+
+        def in_phase(phase, method):
+            def wrapped(*args, **kwargs):
+                self.phase = phase
+                try:
+                    return method(*args, **kwargs)
+                finally:
+                    self.phase = "other"
+            return wrapped
+
+        store.disk.read = counted_read
+        speculator._propose, speculator._verify = in_phase("draft", propose), in_phase("verify", verify)
+        self.copies = {(e.file, e.offset) for e in store.manifest.fallback.values()}
+
+    def _count(self, entry, by_caller: bool, prefetched: set) -> None:
+        copy = (entry.file, entry.offset) in self.copies
+        if self.phase == "draft":
+            what = "draft: copies" if copy else ("draft: experts" if by_caller else "draft: loader (prefetch)")
+        elif self.phase == "verify":
+            what = "verify: prefetched this round, read again" if entry.key in prefetched else "verify: others"
+        else:
+            what = "prefill and plain steps"
+        self.bytes[what] = self.bytes.get(what, 0) + entry.stored_length
+
+
 def run(path: Path, ram, texts: list[str], opts: GenerationOptions, draft: str | None, n: int,
-        probe: int = 0, prefetch: bool = True) -> dict:
+        probe: int = 0, prefetch: bool = True, breakdown: bool = False) -> dict:
     store_options = {} if ram is None else {"ram": ram}
     with edgemoe.load(path, **store_options) as model:
         speculator = speculator_for(model, draft, n, probe_tokens=probe) if draft else None
+        reads = None
         if speculator is not None:
             speculator.prefetches = speculator.prefetches and prefetch
+            if breakdown and model.store is not None:
+                reads = ReadBreakdown(speculator)
         outputs, decode_seconds, decode_tokens = [], 0.0, 0
         for text in texts:
             ids = model.tokenizer.encode(text)
@@ -77,6 +125,8 @@ def run(path: Path, ram, texts: list[str], opts: GenerationOptions, draft: str |
             tokens = sum(len(o) for o in outputs)
             row["disk_mib_per_token"] = model.store.stats.disk_bytes_read / 2**20 / tokens
             row["copy_mib_per_token"] = model.store.stats.fallback_reads * mean_copy_bytes(model.store) / 2**20 / tokens
+            if reads is not None:
+                row["breakdown"] = {what: b / 2**20 / tokens for what, b in sorted(reads.bytes.items())}
     return {**row, "outputs": outputs}
 
 
@@ -130,6 +180,8 @@ def main() -> None:
                         help="speculation's probe tokens under --ram (0: never turned off)")
     parser.add_argument("--prefetch", nargs="+", choices=["on", "off"], default=["on"],
                         help="the draft's prefetch, from the store (off: to see what it reads)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="per speculative run from the store, its bytes read by what read them")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON too")
     args = parser.parse_args()
     texts = prompts(args.prompts)
@@ -149,11 +201,16 @@ def main() -> None:
                 for n in args.speculate:
                     for probe in args.probe if ram is not None else [0]:
                         for prefetch in args.prefetch if ram is not None else ["on"]:
-                            row = run(path, ram, texts, opts, draft, n, probe, prefetch == "on")
+                            row = run(path, ram, texts, opts, draft, n, probe, prefetch == "on", args.breakdown)
                             same = row["outputs"] == plain["outputs"]
                             rows.append({**row, "model": name,
                                          "same": same if args.temperature == 0 else "(sampled)"})
         table(rows)
+        print()
+        for r in rows:
+            if "breakdown" in r:
+                parts = ", ".join(f"{what} {mib:.3f}" for what, mib in r["breakdown"].items())
+                print(f"reads, MiB per output token, n = {r['n']}, probe {r['probe']}, prefetch {r['prefetch']}: {parts}")
         print()
         for name, path in (("bundled checkpoint", bundled_model_path()), ("store", store)):
             cost = copy_at_load_cost(path)
