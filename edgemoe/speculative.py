@@ -1,8 +1,18 @@
 """Speculative decoding: a draft proposes n tokens, the target checks them all in one forward step.
 
 The draft is another model with the target's tokenizer (its own KV cache), or the target itself
-with low-width experts ("self"): the target's dense weights and KV cache, each expert re-quantized
-to INT2 from its stored codes the first time the draft uses it and held in RAM (LowWidthExperts).
+with low-width experts ("self"): the target's dense weights and KV cache, and
+  - from a store with fallback copies (convert --fallback-bits): whatever the store's RAM tier holds
+    of each expert, the expert or its narrowed copy, else the copy read from disk and cached in the
+    RAM tier (FallbackDraftExperts): the draft reads only copies, and they count against --ram;
+  - from a checkpoint, or a store whose RAM is unbounded: each expert re-quantized to INT2 the first
+    time the draft uses it and held in RAM beside the experts (LowWidthExperts);
+  - from a store with a RAM budget and no fallback copies: no draft, speculation off (one warning):
+    the draft would read full experts from disk to propose tokens whose reads it is meant to save.
+
+Under a RAM budget smaller than the store's experts, speculation is also measured against plain
+decoding once (the first PROBE_TOKENS tokens decoded plainly, then as many speculatively): where
+it read more expert bytes per token, it is turned off with one warning and decoding goes on plainly.
 
 A round, with the KV cache holding every committed token but the last one, c:
   draft:  n forward steps from c -> proposals d1..dn, with their distributions q1..qn
@@ -49,11 +59,16 @@ from .generate import (Event, Feed, Generation, GenerationOptions, decode, last_
 from .loader import require_decoder_only
 from .model import MoEModel
 from .options import OptionError
+from .quantized import QuantizedExpert, StoreExperts
 
 DRAFT_BITS = 2
 # INT2 with one scale per 64 weights: per-row INT2 loses too much of a trained expert to propose
 # well, and a group of 64 adds one bit per weight (float32 scale and zero), half the INT2 codes.
 DRAFT_GROUP = 64
+# Tokens decoded plainly, then at least as many speculatively, whose expert bytes read per token
+# decide (once per Speculator) whether speculation stays on under a RAM budget. Short: the probe's
+# plain tokens are decoded without speculation's gain; long enough that a round or two is measured.
+PROBE_TOKENS = 4
 
 
 # ---- the self-draft's experts ---------------------------------------------------------------------
@@ -114,12 +129,50 @@ class LowWidthExperts(ExpertProvider):
         self.nbytes += copy.nbytes
 
 
+class FallbackDraftExperts(ExpertProvider):
+    """The self-draft's experts from a store with fallback copies: each asked of the store as a weakly
+    chosen expert is (TieredStore.get(fallback=True)), so a resident expert or copy serves it, one
+    being read waits for that read, and a miss reads the narrowed copy, never the expert itself, and
+    caches it in the RAM tier, within --ram. Computed as the target computes its experts. No
+    begin_layer: the draft's layers do not move the store's notion of the running layer."""
+
+    def __init__(self, target: StoreExperts):
+        self.target = target
+
+    def expert(self, layer: int, expert: int) -> QuantizedExpert:
+        t = self.target
+        return QuantizedExpert(t.store.get(layer, expert, fallback=True), t.choose, t.store.device,
+                               t.activation(layer, expert), t.gemm_dtype)
+
+
+def no_self_draft(target: MoEModel) -> str | None:
+    """Why the target cannot draft for itself without reading full experts from disk under its RAM
+    budget, and what to do (None: it can)."""
+    store = target.store
+    if store is None or store.manifest.fallback or store.ram_capacity is None:
+        return None
+    return (f"{store.path}: no fallback copies, so a self-draft would read full experts from disk to draft "
+            f"under the RAM budget (convert with --fallback-bits 2 for a self-draft, or give --draft a smaller model)")
+
+
 def self_draft(target: MoEModel, capacity: int | None = None) -> MoEModel:
-    """The target with INT2 experts (LowWidthExperts within `capacity` bytes): the same dense
-    tensors (shared, not copied), tokenizer and thread governor."""
+    """The target with low-width experts: a store's fallback copies (FallbackDraftExperts) where it
+    has them, else INT2 copies (LowWidthExperts within `capacity` bytes); the same dense tensors
+    (shared, not copied), tokenizer and thread governor. DraftError where it would read full experts
+    under a RAM budget (no_self_draft)."""
     require_decoder_only(target.spec, target.name, "speculative decoding (--draft)")
-    draft = MoEModel(target.spec, target.dense_weights(), LowWidthExperts(target.experts, capacity), target.tokenizer,
-                     target.generation_config, name=f"{target.name} (INT{DRAFT_BITS} self-draft)", threads=1)
+    cannot = no_self_draft(target)
+    if cannot is not None:
+        raise DraftError(cannot)
+    if target.store is not None and target.store.manifest.fallback:
+        if capacity is not None:
+            raise OptionError("draft_ram=", capacity, "the store's fallback copies the self-draft uses are held "
+                              "in its RAM tier, within the store's RAM budget")
+        experts, name = FallbackDraftExperts(target.experts), f"INT{target.store.manifest.fallback_bits} fallback"
+    else:
+        experts, name = LowWidthExperts(target.experts, capacity), f"INT{DRAFT_BITS}"
+    draft = MoEModel(target.spec, target.dense_weights(), experts, target.tokenizer,
+                     target.generation_config, name=f"{target.name} ({name} self-draft)", threads=1)
     draft.threads = target.threads
     return draft
 
@@ -159,6 +212,49 @@ def accept(target_logits: torch.Tensor, proposals: Sequence[int], draft_probs: t
     return n, int(torch.multinomial(sampling_probs(target_logits[n], opts), 1, generator=generator))
 
 
+# ---- is it worth it? ------------------------------------------------------------------------------
+class ReadProbe:
+    """Expert bytes a store read per token, decoding plainly for the first `tokens` tokens, then
+    speculatively for at least as many: what turns speculation off under a RAM budget. Each window
+    ends with the store's queued preloads drained, so that the reads a mode asked for count in it."""
+
+    def __init__(self, store, tokens: int, num_draft: int):
+        self.store, self.tokens, self.num_draft = store, tokens, num_draft
+        self.plain = [0, 0]        # bytes read, tokens
+        self.speculative = [0, 0]
+
+    def bytes_read(self) -> int:
+        return self.store.stats.disk_bytes_read
+
+    def plain_tokens_wanted(self) -> int:
+        return max(0, self.tokens - self.plain[1])
+
+    def decoded_plainly(self, read_before: int, tokens: int) -> None:
+        self._add(self.plain, read_before, tokens, self.plain[1] + tokens >= self.tokens)
+
+    def speculated(self, read_before: int, tokens: int) -> bool:
+        """Count a round; True once speculation has been measured over enough tokens."""
+        done = self.speculative[1] + tokens >= self.tokens
+        self._add(self.speculative, read_before, tokens, done)
+        return done
+
+    def _add(self, window: list[int], read_before: int, tokens: int, last: bool) -> None:
+        if last:
+            self.store.drain()
+        window[0] += self.bytes_read() - read_before
+        window[1] += tokens
+
+    def verdict(self) -> str | None:
+        """Why speculation is off (it read more per token than plain decoding), or None."""
+        plain, speculative = (w[0] / max(1, w[1]) for w in (self.plain, self.speculative))
+        if speculative <= plain:
+            return None
+        return (f"speculative decoding off: it read {speculative / 2**10:.0f} KiB of experts per token over "
+                f"{self.speculative[1]} tokens (n = {self.num_draft}) against {plain / 2**10:.0f} KiB for plain "
+                f"decoding over {self.plain[1]}, under a RAM budget of {self.store.ram_capacity / 2**20:.1f} MiB; "
+                f"decoding plainly from here")
+
+
 # ---- the decoder ----------------------------------------------------------------------------------
 @dataclass
 class SpeculationStats:
@@ -171,11 +267,19 @@ class SpeculationStats:
     prefetched: int = 0         # experts handed to the store's loader on the draft's prediction
     prefetched_used: int = 0    # of them, routed to by the next verification
     draft_copy_bytes: int | None = None   # a self-draft's INT2 experts held in RAM now
+    plain_tokens: int = 0       # tokens decoded plainly after a prompt's first (the probe's, or speculation off)
+    plain_seconds: float = 0.0
+    off: str | None = None      # why speculation was turned off (None: it is on)
+
+    @property
+    def decode_seconds(self) -> float:
+        """Time decoding tokens after each prompt's first: drafts, verifications and plain steps."""
+        return self.draft_seconds + self.verify_seconds + self.plain_seconds
 
     @property
     def seconds_per_token(self) -> float | None:
-        """Decode time (draft and verification) per token after the first (which prefill makes)."""
-        return (self.draft_seconds + self.verify_seconds) / (self.emitted - 1) if self.emitted > 1 else None
+        """Decode time per token after the first (which prefill makes)."""
+        return self.decode_seconds / (self.emitted - 1) if self.emitted > 1 else None
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -193,15 +297,27 @@ class SpeculationStats:
 class Speculator:
     """Speculative decoding of `target` with `draft`, `num_draft` proposals per round. The draft
     shares the target's KV cache when `shares_cache` (a self-draft: the same dense weights, so the
-    target's keys and values of committed tokens are the draft's best ones too); else it has its own."""
+    target's keys and values of committed tokens are the draft's best ones too); else it has its own.
+    probe_tokens: under a RAM budget smaller than the target store's experts, decode this many tokens
+    plainly, then at least as many speculatively, and turn speculation off where it read more expert
+    bytes per token (0: never). off: a reason speculation is off from the start (draft None then)."""
 
-    def __init__(self, target: MoEModel, draft: MoEModel, num_draft: int = 4, shares_cache: bool = False):
+    def __init__(self, target: MoEModel, draft: MoEModel | None, num_draft: int = 4, shares_cache: bool = False,
+                 probe_tokens: int = PROBE_TOKENS, off: str | None = None):
         if num_draft < 1:
             raise ValueError(f"num_draft must be >= 1, got {num_draft}")
+        if draft is None and off is None:
+            raise ValueError("Speculator: no draft, and no reason given for speculation to be off")
         self.target, self.draft, self.num_draft, self.shares_cache = target, draft, num_draft, shares_cache
-        self.stats = SpeculationStats()
-        self.prefetches = (target.store is not None and draft.spec.hidden_size == target.spec.hidden_size
+        self.stats = SpeculationStats(off=off)
+        self._warned = False
+        store = target.store
+        self.prefetches = (store is not None and draft is not None and draft.spec.hidden_size == target.spec.hidden_size
                            and draft.spec.num_layers == target.spec.num_layers)
+        under_budget = store is not None and store.ram_capacity is not None and \
+            store.ram_capacity < store.manifest.expert_bytes
+        self._probe = ReadProbe(store, probe_tokens, num_draft) if under_budget and probe_tokens and off is None \
+            else None
         self._draft_seconds: float | None = None    # moving average of a round's draft time
         self._round_prefetched: set[tuple[int, int]] = set()
         self._budget = 0
@@ -214,7 +330,8 @@ class Speculator:
 
     def close(self) -> None:
         """Close the draft (a separate draft's store; a self-draft holds none). The target stays open."""
-        self.draft.close()
+        if self.draft is not None:
+            self.draft.close()
 
     # ---- one prompt -------------------------------------------------------------------------------
     def stream(self, prompt_ids: Sequence[int], opts: GenerationOptions,
@@ -225,25 +342,68 @@ class Speculator:
     def decode(self, generation: Generation) -> Iterator[Event]:
         """The events of a generation of the target, decoded speculatively (a driver of generate's loop,
         as generate.decode is): the prompt as plain decoding feeds it, to the first new token, then
-        draft-verify rounds whose tokens the generation accepts (stops, limit, stop strings its own)."""
-        generation.bound_context(self.draft.context_length)
-        for event in decode(generation):         # the prompt, in chunks, and the first new token
+        draft-verify rounds whose tokens the generation accepts (stops, limit, stop strings its own).
+        Plainly instead while the probe measures plain decoding, and once speculation is off."""
+        if self.draft is not None:
+            generation.bound_context(self.draft.context_length)
+        plain = decode(generation)
+        for event in plain:         # the prompt, in chunks, and the first new token
             self.stats.emitted += len(event.token_ids)
             yield event
             break
-        if generation.finished:
+        yield from self._plain(generation, plain, self._probe.plain_tokens_wanted() if self._probe else 0)
+        if generation.finished or self._is_off(generation):
+            yield from self._plain(generation, plain)
             return
         cache = generation.feed.state
         draft_cache = cache if self.shares_cache else self.draft.new_cache()
         tokens = generation.prompt + generation.output
         while not generation.finished:
             n = min(self.num_draft, generation.limit - len(generation.output) - 1)
+            read_before = self._probe.bytes_read() if self._probe else 0
+            emitted = 0
             for token in self._round(tokens, n, cache, draft_cache, generation.opts, generation.generator):
                 event = generation.accept(token)
                 self.stats.emitted += len(event.token_ids)
+                emitted += len(event.token_ids)
                 yield event
                 if generation.finished:
                     break
+            if self._probe is not None and self._probe.speculated(read_before, emitted):
+                self._decide()
+                if self._is_off(generation):
+                    yield from self._plain(generation, plain)
+                    return
+
+    def _plain(self, generation: Generation, plain: Iterator[Event], tokens: int | None = None) -> Iterator[Event]:
+        """Plain decoding's next events (`tokens` of them, None: to the end), timed; counted by the
+        probe while it measures plain decoding."""
+        done = 0
+        while (tokens is None or done < tokens) and not generation.finished:
+            read_before = self._probe.bytes_read() if self._probe else 0
+            start = time.perf_counter()
+            event = next(plain)
+            self.stats.plain_seconds += time.perf_counter() - start
+            self.stats.plain_tokens += len(event.token_ids)
+            self.stats.emitted += len(event.token_ids)
+            if self._probe is not None and tokens is not None:
+                self._probe.decoded_plainly(read_before, len(event.token_ids))
+            done += 1
+            yield event
+
+    def _decide(self) -> None:
+        """The probe has measured both ways: off (once) where speculation read more per token."""
+        self.stats.off = self._probe.verdict()
+        self._probe = None
+
+    def _is_off(self, generation: Generation) -> bool:
+        """Speculation is off: said once per Speculator, through the generation's warning channel."""
+        if self.stats.off is None:
+            return False
+        if not self._warned:
+            generation.warn(self.stats.off)
+            self._warned = True
+        return True
 
     def _round(self, tokens: list[int], n: int, cache: KVCache, draft_cache: KVCache,
                opts: GenerationOptions, generator) -> list[int]:
@@ -341,14 +501,21 @@ class Speculator:
 
 
 def speculator_for(target: MoEModel, draft: str | os.PathLike, num_draft: int = 4, draft_ram: int | None = None,
-                   dtype: torch.dtype | None = None, threads: int | None = None) -> Speculator:
-    """A Speculator for `target`: draft "self" (INT2 experts within draft_ram bytes, None: all), or
-    a checkpoint directory or store that edgemoe.load opens (dtype, threads as there), checked to
-    share the target's tokenizer (DraftError otherwise)."""
+                   dtype: torch.dtype | None = None, threads: int | None = None,
+                   probe_tokens: int = PROBE_TOKENS) -> Speculator:
+    """A Speculator for `target`: draft "self" (self_draft; draft_ram: the INT2 copy's cap, None:
+    none), off where the target cannot draft for itself within its RAM budget (no_self_draft), or a
+    checkpoint directory or store that edgemoe.load opens (dtype, threads as there), checked to share
+    the target's tokenizer (DraftError otherwise). probe_tokens: as Speculator's."""
     from .loader import load
 
     if str(draft) == "self":
-        return Speculator(target, self_draft(target, draft_ram), num_draft, shares_cache=True)
+        cannot = no_self_draft(target)
+        if cannot is not None:
+            require_decoder_only(target.spec, target.name, "speculative decoding (--draft)")
+            return Speculator(target, None, num_draft, off=f"speculative decoding off: {cannot}")
+        return Speculator(target, self_draft(target, draft_ram), num_draft, shares_cache=True,
+                          probe_tokens=probe_tokens)
     if draft_ram is not None:
         raise OptionError("draft_ram=", draft_ram, "only with draft='self' (a separate draft is held as it loads)")
     model = load(draft, dtype, threads)
@@ -357,4 +524,4 @@ def speculator_for(target: MoEModel, draft: str | os.PathLike, num_draft: int = 
     except DraftError:
         model.close()
         raise
-    return Speculator(target, model, num_draft)
+    return Speculator(target, model, num_draft, probe_tokens=probe_tokens)

@@ -19,7 +19,7 @@ def run_stats(model, speculation=None) -> dict:
         decode_tokens, decode_seconds = len(decode), sum(s for _, s in decode)
         if speculation is not None:
             decode_tokens = max(0, speculation.emitted - 1)
-            decode_seconds = speculation.draft_seconds + speculation.verify_seconds
+            decode_seconds = speculation.decode_seconds
         stats.update(prefill_tokens=prefill_tokens, ttft_s=ttft, prefill_tok_s=prefill_tokens / ttft,
                      decode_tokens=decode_tokens, decode_tok_s=decode_tokens / decode_seconds if decode_seconds else None)
     if speculation is not None:
@@ -74,4 +74,5 @@ def _speculation_line(s: dict) -> str:
             f"{s['drafted']} drafted), {per_token} per output token (draft {s['draft_seconds']:.3f} s, verify "
             f"{s['verify_seconds']:.3f} s); prefetched {s['prefetched']} experts, precision "
             f"{share(s['prefetch_precision'])}"
-            + ("" if s["draft_copy_bytes"] is None else f"; INT2 draft copy {s['draft_copy_bytes'] / 2**20:.1f} MiB"))
+            + ("" if s["draft_copy_bytes"] is None else f"; INT2 draft copy {s['draft_copy_bytes'] / 2**20:.1f} MiB")
+            + (f"; {s['plain_tokens']} tokens decoded plainly" if s["plain_tokens"] else ""))

@@ -1,9 +1,12 @@
 """Speculative decoding: greedy output equal to plain greedy decoding token for token (the bundled
 model, from its checkpoint and from a store, self-draft and a separate draft); the rejection
-sampler's output distribution equal to the target's; rollback of both caches; draft checks."""
+sampler's output distribution equal to the target's; rollback of both caches; draft checks; under
+a RAM budget, a self-draft that reads only the store's fallback copies, and speculation turned off
+where it reads more than plain decoding."""
 
 import shutil
 import sys
+import threading
 
 import pytest
 import torch
@@ -14,7 +17,8 @@ from edgemoe.cli import main
 from edgemoe.convert import convert
 from edgemoe.errors import DraftError
 from edgemoe.generate import Generation, GenerationOptions, decode, sampling_probs, stream_tokens
-from edgemoe.speculative import LowWidthExperts, Speculator, accept, check_draft, self_draft
+from edgemoe.speculative import (PROBE_TOKENS, FallbackDraftExperts, LowWidthExperts, Speculator, accept,
+                                 check_draft, self_draft, speculator_for)
 from helpers import run_cli
 
 PROMPTS = ("ROMEO:", "To be, or not to be", "KING HENRY.\nNow")
@@ -33,6 +37,13 @@ def bundled_store(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def fallback_store(tmp_path_factory):
+    out = tmp_path_factory.mktemp("spec") / "fallback"
+    convert(bundled_model_path(), out, bits=4, fallback_bits=2)
+    return out
+
+
 def _greedy(max_new_tokens=24):
     return GenerationOptions(max_new_tokens=max_new_tokens, stop_token_ids=[])
 
@@ -48,20 +59,90 @@ def test_self_draft_greedy_equals_plain_greedy_on_the_bundled_checkpoint(bundled
     assert s.emitted == 3 * 24
 
 
-@pytest.mark.parametrize("num_draft,ram", [(2, None), (4, "25%")])
-def test_self_draft_greedy_equals_plain_greedy_from_a_store(bundled_store, num_draft, ram):
+@pytest.mark.parametrize("num_draft,ram,store", [(2, None, "bundled_store"), (4, "25%", "fallback_store")])
+def test_self_draft_greedy_equals_plain_greedy_from_a_store(request, num_draft, ram, store):
+    path = request.getfixturevalue(store)
     # One thread in both: torch's products round by thread count, and the automatic count follows
     # the machine's load, so two loads could otherwise differ before speculation is involved.
-    with edgemoe.load(bundled_store, threads=1, ram=ram) as plain:
+    with edgemoe.load(path, threads=1, ram=ram) as plain:
         expected = [list(stream_tokens(plain, plain.tokenizer.encode(p), _greedy())) for p in PROMPTS]
-    with edgemoe.load(bundled_store, threads=1, ram=ram) as target:
-        speculator = Speculator(target, self_draft(target), num_draft, shares_cache=True)
+    with edgemoe.load(path, threads=1, ram=ram) as target:
+        speculator = Speculator(target, self_draft(target), num_draft, shares_cache=True, probe_tokens=0)
         got = [list(speculator.stream(target.tokenizer.encode(p), _greedy())) for p in PROMPTS]
         assert got == expected
         s = speculator.stats
-        assert s.prefetched_used <= s.prefetched
+        assert s.prefetched_used <= s.prefetched and s.off is None
         if ram is not None:   # a quarter of the experts in RAM: the draft's routing finds some missing
             assert s.prefetched > 0 and s.prefetched_used > 0
+
+
+def test_the_self_draft_reads_only_fallback_copies_and_holds_them_within_the_ram_budget(fallback_store):
+    """The draft's own reads (the caller's thread while the draft runs; the loader's prefetches for
+    the verification are the target's) are all fallback copies, cached in the RAM tier within --ram."""
+    with edgemoe.load(fallback_store, threads=1, ram="25%") as target:
+        store = target.store
+        copies = {(e.file, e.offset) for e in store.manifest.fallback.values()}
+        draft = self_draft(target)
+        assert isinstance(draft.experts, FallbackDraftExperts)
+        speculator = Speculator(target, draft, 3, shares_cache=True, probe_tokens=0)
+        drafting, drafts_reads, main = [False], [], threading.current_thread()
+        read, propose = store.disk.read, speculator._propose
+
+        def counted_read(entry, **kwargs):
+            if drafting[0] and threading.current_thread() is main:
+                drafts_reads.append((entry.file, entry.offset))
+            return read(entry, **kwargs)
+
+        def flagged_propose(*args):
+            drafting[0] = True
+            try:
+                return propose(*args)
+            finally:
+                drafting[0] = False
+
+        store.disk.read, speculator._propose = counted_read, flagged_propose
+        for prompt in PROMPTS:
+            ids = target.tokenizer.encode(prompt)
+            assert list(speculator.stream(ids, _greedy())) == list(stream_tokens(target, ids, _greedy()))
+        assert drafts_reads and set(drafts_reads) <= copies
+        assert store.stats.fallback_reads >= len(drafts_reads)
+        assert store.stats.ram.peak_bytes <= store.ram_capacity
+        assert speculator.stats.accepted > 0
+
+
+def test_a_self_draft_without_fallback_copies_under_a_ram_budget_is_off_with_one_message(bundled_store):
+    with edgemoe.load(bundled_store, threads=1, ram="25%") as target:
+        with pytest.raises(DraftError, match="no fallback copies.*--fallback-bits 2"):
+            self_draft(target)
+        speculator = speculator_for(target, "self", 4)
+        warnings, got = [], []
+        for prompt in PROMPTS:
+            ids = target.tokenizer.encode(prompt)
+            got.append(list(speculator.stream(ids, _greedy(), warn=warnings.append)))
+            assert got[-1] == list(stream_tokens(target, ids, _greedy()))
+        assert len(warnings) == 1 and warnings[0].startswith("speculative decoding off: ")
+        assert str(bundled_store) in warnings[0] and "--fallback-bits 2" in warnings[0]
+        assert speculator.stats.rounds == 0 and speculator.stats.plain_tokens == 3 * 23
+
+
+def test_speculation_reading_more_per_token_than_plain_decoding_is_turned_off_once(bundled, bundled_store):
+    """A draft the target always rejects (the bundled checkpoint with its output head negated: it
+    proposes the least likely token) and no expert in RAM: each round yields one token and reads the
+    experts of all n + 1 verified positions, so speculation reads more per token than plain decoding,
+    which reads one token's experts a step. The probe sees it, says so once, and decodes plainly."""
+    with edgemoe.load(bundled_model_path(), dtype=torch.float32) as draft, \
+            edgemoe.load(bundled_store, threads=1, ram=0) as target:
+        draft.lm_head = -draft.lm_head
+        speculator = Speculator(target, draft, 4)
+        warnings = []
+        for prompt in PROMPTS:
+            ids = target.tokenizer.encode(prompt)
+            got = list(speculator.stream(ids, _greedy(), warn=warnings.append))
+            assert got == list(stream_tokens(target, ids, _greedy()))
+        s = speculator.stats
+        assert len(warnings) == 1 and warnings[0].startswith("speculative decoding off: it read ")
+        assert s.off == warnings[0] and s.accepted == 0 and s.rounds == PROBE_TOKENS
+        assert s.plain_tokens == 3 * 23 - s.rounds
 
 
 PRECISIONS = [(torch.float32, None), (torch.bfloat16, None), (torch.float32, 8), (torch.bfloat16, 8),
@@ -253,6 +334,21 @@ def test_run_with_a_self_draft_prints_plain_greedy_text_and_its_figures(monkeypa
     out, err = run("--draft", "self", "--speculate", "3", "--stats")
     assert out == plain and len(plain) > 20
     assert "speculation:" in err and "acceptance" in err and "INT2 draft copy" in err
+
+
+def test_run_says_once_that_a_self_draft_without_fallback_copies_is_off(monkeypatch, capsys, bundled_store):
+    def run(*args):
+        monkeypatch.setattr(sys, "argv", ["edgemoe", "run", str(bundled_store), "-p", "ROMEO:", "-n", "12",
+                                          "--ram", "25%", "--threads", "1", "--temperature", "0", *args])
+        with pytest.raises(SystemExit) as exit_info:
+            main()
+        assert exit_info.value.code == 0
+        return capsys.readouterr()
+
+    plain = run().out
+    out, err = run("--draft", "self")
+    assert out == plain and err.count("warning: ") == 1
+    assert "warning: speculative decoding off: " in err and "--fallback-bits 2" in err
 
 
 @pytest.mark.parametrize("args,message", [

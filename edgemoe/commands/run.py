@@ -51,12 +51,15 @@ def run(
                                         "beams have finished."),
     draft: Optional[str] = typer.Option(None, "--draft", help="Speculative decoding: a draft model that proposes "
                                         "tokens the model checks in one step, a checkpoint directory or store with "
-                                        "the same tokenizer, or 'self': this model with its experts re-quantized "
-                                        "to INT2 in RAM (about 3 bits per weight, outside --ram; cap: --draft-ram)."),
+                                        "the same tokenizer, or 'self': this model with low-width experts, a store's "
+                                        "fallback copies (convert --fallback-bits) cached within --ram, else (a "
+                                        "checkpoint) INT2 copies in RAM (cap: --draft-ram). "
+                                        "Off, with a warning, for a store without fallback copies under --ram, and "
+                                        "where it reads more expert bytes per token than plain decoding."),
     speculate: Optional[int] = typer.Option(None, "--speculate", callback=checked(options.integer_at_least, 1),
                                             help="With --draft: tokens the draft proposes per round (default 4)."),
     draft_ram: Optional[str] = typer.Option(None, "--draft-ram", callback=checked(options.parse_bytes),
-                                            help="With --draft self: RAM for the INT2 copy of the experts, bytes "
+                                            help="With --draft self and INT2 copies: RAM for them, bytes "
                                             "like 64MiB (default: unlimited; least recently used dropped first)."),
     ram: Optional[str] = RAM,
     vram: Optional[str] = VRAM,
