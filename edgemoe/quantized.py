@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from edgemoe import kernels
+from edgemoe.kernels.cpu_int import G_BITS
 from edgemoe.kernels.ops import swiglu_experts_int, weighted_sum
 from edgemoe.store import ResidentExpert, TieredStore
 from edgemoe.kernels.device import swiglu_on_device, to_device, weights_on_device
@@ -178,6 +179,11 @@ class StoreExperts(ExpertProvider):
         """ExpertProvider.run's result, bit for bit: each (token, expert) pair's output into y [P, D],
         then their weighted sum in expert order. The resident experts compute first, those on
         "fused-int" in one kernel call, while the missing ones load; then the missing ones."""
+        if not self._weak and self.store.device is None and self.activations(layer, batches.experts[0]) is None:
+            table = self.store.resident_layer_table(layer)
+            out = self._run_resident(layer, x, batches, table) if table is not None else None
+            if out is not None:
+                return out
         starts = batches.starts
         pair_tokens, pair_weights = batches.pairs()                                 # [P], [P]
         pair_x = x.numpy()[pair_tokens.numpy()]                                     # [P, D]
@@ -193,6 +199,22 @@ class StoreExperts(ExpertProvider):
         if waiting:
             arrived = [(i, self._fetch(layer, batches.experts[i])) for i in waiting]
             self._compute_pairs(layer, x, pair_x, batches, arrived, starts, y)
+        out = torch.zeros_like(x)
+        weighted_sum(y, pair_tokens.numpy(), pair_weights.numpy(), out.numpy())
+        return out
+
+    def _run_resident(self, layer: int, x: torch.Tensor, batches: ExpertBatches, table: np.ndarray) -> torch.Tensor | None:
+        """_run_by_pairs for a layer whose experts are all resident in RAM (table: the store's
+        resident_layer_table) when each goes on "fused-int": their rows of the table, one kernel call,
+        the weighted sum, and the requests counted in one call; no object per expert. None when an
+        expert's path is another (then the general path runs)."""
+        layouts = table[batches.experts]
+        widths = zip(layouts[:, G_BITS].tolist(), np.diff(batches.starts).tolist())
+        if any(self.choose(bits, count) != "fused-int" for bits, count in set(widths)):
+            return None
+        self.store.get_resident(layer, batches.experts)   # counted as get() counts them
+        pair_tokens, pair_weights = batches.pairs()
+        y = swiglu_experts_int(x.numpy()[pair_tokens.numpy()], layouts, batches.starts)
         out = torch.zeros_like(x)
         weighted_sum(y, pair_tokens.numpy(), pair_weights.numpy(), out.numpy())
         return out

@@ -6,12 +6,15 @@ thread: torch's products (the dense layers') may round differently at another th
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
 import edgemoe
 from edgemoe.convert import convert, read_widths
 from edgemoe import quantized
+from edgemoe.kernels.cpu_int import G_BITS
+from edgemoe.store import read_manifest
 
 from helpers import decode
 
@@ -60,3 +63,47 @@ def test_one_token_at_a_time_verification_goes_through_the_layer_kernel_alike(mi
             model.logits(IDS[:4], cache)
             results.append(model.logits(IDS[4:9], cache, one_token_at_a_time=True))
     assert torch.equal(*results)
+
+
+def test_a_store_holding_every_expert_serves_a_layer_from_its_table_alike(mixed_store, monkeypatch):
+    """Every expert resident in RAM: a step's layer finds its experts' rows in the store's layer
+    table (no object per expert), with the general path's logits bit for bit and its request counts."""
+    def run(use_table):
+        with edgemoe.load(mixed_store, torch.float32, 1, preload="none", compute="fused-int") as model:
+            store = model.store
+            for entry in store.experts():
+                store.get(*entry.key)
+            tables = []
+            table = store.resident_layer_table
+            monkeypatch.setattr(store, "resident_layer_table",
+                                lambda l: tables.append(l) or (table(l) if use_table else None))
+            served = []
+            resident = model.experts._run_resident
+            monkeypatch.setattr(model.experts, "_run_resident", lambda *a: served.append(resident(*a)) or served[-1])
+            out = decode(model, IDS), model.logits(IDS)
+            hits = store.stats.ram.hits
+        return out, hits, tables, served
+    (with_table, hits, tables, served), (without, hits_without, _, unused) = run(True), run(False)
+    assert torch.equal(with_table[0], without[0]) and torch.equal(with_table[1], without[1])
+    assert hits == hits_without
+    assert tables and served and all(out is not None for out in served) and not unused
+
+
+def test_the_layer_table_appears_at_the_placement_that_makes_every_expert_resident(mixed_store):
+    from edgemoe.store import TieredStore
+    with TieredStore(mixed_store) as store:
+        layer = store.spec.moe_layer_ids[0]
+        *first, last = store.experts()
+        for entry in first:
+            store.get(*entry.key)
+        assert store.resident_layer_table(layer) is None            # one expert still on disk
+        store.get(*last.key)                                        # the placement drops that answer
+        table = store.resident_layer_table(layer)
+        rows = [store.get(layer, e).layout for e in range(store.spec.num_experts)]
+        assert table is not None and (table == np.stack(rows)).all()
+        assert len(set(table[:, G_BITS].tolist())) == 3              # each expert's row at its own width
+    entry = max(e.length for e in read_manifest(mixed_store).experts.values())
+    with TieredStore(mixed_store, ram=2 * entry) as small:
+        for e in range(small.spec.num_experts):
+            small.get(layer, e)
+        assert small.resident_layer_table(layer) is None           # a cache that cannot hold them all

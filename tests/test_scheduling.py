@@ -158,8 +158,8 @@ def test_predictions_wait_while_the_running_layer_waits_for_the_disk():
     reader.start()
     reader.join(0.1)
     assert got == []                                  # (0, 0) is still awaited: the disk is not free
-    q.arrived((0, 1))
-    q.arrived((0, 0))
+    q.arrived([(0, 1)])
+    q.arrived([(0, 0)])
     reader.join(5)
     assert got == [((2, 0), False)]
     for e in range(8):

@@ -89,11 +89,13 @@ class LoadQueue:
             if released or missing:
                 self._cond.notify_all()
 
-    def arrived(self, key: Key) -> None:
-        """`key` is resident or was served: the running layer no longer waits for it."""
+    def arrived(self, keys: list[Key]) -> None:
+        """These keys are resident or were served: the running layer no longer waits for them."""
+        if not self._awaiting:   # (a decode step with every expert resident: no lock)
+            return
         with self._cond:
-            if key in self._awaiting:
-                self._awaiting.discard(key)
+            if not self._awaiting.isdisjoint(keys):
+                self._awaiting.difference_update(keys)
                 self._cond.notify_all()
 
     @contextlib.contextmanager

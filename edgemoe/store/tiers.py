@@ -169,6 +169,7 @@ class TieredStore:
             guard=SchemeGuard(ram_capacity, GUARD_WINDOW_TOKENS * len(self.spec.moe_layer_ids)) if guarded else None,
             enter=self._enter, stats=self.stats, leave=self._leave)
         self._lock = threading.RLock()
+        self._layer_tables: dict[int, np.ndarray | None] = {}   # resident_layer_table's, until a placement
         self._weak: set[Key] = set()     # the running layer's experts a fallback copy will do for
         self._in_flight: dict[Key, threading.Event] = {}
         self._loads = LoadQueue(PRELOAD_QUEUE)
@@ -209,6 +210,23 @@ class TieredStore:
         """Every expert of the store is resident: no read can be needed, nor any preload."""
         return self.cache.count() == len(self.manifest.experts)
 
+    def resident_layer_table(self, layer: int) -> np.ndarray | None:
+        """The layer kernel's layout table of `layer`'s experts (int64 [E, LAYOUT_COLUMNS], row e for
+        expert e: edgemoe.kernels.ops.expert_layout), when every expert of the store is resident in RAM
+        at full width: then nothing is read, placed or evicted any more, and a decode step finds its
+        experts' rows by indexing, with no per-expert bookkeeping. None otherwise. Made once per layer
+        (dropped at any placement); valid while the store is open."""
+        if layer not in self._layer_tables:
+            with self._lock:
+                self._layer_tables[layer] = self._make_layer_table(layer) if self.holds_everything() else None
+        return self._layer_tables[layer]
+
+    def _make_layer_table(self, layer: int) -> np.ndarray | None:
+        items = [self.cache.find((layer, e)) for e in range(self.spec.num_experts)]
+        if any(item is None or item.narrowed or item.tensors is None or "gate" not in item.tensors for item in items):
+            return None
+        return np.stack([item.layout for item in items])
+
     def missing(self, keys) -> list[Key]:
         """The keys neither resident in a tier nor being read, in the order given."""
         with self._lock:
@@ -230,7 +248,7 @@ class TieredStore:
                 self._drop_narrowed_unless(fallback, key)
                 item = self.cache.request(key)
                 if item is not None:
-                    self._loads.arrived(key)
+                    self._loads.arrived([key])
                     return item
                 event = self._in_flight.get(key)
                 if event is None:
@@ -243,11 +261,11 @@ class TieredStore:
             with self._waiting_for(key):
                 item = self._read(key, narrowed=fallback)
             with self._lock:
-                return self.cache.place(item, kind="demand")
+                return self._place(item, kind="demand")
         finally:
             with self._lock:
                 self._in_flight.pop(key).set()
-            self._loads.arrived(key)
+            self._loads.arrived([key])
 
     def get_resident(self, layer: int, experts, fallback=frozenset()) -> list[ResidentExpert | None]:
         """get() for each of a layer's experts that is resident, under one lock (a step asks for many):
@@ -264,10 +282,13 @@ class TieredStore:
                     continue
                 self.stats.requested_bytes += self.manifest.experts[key].length
                 served.append(self.cache.request(key))
-        for expert, item in zip(experts, served):
-            if item is not None:
-                self._loads.arrived((layer, expert))
+        self._loads.arrived([(layer, e) for e, item in zip(experts, served) if item is not None])
         return served
+
+    def _place(self, item: ResidentExpert, kind: str) -> ResidentExpert:
+        """cache.place, the layer tables dropped (a placement may evict; held under self._lock)."""
+        self._layer_tables.clear()
+        return self.cache.place(item, kind=kind)
 
     def admit(self, predictions) -> list[Key]:
         """Of `predictions` ((key, probability of use), most wanted first), those worth a preload:
@@ -349,7 +370,7 @@ class TieredStore:
                 continue
             room -= entry.length
             with self._lock:
-                self.cache.place(self._read(key), kind="placement")
+                self._place(self._read(key), kind="placement")
 
     def _present(self, key: Key, full: bool = False) -> bool:
         """Resident, or a read of it is under way (callers hold the lock). full: a fallback copy
@@ -432,14 +453,14 @@ class TieredStore:
                 if not urgent:
                     self.stats.preloads_loaded += 1
                 self._drop_narrowed_unless(narrowed, key)   # the expert replaces its fallback copy
-                self.cache.place(item, kind="urgent" if urgent else "preload")
+                self._place(item, kind="urgent" if urgent else "preload")
         except BaseException as exc:  # surfaced in the caller's thread by the next get/prefetch
             self._loader_error = exc
         finally:
             with self._lock:
                 self._in_flight.pop(key)
             event.set()
-            self._loads.arrived(key)
+            self._loads.arrived([key])
 
     def _raise_loader_error(self) -> None:
         if self._loader_error is not None:
