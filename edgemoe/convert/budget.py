@@ -104,8 +104,8 @@ class MixedWidthExperts(ExpertProvider):
             self._layer = key[0]
         item = key, bits
         if item not in self._held:
-            self._held[item] = DenseExpert(**{role: kernels.dequantize(qt) for role, qt in self.packed.get(*item).items()},
-                                           activation=self.activations[key])
+            weights = {role: kernels.dequantize(qt) for role, qt in self.packed.get(*item).items()}
+            self._held[item] = DenseExpert(**weights, activation=self.activations[key])
         return self._held[item]
 
     def release(self) -> None:
@@ -302,7 +302,11 @@ class BudgetSearch:
             self._states = WindowStates(self._work.path / "states.bin", sizes, spec.hidden_size, dtype)
             self._inputs = WindowStates(self._work.path / "inputs.bin", sizes, spec.hidden_size, dtype,
                                         slots=spec.num_layers)
-        self._read_experts(model.experts, group_size, method)
+        try:
+            self._read_experts(model.experts, group_size, method)
+        except BaseException:
+            self.close()
+            raise
 
     def __enter__(self) -> "BudgetSearch":
         return self

@@ -125,8 +125,8 @@ def convert(model_dir, out, bits: int = 4, widths: dict[Key, int] | str | Path |
         if isinstance(widths, (str, Path)):
             widths = read_widths(widths, spec)
         with StoreWriter(out) as writer:
-            searcher = (_searcher(ckpt, planned, budget, calib_text, group_size, method, threads, report, writer.partial)
-                        if budget is not None else None)
+            searcher = (_searcher(ckpt, planned, budget, calib_text, group_size, method, threads, report,
+                                  writer.partial) if budget is not None else None)
             with searcher or nullcontext():
                 search = searcher.run(budget.limit) if searcher else None
                 widths = {key: ((search.widths if search else widths) or {}).get(key, bits) for key in keys}
