@@ -25,7 +25,7 @@ from .checkpoint import TORCH_DTYPES, Checkpoint, check_finite, read_json
 from .errors import EdgeMoEError
 from .dense import DENSE_BITS, dense_bits_for
 from .generate import GenerationOptions
-from .experts import DenseExpert, InMemoryExperts, expert_activations
+from .experts import DenseExpert, ExpertProvider, InMemoryExperts, expert_activations
 from .model import MoEModel
 from .seq2seq import Seq2SeqModel
 from .models import architecture, parse_spec
@@ -33,7 +33,7 @@ from .spec import ModelSpec
 from .precision import compute_dtype
 from .quantized import COMPUTE_CHOICES, StoreExperts, latency_model
 from .tokenizer import Tokenizer
-from .weights import iter_experts, plan_weights, read_dense
+from .weights import WeightPlan, iter_experts, plan_weights, read_dense, read_expert
 
 
 def python_name(option: str) -> str:
@@ -141,16 +141,43 @@ def plan_checkpoint(ckpt: Checkpoint):
 
 
 def model_from_checkpoint(ckpt: Checkpoint, planned, dtype: torch.dtype | None = None,
-                          threads: int | None = None) -> MoEModel:
-    """Every weight of an open checkpoint read into RAM (planned: plan_checkpoint's result)."""
+                          threads: int | None = None, lazy_experts: bool = False) -> MoEModel:
+    """Every weight of an open checkpoint read into RAM (planned: plan_checkpoint's result);
+    lazy_experts: the dense weights only, the experts read as the forward pass asks for them
+    (CheckpointExperts; the checkpoint must stay open while the model runs)."""
     spec, plan = planned
     dense = weights_in(read_dense(ckpt, plan), dtype)
     activation = expert_activations(spec, dense)
-    experts = {key: DenseExpert(**weights_in(weights, dtype), activation=activation(*key))
-               for key, weights in iter_experts(ckpt, plan, dtype)}
+    if lazy_experts:
+        experts = CheckpointExperts(ckpt, plan, dtype, activation)
+    else:
+        experts = InMemoryExperts({key: DenseExpert(**weights_in(weights, dtype), activation=activation(*key))
+                                   for key, weights in iter_experts(ckpt, plan, dtype)})
     tokenizer, generation_config = read_text_config(ckpt.path)
-    return model_class(spec)(spec, dense, InMemoryExperts(experts), tokenizer, generation_config,
-                             name=ckpt.path.name, threads=threads)
+    return model_class(spec)(spec, dense, experts, tokenizer, generation_config, name=ckpt.path.name,
+                             threads=threads)
+
+
+class CheckpointExperts(ExpertProvider):
+    """A checkpoint's experts read when first asked for, as model_from_checkpoint would load them,
+    holding one layer's at a time: a forward pass reads each expert it routes to once per layer, in
+    memory bounded by one layer's experts whatever the model's size."""
+
+    def __init__(self, ckpt: Checkpoint, plan: WeightPlan, dtype: torch.dtype | None, activation):
+        self.ckpt, self.plan, self.dtype, self.activation = ckpt, plan, dtype, activation
+        self._layer, self._held = None, {}
+
+    def expert(self, layer: int, expert: int) -> DenseExpert:
+        if layer != self._layer:
+            self._layer, self._held = layer, {}
+        if expert not in self._held:
+            self._held[expert] = self.read((layer, expert))
+        return self._held[expert]
+
+    def read(self, key: tuple[int, int]) -> DenseExpert:
+        """The expert `key` from the checkpoint (not held)."""
+        weights = read_expert(self.ckpt, self.plan.experts[key], self.dtype)
+        return DenseExpert(**weights_in(weights, self.dtype), activation=self.activation(*key))
 
 
 

@@ -228,13 +228,11 @@ class MoEModel(StoreOwner):
 
     @torch.inference_mode()
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, segments: Sequence[Segment], start: int = 0,
-                   on_layer_input=None) -> torch.Tensor:
-        """Decoder layers start.. on hidden states x [T, D] (the caches are not advanced).
-        on_layer_input(l, x) sees each layer's input (the budget search caches them)."""
+                   stop: int | None = None) -> torch.Tensor:
+        """Decoder layers start..stop - 1 (default: to the last) on hidden states x [T, D] (the caches
+        are not advanced; the budget search runs one layer at a time)."""
         cos, sin = self._rope(positions)
-        for l in range(start, self.spec.num_layers):
-            if on_layer_input is not None:
-                on_layer_input(l, x)
+        for l in range(start, self.spec.num_layers if stop is None else stop):
             x = self._layer(l, x, positions, cos, sin, segments)
         return x
 

@@ -36,7 +36,6 @@ def assert_rerun_from_layer_is_exact(search, keys):
         partial = search.loss({**base, key: 2}, start_layer=key[0])
         full = search.loss({**base, key: 2}, start_layer=0)
         assert partial == pytest.approx(full, rel=1e-6, abs=1e-9)
-    search._layer_inputs = []
 
 
 @pytest.fixture(scope="module")

@@ -34,9 +34,13 @@ Search (widths from {2, 4, 8}):
 The converter (edgemoe.convert) writes the packed experts the search made and confirms the loss end
 to end, from the written store, on held-out text the search never saw.
 
-Inputs: the checkpoint's model loaded in float32 (edgemoe.load), token ids of the calibration
-text. Memory: the packed experts at every width (about 1.75 bytes per expert weight) plus a bounded
-cache of dequantized experts, and per window the reference's log-probabilities (kl) or top-1 ids.
+Inputs: the checkpoint's model, loaded whole or with its experts read lazily (CheckpointExperts),
+token ids of the calibration text. A decoder-only model's search streams (docs/budget.md, "Streaming
+calibration: bounded memory"): each layer's experts are read once, packed at every width into a work
+file (and, with lazy experts, the unquantized reference run through that layer for every window),
+and every evaluation runs layer by layer, the windows' hidden states and the layer-input cache in
+work files: memory holds the dense weights and one layer's experts, plus per window the reference's
+log-probabilities (kl) or top-1 ids.
 
 Shapes: T tokens per window, V vocab, D hidden; a key is (layer, expert).
 """
@@ -46,8 +50,6 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections import OrderedDict
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -57,8 +59,12 @@ from edgemoe import kernels
 from edgemoe.quant import quantize
 
 from edgemoe.experts import DenseExpert, ExpertProvider, InMemoryExperts
+from edgemoe.loader import CheckpointExperts
 from edgemoe.model import MoEModel, Segment
 from edgemoe.seq2seq import Seq2SeqModel, text_to_text
+from edgemoe.spec import ModelSpec
+
+from .streaming import PackedExperts, WindowStates, WorkDirectory
 
 WIDTHS = (2, 4, 8)
 METRICS = ("ppl", "top1", "kl")
@@ -69,33 +75,42 @@ Key = tuple[int, int]
 
 
 class MixedWidthExperts(ExpertProvider):
-    """Every expert quantized at every width; `widths` says which one each expert uses now.
-    Dequantized weights are cached up to `cache_bytes` (least recently used first out)."""
+    """Every expert packed at every width in `packed` (a work file); `widths` says which one each
+    expert uses now. Dequantized weights are held for one layer and one evaluation at a time: a
+    layer-by-layer pass serves every window from them before the next layer's are read."""
 
-    def __init__(self, dense: InMemoryExperts, group_size: int | None, method: str, cache_bytes: int = 2 << 30):
-        self.packed = {(key, bits): {role: quantize(w, bits, group_size, method) for role, w in e.weights.items()}
-                       for key, e in dense.experts.items() for bits in WIDTHS}
-        self.activations = {key: e.activation for key, e in dense.experts.items()}
-        self.widths: dict[Key, int] = {key: 8 for key in dense.experts}
-        self._cache: OrderedDict = OrderedDict()
-        self._cache_bytes, self._cached = cache_bytes, 0
+    def __init__(self, packed: PackedExperts):
+        self.packed = packed
+        self.activations: dict = {}
+        self.widths: dict[Key, int] = {}
+        self._layer, self._held = None, {}
+
+    def add(self, key: Key, expert: DenseExpert, group_size: int | None, method: str) -> None:
+        """Pack `expert` at every width (its float weights are not kept); it starts at 8 bits."""
+        for bits in WIDTHS:
+            self.packed.add(key, bits, {role: quantize(w, bits, group_size, method)
+                                        for role, w in expert.weights.items()})
+        self.activations[key] = expert.activation
+        self.widths[key] = 8
 
     def expert(self, layer: int, expert: int) -> DenseExpert:
         return self.at((layer, expert), self.widths[layer, expert])
 
     def at(self, key: Key, bits: int) -> DenseExpert:
-        """The expert `key` quantized at `bits`, dequantized (cached)."""
+        """The expert `key` quantized at `bits`, dequantized (held until another layer is asked for
+        or release())."""
+        if key[0] != self._layer:
+            self.release()
+            self._layer = key[0]
         item = key, bits
-        if item in self._cache:
-            self._cache.move_to_end(item)
-            return self._cache[item]
-        dense = DenseExpert(**{role: kernels.dequantize(qt) for role, qt in self.packed[item].items()},
-                            activation=self.activations[key])
-        self._cache[item] = dense
-        self._cached += dense.nbytes
-        while self._cached > self._cache_bytes and len(self._cache) > 1:
-            self._cached -= self._cache.popitem(last=False)[1].nbytes
-        return dense
+        if item not in self._held:
+            weights = {role: kernels.dequantize(qt) for role, qt in self.packed.get(*item).items()}
+            self._held[item] = DenseExpert(**weights, activation=self.activations[key])
+        return self._held[item]
+
+    def release(self) -> None:
+        """Let the dequantized experts go (an evaluation with other widths starts)."""
+        self._layer, self._held = None, {}
 
 
 class LocalErrors(ExpertProvider):
@@ -138,8 +153,10 @@ class Calibration:
     or KL per token otherwise) is a paired sample; bound = mean + z * standard error, z from
     `confidence` (one-sided; 0.5 gives the plain estimate)."""
 
-    def __init__(self, reference: MoEModel | Seq2SeqModel, ids: torch.Tensor, context: int, metric: str,
+    def __init__(self, reference: MoEModel | Seq2SeqModel | ModelSpec, ids: torch.Tensor, context: int, metric: str,
                  confidence: float = 0.95):
+        """reference: the unquantized model, or only its spec when the reference is computed later,
+        layer by layer, by the search that reads the experts (add_reference)."""
         if metric not in METRICS:
             raise ValueError(f"--metric {metric!r}: expected one of {METRICS}")
         if not 0.5 <= confidence < 1:
@@ -149,7 +166,7 @@ class Calibration:
         self.windows = [ids[i:i + context] for i in range(0, ids.numel(), context) if ids.numel() - i >= 2]
         if not self.windows:
             raise ValueError("calibration text: fewer than 2 tokens")
-        spec = reference.spec
+        spec = reference if isinstance(reference, ModelSpec) else reference.spec
         self.pairs = ([text_to_text(w, spec.decoder_start_token_id) for w in self.windows]
                       if spec.is_encoder_decoder else None)
         self.targets = [p.target for p in self.pairs] if self.pairs else [w[1:] for w in self.windows]
@@ -157,10 +174,22 @@ class Calibration:
         self.tokens = sum(self.sizes)
         self.reference: list[torch.Tensor] = []
         self.reference_nll: list[float] = []     # per window, summed over its tokens
-        for i, target in enumerate(self.targets):
-            logp = torch.log_softmax(self.predict(reference, i), dim=-1)    # [T, V]
-            self.reference_nll.append(-logp.gather(1, target[:, None]).sum().item())
-            self.reference.append(logp if metric == "kl" else logp.argmax(-1))
+        if not isinstance(reference, ModelSpec):
+            for i in range(len(self.windows)):
+                self.add_reference(i, self.predict(reference, i))
+
+    @property
+    def has_reference(self) -> bool:
+        return len(self.reference) == len(self.windows)
+
+    def add_reference(self, i: int, logits: torch.Tensor) -> None:
+        """Window i's reference, from the unquantized model's logits [T, V] for it (as predict);
+        windows in order."""
+        if i != len(self.reference):
+            raise ValueError(f"add_reference: window {i} given, window {len(self.reference)} expected")
+        logp = torch.log_softmax(logits, dim=-1)    # [T, V]
+        self.reference_nll.append(-logp.gather(1, self.targets[i][:, None]).sum().item())
+        self.reference.append(logp if self.metric == "kl" else logp.argmax(-1))
 
     def predict(self, model: MoEModel | Seq2SeqModel, i: int) -> torch.Tensor:
         """The model's logits [T, V] for window i, row t predicting targets[i][t]."""
@@ -236,82 +265,148 @@ def _by_layer(values: dict[Key, float]) -> dict[str, list]:
 
 
 class BudgetSearch:
-    """The search on a MoEModel or a Seq2SeqModel. The importance step re-runs a MoEModel from the
-    expert's layer on cached layer inputs; a Seq2SeqModel runs whole (encoder and decoder) per
-    evaluation: its decoder layers also read the encoder's output, so one cached input per layer
-    does not resume it."""
+    """The search on a MoEModel or a Seq2SeqModel. A MoEModel is evaluated layer by layer (every
+    window through one layer, then the next: exactly each window's forward pass), its windows'
+    hidden states and the per-layer input cache of the importance step's re-runs in work files.
+    A Seq2SeqModel runs whole (encoder and decoder) per window and evaluation: its decoder layers
+    also read the encoder's output, which one cached input per layer does not carry.
+
+    model: loaded whole (InMemoryExperts) or, for a MoEModel, with its experts read lazily from the
+    checkpoint (CheckpointExperts, model_from_checkpoint(lazy_experts=True)): with a Calibration that
+    awaits its reference (built from the spec), the reference is run layer by layer as the experts
+    are read. workdir: where the work files go (a directory made inside it, removed by close()).
+    Use as a context manager, or close() it."""
 
     def __init__(self, model: MoEModel | Seq2SeqModel, calibration: Calibration, group_size: int | None = None,
                  method: str = "rtn", progress: Callable[[str, int, int], None] | None = None,
-                 importance: str = "local"):
-        if not isinstance(model.experts, InMemoryExperts):
+                 importance: str = "local", workdir=None):
+        if not isinstance(model.experts, (InMemoryExperts, CheckpointExperts)):
             raise ValueError("budget search: load the checkpoint directory, not a store")
         if importance not in IMPORTANCE_METHODS:
             raise ValueError(f"--importance {importance!r}: expected one of {IMPORTANCE_METHODS}")
+        self._resumable = isinstance(model, MoEModel)
+        if not (calibration.has_reference or self._resumable):
+            raise ValueError("budget search: an encoder-decoder model's reference needs the model loaded whole")
         self.model, self.calib, self.importance_method = model, calibration, importance
-        self.experts = MixedWidthExperts(model.experts, group_size, method)
         self.progress = progress or (lambda stage, done, total: None)
-        self.keys = sorted(model.experts.experts)
+        spec = model.spec
+        self.keys = [(layer, e) for layer in sorted(spec.moe_layer_ids) for e in range(spec.num_experts)]
         self.evaluations = 0
         self.layer_loss: dict[int, float] = {}
         self.boundary: dict[Key, float] = {}
-        self._layer_inputs: dict[int, dict[int, torch.Tensor]] = {}   # window -> layer -> input
-        self._quantized = type(model)(model.spec, model.dense_weights(), self.experts)
-        self._resumable = isinstance(model, MoEModel)
+        self._work = WorkDirectory(workdir)
+        self.experts = MixedWidthExperts(PackedExperts(self._work.path / "packed.bin"))
+        self._quantized = type(model)(spec, model.dense_weights(), self.experts)
+        if self._resumable:
+            sizes, dtype = [w.numel() for w in calibration.windows], self._quantized.dtype
+            self._states = WindowStates(self._work.path / "states.bin", sizes, spec.hidden_size, dtype)
+            self._inputs = WindowStates(self._work.path / "inputs.bin", sizes, spec.hidden_size, dtype,
+                                        slots=spec.num_layers)
+        try:
+            self._read_experts(model.experts, group_size, method)
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> "BudgetSearch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Remove the work files (the packed experts with them)."""
+        self.experts.packed.close()
+        if self._resumable:
+            self._states.close()
+            self._inputs.close()
+        self._work.close()
+
+    def _read_experts(self, source, group_size: int | None, method: str) -> None:
+        """Each MoE layer's experts read once from `source` and packed at every width; when the
+        calibration awaits its reference, the unquantized model run through each layer as it is read
+        (every layer, those without experts included), and the reference taken from its head."""
+        run_reference = not self.calib.has_reference
+        windows = range(len(self.calib.windows))
+        moe_layers = sorted({l for l, _ in self.keys})
+        layers = range(self.model.spec.num_layers) if run_reference else moe_layers
+        if run_reference:
+            self._embed(windows, 0)
+        for done, layer in enumerate(layers, 1):
+            for key in (k for k in self.keys if k[0] == layer):
+                self.experts.add(key, source.expert(*key), group_size, method)
+            if run_reference:
+                self._quantized.experts = source     # the unquantized experts of this layer
+                try:
+                    self._through_layer(layer, windows)
+                finally:
+                    self._quantized.experts = self.experts
+            self.progress("reading experts", done, len(layers))
+        for i in windows if run_reference else ():
+            self.calib.add_reference(i, self._logits(i))
 
     def loss(self, widths: dict[Key, int], start_layer: int = 0, windows=None) -> tuple[float, float]:
         """(estimate, upper bound) of the calibration loss with these widths over `windows` (default
         all); computed from `start_layer` on the cached layer inputs when > 0 (MoEModel only)."""
         self.experts.widths = widths
         self.evaluations += 1
-        per_window = {}
-        for i in (range(len(self.calib.windows)) if windows is None else windows):
-            logits = (self.calib.predict(self._quantized, i) if start_layer == 0
-                      else self._from_layer(i, start_layer)[:-1])
-            per_window[i] = self.calib.window_loss(i, logits)
+        windows = range(len(self.calib.windows)) if windows is None else windows
+        if self._resumable:
+            self._pass(windows, start_layer)
+            per_window = {i: self.calib.window_loss(i, self._logits(i)) for i in windows}
+        else:
+            self.experts.release()
+            per_window = {i: self.calib.window_loss(i, self.calib.predict(self._quantized, i)) for i in windows}
         return self.calib.loss(per_window)
 
-    def _from_layer(self, i: int, layer: int) -> torch.Tensor:
-        window = self.calib.windows[i]
+    def _pass(self, windows, start_layer: int = 0, record_inputs: bool = False) -> None:
+        """Every one of `windows` through layers start_layer.. of the twin, layer by layer; from the
+        cached inputs of start_layer when > 0. record_inputs: cache each layer's inputs."""
+        self.experts.release()
+        self._embed(windows, start_layer)
+        for layer in range(start_layer, self.model.spec.num_layers):
+            self._through_layer(layer, windows, record_inputs)
+
+    @torch.inference_mode()
+    def _embed(self, windows, start_layer: int) -> None:
+        for i in windows:
+            self._states.write(i, self._quantized.embeddings(self.calib.windows[i]) if start_layer == 0
+                               else self._inputs.read(i, start_layer))
+
+    @torch.inference_mode()
+    def _through_layer(self, layer: int, windows, record_inputs: bool = False) -> None:
+        """Each window's hidden states through `layer` (its own attention, a fresh KV cache: what
+        its whole forward pass computes there)."""
         m = self._quantized
-        cache = m.new_cache()
-        with torch.inference_mode():
-            x = m.run_layers(self._layer_inputs[i][layer], torch.arange(window.numel()),
-                             [Segment(cache, window.numel())], start=layer)
-            return m.head(x)
+        m.threads.step()
+        for i in windows:
+            x = self._states.read(i)
+            if record_inputs:
+                self._inputs.write(i, x, layer)
+            n = x.shape[0]
+            self._states.write(i, m.run_layers(x, torch.arange(n), [Segment(m.new_cache(), n)], start=layer,
+                                               stop=layer + 1))
+
+    @torch.inference_mode()
+    def _logits(self, i: int) -> torch.Tensor:
+        """Window i's logits from its last layer's output, aligned with its targets (as predict)."""
+        return self._quantized.head(self._states.read(i))[:-1]
 
     def _cache_layer_inputs(self, widths: dict[Key, int], windows=None) -> None:
         """Record the input to every layer of each of `windows` (default all) under `widths` (the
-        all-ceiling model)."""
+        all-ceiling model), for re-runs from a layer (MoEModel; a Seq2SeqModel re-runs whole)."""
+        if not self._resumable:
+            return
         self.experts.widths = widths
-        self._layer_inputs = {}
-        for i in (range(len(self.calib.windows)) if windows is None else windows):
-            window = self.calib.windows[i]
-            inputs: dict[int, torch.Tensor] = {}
-            cache = self._quantized.new_cache()
-            with torch.inference_mode():
-                self._quantized.run_layers(self._quantized.embeddings(window), torch.arange(window.numel()),
-                                           [Segment(cache, window.numel())],
-                                           on_layer_input=lambda l, x: inputs.__setitem__(l, x))
-            self._layer_inputs[i] = inputs
+        self._pass(range(len(self.calib.windows)) if windows is None else windows, record_inputs=True)
 
     def importance(self, floor: int, ceiling: int, windows=None) -> dict[Key, float]:
         """Each expert's importance on `windows`, by self.importance_method (module docstring)."""
         base = {key: ceiling for key in self.keys}
-        with self._inputs_cached(base, windows):
-            if self.importance_method == "exact":
-                return self._exact_importance(base, floor, windows)
-            return self._local_importance(base, floor, windows)
-
-    @contextmanager
-    def _inputs_cached(self, widths: dict[Key, int], windows):
-        """Within: the layer inputs of `windows` under `widths` cached (MoEModel), for re-runs."""
-        if self._resumable:
-            self._cache_layer_inputs(widths, windows)
-        try:
-            yield
-        finally:
-            self._layer_inputs = {}
+        self._cache_layer_inputs(base, windows)
+        if self.importance_method == "exact":
+            return self._exact_importance(base, floor, windows)
+        return self._local_importance(base, floor, windows)
 
     def _exact_importance(self, base: dict[Key, int], floor: int, windows, keys=None,
                           stage: str = "importance") -> dict[Key, float]:
@@ -415,8 +510,8 @@ class BudgetSearch:
         low, high = max(0, k - BOUNDARY), min(len(order), k + BOUNDARY)
         band = order[low:high]
         base = {key: ceiling for key in self.keys}
-        with self._inputs_cached(base, ranking):
-            self.boundary = self._exact_importance(base, floor, ranking, band, stage="boundary")
+        self._cache_layer_inputs(base, ranking)
+        self.boundary = self._exact_importance(base, floor, ranking, band, stage="boundary")
         order = order[:low] + sorted(band, key=lambda key: (self.boundary[key], key)) + order[high:]
         return order, self._largest_k(order, floor, ceiling, budget, choosing, low, high)
 

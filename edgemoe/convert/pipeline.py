@@ -2,12 +2,16 @@
 
     1. check the destination and the inputs (before any work);
     2. open the checkpoint once: its spec and weight plan from the headers;
-    3. with a quality budget: load the checkpoint's model, search per-expert widths on the
-       calibration text (edgemoe.convert.budget), keeping the packed experts the search made;
-    4. write the copied files, the dense tensors, and every expert (the search's packed experts, or
-       each quantized as it streams through a thread pool);
-    5. open the store being written (its manifest still in memory) to profile its routing on the
-       calibration text and, after a search, to confirm the loss on held-out text;
+    3. with a quality budget: load the checkpoint's dense weights (and, for an encoder-decoder
+       model, its experts; a decoder-only model's are read a layer at a time), search per-expert
+       widths on the calibration text (edgemoe.convert.budget), its work files (the packed experts
+       at every width among them) inside the partial store;
+    4. write the copied files, the dense tensors, and every expert (copied from the search's packed
+       experts at its width, or each quantized as it streams through a thread pool); remove the
+       search's work files;
+    5. open the store being written (its manifest still in memory, a RAM tier of two layers'
+       experts) to profile its routing on the calibration text and, after a search, to confirm the
+       loss on held-out text;
     6. write the manifest once, with the search's record, and move the store into place.
 
 Errors (StoreError, CheckpointError, OptionError, naming the file or option) come before step 3
@@ -20,6 +24,7 @@ import os
 import resource
 import time
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -29,7 +34,7 @@ import torch
 from edgemoe.checkpoint import Checkpoint
 from edgemoe.errors import CheckpointError
 from edgemoe.evaluate import evaluate
-from edgemoe.loader import StoreOptions, load_store, model_from_checkpoint, plan_checkpoint
+from edgemoe.loader import CheckpointExperts, StoreOptions, load_store, model_from_checkpoint, plan_checkpoint
 from edgemoe.options import OptionError, integer_at_least, one_of
 from edgemoe.tracing import profile_text
 from edgemoe.quant import quantize
@@ -119,31 +124,30 @@ def convert(model_dir, out, bits: int = 4, widths: dict[Key, int] | str | Path |
         keys = sorted(plan.experts)
         if isinstance(widths, (str, Path)):
             widths = read_widths(widths, spec)
-        search = reference = None
-        packed: dict[Key, dict] = {}
-        if budget is not None:
-            reference = model_from_checkpoint(ckpt, planned, threads=threads)
-            search, packed = _search_widths(reference, budget, calib_text, group_size, method, report)
-            widths = search.widths
-        widths = {key: (widths or {}).get(key, bits) for key in keys}
-        if fallback_bits and max(widths.values()) <= fallback_bits:
-            raise OptionError("fallback_bits=", fallback_bits, f"no expert is wider (the widest is "
-                              f"{max(widths.values())} bits): there is nothing to narrow")
-
-        def quantized(key: Key) -> dict:
-            if key in packed:
-                return packed.pop(key)
-            weights = read_expert(ckpt, plan.experts[key])
-            return {role: quantize(w, widths[key], group_size, method) for role, w in weights.items()}
-
         with StoreWriter(out) as writer:
-            writer.copy_files(ckpt.path)
-            writer.write_dense(ckpt, plan.dense)
-            writer.write_experts(keys, quantized, compress, workers or os.cpu_count() or 1,
-                                 lambda done, total: report("writing experts", done, total), fallback_bits)
+            searcher = (_searcher(ckpt, planned, budget, calib_text, group_size, method, threads, report,
+                                  writer.partial) if budget is not None else None)
+            with searcher or nullcontext():
+                search = searcher.run(budget.limit) if searcher else None
+                widths = {key: ((search.widths if search else widths) or {}).get(key, bits) for key in keys}
+                if fallback_bits and max(widths.values()) <= fallback_bits:
+                    raise OptionError("fallback_bits=", fallback_bits, f"no expert is wider (the widest is "
+                                      f"{max(widths.values())} bits): there is nothing to narrow")
+
+                def quantized(key: Key) -> dict:
+                    if searcher:     # packed by the search at every width: copied, not quantized again
+                        return searcher.experts.packed.get(key, widths[key])
+                    weights = read_expert(ckpt, plan.experts[key])
+                    return {role: quantize(w, widths[key], group_size, method) for role, w in weights.items()}
+
+                writer.copy_files(ckpt.path)
+                writer.write_dense(ckpt, plan.dense)
+                writer.write_experts(keys, quantized, compress, workers or os.cpu_count() or 1,
+                                     lambda done, total: report("writing experts", done, total), fallback_bits)
             extra = {"budget": search.to_json()} if search is not None else {}
             manifest = writer.manifest(spec, ckpt.path, method, group_size, extra)
-            heldout = _profile_and_confirm(writer.partial, manifest, calib_text, profile_tokens, budget, reference,
+            heldout = _profile_and_confirm(writer.partial, manifest, calib_text, profile_tokens, budget,
+                                           searcher.model if searcher else None,
                                            threads, report)
             if heldout is not None:
                 manifest.data["budget"]["heldout_loss"] = heldout
@@ -168,18 +172,20 @@ def check_tokenizer(model_dir: Path, allow_missing: bool, reads_text: bool) -> N
                               f"for token ids only (--allow-no-tokenizer, allow_no_tokenizer=True)")
 
 
-def _search_widths(reference, budget: QualityBudget, calib_text: str, group_size, method,
-                   report: Progress) -> tuple[BudgetResult, dict[Key, dict]]:
-    """The search's widths and, for each expert, the packed weights it made at that width."""
+def _searcher(ckpt: Checkpoint, planned, budget: QualityBudget, calib_text: str, group_size, method, threads,
+              report: Progress, workdir: Path) -> BudgetSearch:
+    """The search on the calibration text, its experts read and packed (its work files in
+    `workdir`). A decoder-only model's experts are read lazily and its reference computed by the
+    search, layer by layer; an encoder-decoder model is loaded whole and its reference computed here."""
+    reference = model_from_checkpoint(ckpt, planned, threads=threads, lazy_experts=not planned[0].is_encoder_decoder)
     ids = torch.tensor(reference.tokenizer.encode(calib_text, add_special_tokens=False))
     if budget.calib_tokens is not None:
         ids = ids[:budget.calib_tokens]
     context = min(budget.context, reference.context_length)
-    calibration = Calibration(reference, ids, context, budget.metric, budget.confidence)
-    search = BudgetSearch(reference, calibration, group_size, method, report, budget.importance)
-    result = search.run(budget.limit)
-    packed = {key: search.experts.packed[key, b] for key, b in result.widths.items()}
-    return result, packed
+    streamed = isinstance(reference.experts, CheckpointExperts)
+    calibration = Calibration(reference.spec if streamed else reference, ids, context, budget.metric,
+                              budget.confidence)
+    return BudgetSearch(reference, calibration, group_size, method, report, budget.importance, workdir)
 
 
 def _profile_and_confirm(path: Path, manifest, calib_text, profile_tokens, budget, reference, threads,
@@ -189,7 +195,8 @@ def _profile_and_confirm(path: Path, manifest, calib_text, profile_tokens, budge
     (returned)."""
     if calib_text is None:
         return None
-    with load_store(path, StoreOptions(preload="none"), threads=threads, manifest=manifest) as model:
+    with load_store(path, StoreOptions(preload="none", ram=_two_layers(manifest)), threads=threads,
+                    manifest=manifest) as model:
         save_routing_profile(path, *profile_text(model, calib_text, max_tokens=profile_tokens,
                                                  on_progress=lambda d, t: report("profiling routing", d, t)))
         if budget is None or budget.heldout_text is None:
@@ -203,6 +210,15 @@ def _profile_and_confirm(path: Path, manifest, calib_text, profile_tokens, budge
         result = evaluate(model, ids, context=context, stride=context, reference=reference,
                           on_progress=lambda d, t: report("confirming on held-out text", d, t))
         return metric_loss(result, budget.metric)
+
+
+def _two_layers(manifest) -> int:
+    """Bytes of the two largest MoE layers' experts: the RAM tier of the store the converter opens,
+    so that its memory does not grow with the model (a pass reads a layer's experts once per window)."""
+    per_layer = Counter()
+    for (layer, _), entry in manifest.experts.items():
+        per_layer[layer] += entry.length
+    return sum(sorted(per_layer.values())[-2:])
 
 
 def _report(out: Path, writer: StoreWriter, widths, start: float, search, heldout, profiled) -> ConvertReport:

@@ -125,7 +125,7 @@ class StoreWriter:
         fallback-00000.bin, each wider expert's copy narrowed to that width (edgemoe.quant.narrow)."""
         self.fallback_bits = fallback_bits
         files = [DATA_FILE] + ([FALLBACK_FILE] if fallback_bits else [])
-        outputs = {name: _AlignedAppender(self.partial / name, compress) for name in files}
+        outputs = {name: AlignedAppender(self.partial / name, compress) for name in files}
         try:
             with ThreadPoolExecutor(workers) as pool:
                 pending = []
@@ -198,7 +198,7 @@ class StoreWriter:
         fsync_directory(self.out)
 
 
-class _AlignedAppender:
+class AlignedAppender:
     """One data file being written: blobs appended 4096-aligned, each with its CRC-32, compressed
     when `compress` is "zstd"."""
 
