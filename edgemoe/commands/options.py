@@ -21,7 +21,7 @@ import typer
 
 from edgemoe import options
 from edgemoe.bundled import bundled_model_path
-from edgemoe.scheduling.policies import DEFAULT_POLICY
+from edgemoe.scheduling.policies import DEFAULT_POLICY, POLICIES
 
 DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
@@ -55,7 +55,8 @@ VRAM = typer.Option(None, "--vram", help="Store only: VRAM for experts, bytes or
 DEVICE = typer.Option(None, "--device", help="Store only: torch device of the VRAM tier (default: cuda when "
                       "present).")
 POLICY = typer.Option(DEFAULT_POLICY, "--policy", help="Store only: eviction policy, adaptive (default: follows "
-                      "whichever of the others would read least), lru, lfu, frequency-distance or expected-use.")
+                      "whichever of the others would read least), or one of "
+                      f"{', '.join(p for p in POLICIES if p != DEFAULT_POLICY)}.")
 PRELOAD = typer.Option("auto", "--preload", help="Store only: auto (the predictor the store's profiling measured "
                        "better; else correlation if the store has a profile, else lookahead), correlation, "
                        "lookahead or none.")

@@ -52,7 +52,7 @@ from .preload import MIN_PROBABILITY
 from .profile import RoutingProfile, read_trace, tokens_from_trace
 
 Key = tuple[int, int]          # (layer, expert)
-POLICY_NAMES = ("lru", "lfu", "frequency-distance", "expected-use", "adaptive")
+POLICY_NAMES = tuple(POLICIES)   # every eviction policy, in the order of their table
 
 
 def simulate(tokens, cache_experts: int, policy: str, preload_profile: RoutingProfile | None = None,
