@@ -109,6 +109,15 @@ class SwiGLU(ExpertKind):
     kind = "swiglu"
 
 
+def qwen_style_routing(config: dict) -> dict:
+    """ModelSpec fields of the routing Qwen2/3-MoE and OLMoE share: softmax top-k over num_experts (or
+    num_local_experts), renormalised only where norm_topk_prob says so, SwiGLU experts."""
+    return dict(num_experts=config_int(config, "num_experts", "num_local_experts"),
+                top_k=config_int(config, "num_experts_per_tok"),
+                norm_topk_prob=config_bool(config, "norm_topk_prob", default=False),
+                routing=SoftmaxTopK(), expert_kind=SwiGLU())
+
+
 def attention_fields(config: dict, rope_types: tuple[str, ...] = ("default",)) -> dict:
     """ModelSpec fields that every supported architecture reads the same way from config.json
     (rotary types other than `rope_types` are refused)."""

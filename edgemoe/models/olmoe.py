@@ -4,7 +4,7 @@ clipping of q/k/v, top-k weights not renormalised by default; every layer MoE.
 
 from __future__ import annotations
 
-from .common import SoftmaxTopK, SwiGLU, attention_fields, llama_style_names, qwen_style_mlp_names
+from .common import attention_fields, llama_style_names, qwen_style_mlp_names, qwen_style_routing
 from ..spec import ModelSpec, TensorNames, config_bool, config_float, config_int
 
 MODEL_TYPE = "olmoe"
@@ -15,11 +15,7 @@ def parse_config(config: dict) -> ModelSpec:
     num_layers = fields["num_layers"]
     return ModelSpec(
         model_type=MODEL_TYPE,
-        num_experts=config_int(config, "num_experts", "num_local_experts"),
-        top_k=config_int(config, "num_experts_per_tok"),
-        norm_topk_prob=config_bool(config, "norm_topk_prob", default=False),
-        routing=SoftmaxTopK(),
-        expert_kind=SwiGLU(),
+        **qwen_style_routing(config),
         expert_hidden=config_int(config, "intermediate_size"),
         moe_layers=(True,) * num_layers,
         sliding_windows=(None,) * num_layers,

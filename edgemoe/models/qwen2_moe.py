@@ -7,7 +7,7 @@ mlp.shared_expert.{gate,up,down}_proj.weight, mlp.shared_expert_gate.weight [1, 
 
 from __future__ import annotations
 
-from .common import SoftmaxTopK, SwiGLU, attention_fields, llama_style_names, qwen_style_mlp_names
+from .common import attention_fields, llama_style_names, qwen_style_mlp_names, qwen_style_routing
 from ..spec import ModelSpec, TensorNames, config_bool, config_int, config_list
 
 MODEL_TYPE = "qwen2_moe"
@@ -36,11 +36,7 @@ def parse_config(config: dict) -> ModelSpec:
     num_layers = fields["num_layers"]
     return ModelSpec(
         model_type=MODEL_TYPE,
-        num_experts=config_int(config, "num_experts", "num_local_experts"),
-        top_k=config_int(config, "num_experts_per_tok"),
-        norm_topk_prob=config_bool(config, "norm_topk_prob", default=False),
-        routing=SoftmaxTopK(),
-        expert_kind=SwiGLU(),
+        **qwen_style_routing(config),
         expert_hidden=config_int(config, "moe_intermediate_size"),
         moe_layers=moe_layer_flags(config, num_layers),
         sliding_windows=sliding_windows(config, num_layers),

@@ -5,7 +5,7 @@ Checkpoint names as Qwen2-MoE without the shared expert, plus self_attn.q_norm /
 
 from __future__ import annotations
 
-from .common import SoftmaxTopK, SwiGLU, attention_fields, llama_style_names, qwen_style_mlp_names
+from .common import attention_fields, llama_style_names, qwen_style_mlp_names, qwen_style_routing
 from .qwen2_moe import moe_layer_flags
 from ..spec import ModelSpec, TensorNames, config_bool, config_int
 
@@ -19,11 +19,7 @@ def parse_config(config: dict) -> ModelSpec:
     window = config_int(config, "sliding_window", default=None) if sliding else None
     return ModelSpec(
         model_type=MODEL_TYPE,
-        num_experts=config_int(config, "num_experts", "num_local_experts"),
-        top_k=config_int(config, "num_experts_per_tok"),
-        norm_topk_prob=config_bool(config, "norm_topk_prob", default=False),
-        routing=SoftmaxTopK(),
-        expert_kind=SwiGLU(),
+        **qwen_style_routing(config),
         expert_hidden=config_int(config, "moe_intermediate_size"),
         moe_layers=moe_layer_flags(config, num_layers),
         sliding_windows=(window,) * num_layers,
