@@ -100,10 +100,6 @@ class ExpertBatches:
         """Per active expert: routing weights [S], float32."""
         return list(self.pair_weights.split(np.diff(self.starts).tolist()))
 
-    def pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(token index, routing weight) of every pair, expert after expert: [P], [P]."""
-        return self.pair_tokens, self.pair_weights
-
     @classmethod
     def from_routing(cls, weights: torch.Tensor, experts: torch.Tensor) -> "ExpertBatches":
         """weights, experts [T, A] -> batches sorted by expert (stable: token order kept within one)."""

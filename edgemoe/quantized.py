@@ -179,14 +179,11 @@ class StoreExperts(ExpertProvider):
         """ExpertProvider.run's result, bit for bit: each (token, expert) pair's output into y [P, D],
         then their weighted sum in expert order. The resident experts compute first, those on
         "fused-int" in one kernel call, while the missing ones load; then the missing ones."""
-        if not self._weak and self.store.device is None and self.activations(layer, batches.experts[0]) is None:
-            table = self.store.resident_layer_table(layer)
-            out = self._run_resident(layer, x, batches, table) if table is not None else None
-            if out is not None:
-                return out
+        out = self._run_resident(layer, x, batches)
+        if out is not None:
+            return out
         starts = batches.starts
-        pair_tokens, pair_weights = batches.pairs()                                 # [P], [P]
-        pair_x = x.numpy()[pair_tokens.numpy()]                                     # [P, D]
+        pair_x = x.numpy()[batches.pair_tokens.numpy()]                             # [P, D]
         y = np.empty(pair_x.shape, np.float32)
         weak = {e for _, e in self._weak} if self._weak else ()
         resident = self.store.get_resident(layer, batches.experts, weak)
@@ -199,25 +196,25 @@ class StoreExperts(ExpertProvider):
         if waiting:
             arrived = [(i, self._fetch(layer, batches.experts[i])) for i in waiting]
             self._compute_pairs(layer, x, pair_x, batches, arrived, starts, y)
-        out = torch.zeros_like(x)
-        weighted_sum(y, pair_tokens.numpy(), pair_weights.numpy(), out.numpy())
-        return out
+        return _weighted_sum(x, batches, y)
 
-    def _run_resident(self, layer: int, x: torch.Tensor, batches: ExpertBatches, table: np.ndarray) -> torch.Tensor | None:
-        """_run_by_pairs for a layer whose experts are all resident in RAM (table: the store's
-        resident_layer_table) when each goes on "fused-int": their rows of the table, one kernel call,
-        the weighted sum, and the requests counted in one call; no object per expert. None when an
-        expert's path is another (then the general path runs)."""
+    def _run_resident(self, layer: int, x: torch.Tensor, batches: ExpertBatches) -> torch.Tensor | None:
+        """_run_by_pairs for a layer of SwiGLU experts all resident in RAM at full width (the store's
+        resident_layer_table) and each on "fused-int": their rows of the table, one kernel call, the
+        weighted sum, and the requests counted in one call; no object per expert. None otherwise
+        (then the general path runs)."""
+        if self._weak or self.store.device is not None or self.activations(layer, batches.experts[0]) is not None:
+            return None
+        table = self.store.resident_layer_table(layer)
+        if table is None:
+            return None
         layouts = table[batches.experts]
         widths = zip(layouts[:, G_BITS].tolist(), np.diff(batches.starts).tolist())
         if any(self.choose(bits, count) != "fused-int" for bits, count in set(widths)):
             return None
         self.store.get_resident(layer, batches.experts)   # counted as get() counts them
-        pair_tokens, pair_weights = batches.pairs()
-        y = swiglu_experts_int(x.numpy()[pair_tokens.numpy()], layouts, batches.starts)
-        out = torch.zeros_like(x)
-        weighted_sum(y, pair_tokens.numpy(), pair_weights.numpy(), out.numpy())
-        return out
+        y = swiglu_experts_int(x.numpy()[batches.pair_tokens.numpy()], layouts, batches.starts)
+        return _weighted_sum(x, batches, y)
 
     def _compute_pairs(self, layer: int, x: torch.Tensor, pair_x: np.ndarray, batches: ExpertBatches,
                        experts: list[tuple[int, ResidentExpert]], starts: np.ndarray, y: np.ndarray) -> None:
@@ -259,6 +256,14 @@ class StoreExperts(ExpertProvider):
                                                   torch.cat([w for _, _, w in kept]))
         scale = total / remaining
         return ExpertBatches.from_lists([e for e, _, _ in kept], [t for _, t, _ in kept], [w * scale[t] for _, t, w in kept])
+
+
+def _weighted_sum(x: torch.Tensor, batches: ExpertBatches, y: np.ndarray) -> torch.Tensor:
+    """out [T, D]: each pair's output y [P, D] times its routing weight, added into its token's row in
+    pair order (kernels.weighted_sum: the bits of a scatter-add expert after expert)."""
+    out = torch.zeros_like(x)
+    weighted_sum(y, batches.pair_tokens.numpy(), batches.pair_weights.numpy(), out.numpy())
+    return out
 
 
 def _weakly_chosen(batches: ExpertBatches, below: float) -> set[int]:

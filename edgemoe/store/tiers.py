@@ -49,6 +49,7 @@ from .profile_file import (expert_popularity, find_routing_profile, read_popular
 
 Key = tuple[int, int]
 PRELOAD_QUEUE = 64    # queued background reads at most: loading is best effort, never a backlog
+_UNMADE = object()   # a layer table not made yet (None: made, and there is none)
 READ_CHOICE_TOKENS = 2   # ReadChoice's window: this many tokens' layers (short: a decode of a few tokens chooses)
 
 
@@ -164,12 +165,12 @@ class TieredStore:
         holds_all = not vram_capacity and (ram_capacity is None or ram_capacity >= self.manifest.expert_bytes)
         policy = "lru" if holds_all else policy
         guarded = guard and ram_capacity is not None and not vram_capacity and not holds_all
+        self._layer_tables: dict[int, np.ndarray | None] = {}   # resident_layer_table's, until an item enters or leaves
         self.cache = ExpertCache(
             tiers, lambda: make_policy(policy, self.spec.num_layers, self.popularity, self.routing_profile),
             guard=SchemeGuard(ram_capacity, GUARD_WINDOW_TOKENS * len(self.spec.moe_layer_ids)) if guarded else None,
             enter=self._enter, stats=self.stats, leave=self._leave)
         self._lock = threading.RLock()
-        self._layer_tables: dict[int, np.ndarray | None] = {}   # resident_layer_table's, until a placement
         self._weak: set[Key] = set()     # the running layer's experts a fallback copy will do for
         self._in_flight: dict[Key, threading.Event] = {}
         self._loads = LoadQueue(PRELOAD_QUEUE)
@@ -214,12 +215,14 @@ class TieredStore:
         """The layer kernel's layout table of `layer`'s experts (int64 [E, LAYOUT_COLUMNS], row e for
         expert e: edgemoe.kernels.ops.expert_layout), when every expert of the store is resident in RAM
         at full width: then nothing is read, placed or evicted any more, and a decode step finds its
-        experts' rows by indexing, with no per-expert bookkeeping. None otherwise. Made once per layer
-        (dropped at any placement); valid while the store is open."""
-        if layer not in self._layer_tables:
+        experts' rows by indexing, with no per-expert bookkeeping. None otherwise. Made once per layer,
+        dropped whenever an item enters or leaves the cache (a leaving item's buffer may be reused)."""
+        table = self._layer_tables.get(layer, _UNMADE)
+        if table is _UNMADE:
             with self._lock:
-                self._layer_tables[layer] = self._make_layer_table(layer) if self.holds_everything() else None
-        return self._layer_tables[layer]
+                table = self._make_layer_table(layer) if self.holds_everything() else None
+                self._layer_tables[layer] = table
+        return table
 
     def _make_layer_table(self, layer: int) -> np.ndarray | None:
         items = [self.cache.find((layer, e)) for e in range(self.spec.num_experts)]
@@ -261,7 +264,7 @@ class TieredStore:
             with self._waiting_for(key):
                 item = self._read(key, narrowed=fallback)
             with self._lock:
-                return self._place(item, kind="demand")
+                return self.cache.place(item, kind="demand")
         finally:
             with self._lock:
                 self._in_flight.pop(key).set()
@@ -284,11 +287,6 @@ class TieredStore:
                 served.append(self.cache.request(key))
         self._loads.arrived([(layer, e) for e, item in zip(experts, served) if item is not None])
         return served
-
-    def _place(self, item: ResidentExpert, kind: str) -> ResidentExpert:
-        """cache.place, the layer tables dropped (a placement may evict; held under self._lock)."""
-        self._layer_tables.clear()
-        return self.cache.place(item, kind=kind)
 
     def admit(self, predictions) -> list[Key]:
         """Of `predictions` ((key, probability of use), most wanted first), those worth a preload:
@@ -370,7 +368,7 @@ class TieredStore:
                 continue
             room -= entry.length
             with self._lock:
-                self._place(self._read(key), kind="placement")
+                self.cache.place(self._read(key), kind="placement")
 
     def _present(self, key: Key, full: bool = False) -> bool:
         """Resident, or a read of it is under way (callers hold the lock). full: a fallback copy
@@ -410,7 +408,9 @@ class TieredStore:
         return ResidentExpert(entry, decode_blob(entry, blob), entry.length, narrowed=narrowed, blob=blob)
 
     def _leave(self, item: ResidentExpert) -> None:
-        """item left the cache (or was served without entering it): its read buffer may be reused."""
+        """item left the cache (or was served without entering it): its read buffer may be reused, so
+        no layer table may hold its addresses."""
+        self._layer_tables.clear()
         if item.blob is not None:
             self.disk.release(item.blob)
 
@@ -423,6 +423,7 @@ class TieredStore:
 
     def _enter(self, item: ResidentExpert, tier: str) -> ResidentExpert:
         """item as the tier holds it: on the device for "vram", in host memory for "ram"."""
+        self._layer_tables.clear()
         if tier == "vram" and item.device is None:
             return ResidentExpert(item.entry, None, item.nbytes, to_device(item.tensors, self.device), self.device,
                                   item.narrowed)
@@ -453,7 +454,7 @@ class TieredStore:
                 if not urgent:
                     self.stats.preloads_loaded += 1
                 self._drop_narrowed_unless(narrowed, key)   # the expert replaces its fallback copy
-                self._place(item, kind="urgent" if urgent else "preload")
+                self.cache.place(item, kind="urgent" if urgent else "preload")
         except BaseException as exc:  # surfaced in the caller's thread by the next get/prefetch
             self._loader_error = exc
         finally:
