@@ -51,9 +51,11 @@ def test_this_cpu_offers_its_paths():
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("bits", WIDTHS)
-@pytest.mark.parametrize("group_size", (None, 32, 24))
+@pytest.mark.parametrize("group_size", (None, 32, 24, 128, 256))
 @pytest.mark.parametrize("tokens", (1, 5))
 def test_qmatmul_int_is_bit_exact_with_its_twin_and_within_the_rounding_bound(path, bits, group_size, tokens):
+    """Groups of 128 and 256 (and 32 at INT8) take the lane rule, the others the per-group sums; a
+    padded last group either way."""
     qt = quantize(weights(37, 2600), bits, group_size)  # planes of 2600 / n codes: a partial last block
     x = acts(tokens, 2600)
     y = qmatmul_int(x, qt, path)
@@ -89,9 +91,11 @@ def test_int8_codes_at_the_extremes_do_not_saturate():
 
 
 @pytest.mark.parametrize("bits", WIDTHS)
-@pytest.mark.parametrize("cols, group_size", [(1000, 64), (2 * 232, None), (4 * 232, None), (232, None)])
+@pytest.mark.parametrize("cols, group_size", [(1000, 64), (2 * 232, None), (4 * 232, None), (232, None),
+                                              (1024, 128), (1024, 512)])
 def test_paths_agree_bit_for_bit(bits, cols, group_size):
-    """Planes of 232 bytes: three 64-byte VNNI blocks, one 32-byte AVX2 block, 8 bytes on the portable loop."""
+    """Planes of 232 bytes: three 64-byte VNNI blocks, one 32-byte AVX2 block, 8 bytes on the portable
+    loop; lane-rule groups of one, two and several blocks."""
     qt = quantize(weights(50, cols), bits, group_size)
     x = acts(3, cols)
     results = [qmatmul_int(x, qt, p) for p in PATHS]

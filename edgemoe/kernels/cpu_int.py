@@ -12,6 +12,15 @@ all-zero group gets xs = 0 and xq = 0), qs[t, g] = sum of xq over the group. A w
     y[t, r] = sum over g, in order, of (scale[r, g] * xs[t, g]) * (float32(isum) - zero[r, g] * float32(qs[t, g]))
     isum    = sum over the group's columns k of code[r, k] * xq[t, k]     (exact integer)
 
+The lane rule. A grouped matrix (NG > 1) whose planes are whole 32-byte blocks (P % 32 == 0: groups
+of 128 at INT2, 64 at INT4, 32 at INT8 and their multiples) is multiplied otherwise, so that a row
+pays no horizontal sum per group (that cost 2.4x the time of the whole row on 1024-column INT4 rows
+in groups of 128; docs/benchmarks.md). Each group's products stay in eight int32 lanes, lane l
+holding the plane bytes k with (k mod 32) // 4 == l (exact integers), and with s[g] = scale[r, g] * xs[t, g]
+
+    y[t, r] = (sum over lanes l in order of (sum over g in order of float32(lane[g, l]) * s[g]))
+              - (sum over g in order of s[g] * zero[r, g] * float32(qs[t, g]))
+
 The float epilogue is compiled without fastmath (no reassociation, no FMA contraction), so
 edgemoe/kernels/reference.py repeats it operation for operation and the results are bit-identical.
 
@@ -31,7 +40,8 @@ import numpy as np
 
 from ._jit import njit_exact, njit_exact_inline, njit_exact_parallel
 from .cpu import _block_size
-from .simd import BLOCK, VNNI_BLOCK, avx2_dot2, avx2_dot4, avx2_dot8, vnni_dot2, vnni_dot4, vnni_dot8
+from .simd import (BLOCK, LANES, VNNI_BLOCK, avx2_dot2, avx2_dot4, avx2_dot8, avx2_row2, avx2_row4, avx2_row8,
+                   vnni_dot2, vnni_dot4, vnni_dot8, vnni_row4, vnni_row8)
 from .views import float32_view, uint8_view
 
 PORTABLE, AVX2, VNNI = 0, 1, 2
@@ -110,6 +120,36 @@ def _group_dot(path, bits, packed, b0, plane, xq, x0):
     return acc + _portable_dot(bits, packed, b0 + done, plane, plane - done, xq, x0 + done)
 
 
+@njit_exact_inline
+def _row_lanes(path, bits, packed, b0, plane, ngroups, group, xq, x0, scale, xs, lanes, acc):
+    """The lane rule's first sum (module docstring) for one row and token: packed[b0:] and xq[x0:]
+    flat, scale the row's and xs the token's float32 [NG]; lanes int32 [8], acc float32 [8] scratch."""
+    args = (packed, b0, xq, x0, plane, ngroups, group, scale, xs)
+    if path == VNNI and bits != 2 and plane % UV == U0:
+        return vnni_row8(*args) if bits == 8 else vnni_row4(*args)
+    if path != PORTABLE:
+        if bits == 2:
+            return avx2_row2(*args)
+        return avx2_row4(*args) if bits == 4 else avx2_row8(*args)
+    acc[:] = 0
+    mask = np.uint8((1 << bits) - 1)
+    for gi in range(ngroups):
+        lanes[:] = 0
+        pb, xb = b0 + gi * plane, x0 + gi * group
+        for j in range(np.uint64(8 // bits)):
+            shift = np.uint8(j * bits)
+            for k in range(plane):
+                code = (packed[pb + k] >> shift) & mask
+                lanes[(k % UB) // np.uint64(4)] += np.int32(code) * np.int32(xq[xb + j * plane + k])
+        s = scale[gi] * xs[gi]
+        for lane in range(LANES):
+            acc[lane] = acc[lane] + np.float32(lanes[lane]) * s
+    total = acc[0]
+    for lane in range(1, LANES):
+        total = total + acc[lane]
+    return total
+
+
 @njit_exact
 def _rows(path, bits, g, packed, scale, zero, xq, xstride, xs, qs, t0, t1, r0, r1, out):
     """out[t, r] for rows r0 <= r < r1 and tokens t0 <= t < t1. packed uint8 [R * NG * P] and xq
@@ -119,6 +159,9 @@ def _rows(path, bits, g, packed, scale, zero, xq, xstride, xs, qs, t0, t1, r0, r
     plane = np.uint64(g * bits // 8)
     row_bytes = ngroups * plane
     stride = np.uint64(xstride)
+    if ngroups > 1 and plane % UB == U0:
+        _lane_rows(path, bits, packed, scale, zero, xq, stride, xs, qs, t0, t1, r0, r1, out, ngroups, group, plane)
+        return
     for r in range(np.uint64(r0), np.uint64(r1)):
         for t in range(np.uint64(t0), np.uint64(t1)):  # the row's bytes stay in L1 for the next token
             acc = np.float32(0)
@@ -126,6 +169,21 @@ def _rows(path, bits, g, packed, scale, zero, xq, xstride, xs, qs, t0, t1, r0, r
                 isum = _group_dot(path, bits, packed, r * row_bytes + gi * plane, plane, xq, t * stride + gi * group)
                 acc += (scale[r, gi] * xs[t, gi]) * (np.float32(isum) - zero[r, gi] * np.float32(qs[t, gi]))
             out[t, r] = acc
+
+
+@njit_exact
+def _lane_rows(path, bits, packed, scale, zero, xq, stride, xs, qs, t0, t1, r0, r1, out, ngroups, group, plane):
+    """_rows by the lane rule (grouped matrices whose planes are whole 32-byte blocks)."""
+    lanes = np.empty(LANES, np.int32)
+    acc = np.empty(LANES, np.float32)
+    for r in range(np.uint64(r0), np.uint64(r1)):
+        for t in range(np.uint64(t0), np.uint64(t1)):
+            total = _row_lanes(path, bits, packed, r * ngroups * plane, plane, ngroups, group, xq, t * stride,
+                               scale[r], xs[t], lanes, acc)
+            offset = np.float32(0)
+            for gi in range(ngroups):
+                offset = offset + scale[r, gi] * xs[t, gi] * zero[r, gi] * np.float32(qs[t, gi])
+            out[t, r] = total - offset
 
 
 @njit_exact

@@ -56,11 +56,39 @@ def _int_linear(x: torch.Tensor, qt: QuantizedTensor) -> torch.Tensor:
     codes = get_format(qt.bits).unpack(torch.tensor(qt.packed), qt.group).long()  # [R, NG, G]
     isum = torch.einsum("rgk,tgk->trg", codes, xq.long().reshape(x.shape[0], qt.ngroups, qt.group))
     scale, zero = torch.tensor(qt.scale), torch.tensor(qt.zero)  # [R, NG]
+    if uses_lanes(qt):
+        return _lane_rule(codes, xq.reshape(x.shape[0], qt.ngroups, qt.group), xs, qs, scale, zero, qt.bits)
+    isum = torch.einsum("rgk,tgk->trg", codes, xq.long().reshape(x.shape[0], qt.ngroups, qt.group))
     terms = (scale * xs[:, None, :]) * (isum.float() - zero * qs.float()[:, None, :])  # [T, R, NG]
     y = torch.zeros(x.shape[0], qt.shape[0])
     for g in range(qt.ngroups):  # the kernel adds groups one by one, in order
         y = y + terms[:, :, g]
     return y
+
+
+def uses_lanes(qt: QuantizedTensor) -> bool:
+    """Whether the integer kernels multiply qt by the lane rule (edgemoe/kernels/cpu_int.py)."""
+    return qt.ngroups > 1 and (qt.group * qt.bits // 8) % 32 == 0
+
+
+def _lane_rule(codes, xq, xs, qs, scale, zero, bits):
+    """codes [R, NG, G], xq [T, NG, G]: the lane rule's result [T, R], in the kernels' order."""
+    group = codes.shape[-1]
+    plane = group * bits // 8
+    lane_of = torch.arange(group) % plane % 32 // 4        # code c sits in byte c % P of its group
+    one_hot = F.one_hot(lane_of, 8).long()                # [G, 8]
+    lanes = torch.einsum("rgk,tgk,kl->trgl", codes, xq.long(), one_hot).float()   # exact integer sums
+    s = scale * xs[:, None, :]                             # [T, R, NG]
+    acc = torch.zeros(*s.shape[:2], 8)
+    for g in range(codes.shape[1]):
+        acc = acc + lanes[:, :, g] * s[:, :, g, None]
+    total = acc[..., 0]
+    for lane in range(1, 8):
+        total = total + acc[..., lane]
+    offset = torch.zeros_like(total)
+    for g in range(codes.shape[1]):
+        offset = offset + s[:, :, g] * zero[None, :, g] * qs[:, None, g].float()
+    return total - offset
 
 
 def qmatmul_int_twin(x: np.ndarray, qt: QuantizedTensor) -> np.ndarray:

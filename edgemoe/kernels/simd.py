@@ -165,3 +165,109 @@ def _vnni_body(bits, builder, pbase, xbase, b0, x0, plane, nblocks):
 
 
 vnni_dot2, vnni_dot4, vnni_dot8 = (_dot_intrinsic("avx512vnni", partial(_vnni_body, b)) for b in (2, 4, 8))
+
+
+# Grouped rows: one call per (row, token) instead of one per group. The products of each group are
+# kept as eight int32 lanes, lane l holding the bytes k of the group's planes with (k mod 32) // 4 == l
+# (what vpmaddwd-by-ones makes of a 32-byte block, and vpdpbusd's 16 lanes folded in half), so that
+# no horizontal sum is paid per group. See edgemoe/kernels/cpu_int.py for the float rule they feed.
+LANES = 8
+F32 = ir.FloatType()
+
+
+def _fold(builder, v):
+    """int32x16 -> int32x8: lanes l and l + 8 added (bytes 4l..4l+3 and 32+4l..32+4l+3 of a 64-byte block)."""
+    lo = builder.shuffle_vector(v, v, ir.Constant(_vec(I32, LANES), list(range(LANES))))
+    hi = builder.shuffle_vector(v, v, ir.Constant(_vec(I32, LANES), list(range(LANES, 2 * LANES))))
+    return builder.add(lo, hi)
+
+
+def _block_int8_lanes(builder, pbase, xbase, poff, xoff):
+    """_block_int8's products regrouped so that lane l holds bytes 4l..4l+3 (vpmaddwd pairs bytes
+    2m, 2m+1 of each 16-byte half): the even and odd pair sums of the two halves, added."""
+    halves = []
+    for half in range(2):
+        step = ir.Constant(poff.type, 16 * half)
+        codes = builder.zext(_load(builder, pbase, builder.add(poff, step), _vec(I8, 16)), _vec(I16, 16))
+        x = builder.sext(_load(builder, xbase, builder.add(xoff, step), _vec(I8, 16)), _vec(I16, 16))
+        halves.append(_call(builder, "llvm.x86.avx2.pmadd.wd", _vec(I32, 8), [codes, x]))
+    even = builder.shuffle_vector(halves[0], halves[1], ir.Constant(_vec(I32, LANES), [0, 2, 4, 6, 8, 10, 12, 14]))
+    odd = builder.shuffle_vector(halves[0], halves[1], ir.Constant(_vec(I32, LANES), [1, 3, 5, 7, 9, 11, 13, 15]))
+    return builder.add(even, odd)
+
+
+def _group_lanes_avx2(bits, builder, pbase, xbase, poff, xoff, plane):
+    """int32x8 lanes of one group whose plane bytes (a multiple of 32) start at poff."""
+    acc = cgutils.alloca_once_value(builder, _splat(I32, LANES, 0))
+    with cgutils.for_range(builder, builder.udiv(plane, ir.Constant(plane.type, BLOCK))) as loop:
+        step = builder.mul(loop.index, ir.Constant(loop.index.type, BLOCK))
+        p, x = builder.add(poff, step), builder.add(xoff, step)
+        block = (_block_int8_lanes(builder, pbase, xbase, p, x) if bits == 8
+                 else _block_small(builder, bits, pbase, xbase, p, x, plane))
+        builder.store(builder.add(builder.load(acc), block), acc)
+    return builder.load(acc)
+
+
+def _group_lanes_vnni(bits, builder, pbase, xbase, poff, xoff, plane):
+    """int32x8 lanes of one group whose plane bytes (a multiple of 64) start at poff."""
+    zero = _splat(I32, VNNI_BLOCK // 4, 0)
+    accs = [cgutils.alloca_once_value(builder, zero) for _ in range(8 // bits)]   # stores zero here, each group
+    with cgutils.for_range(builder, builder.udiv(plane, ir.Constant(plane.type, VNNI_BLOCK))) as loop:
+        step = builder.mul(loop.index, ir.Constant(loop.index.type, VNNI_BLOCK))
+        sums = _block_vnni(builder, bits, pbase, xbase, builder.add(poff, step), builder.add(xoff, step), plane,
+                           [builder.load(a) for a in accs])
+        for acc, total in zip(accs, sums):
+            builder.store(total, acc)
+    total = builder.load(accs[0])
+    for acc in accs[1:]:
+        total = builder.add(total, builder.load(acc))
+    return _fold(builder, total)
+
+
+def _row_lanes_body(group_lanes, builder, pbase, xbase, sbase, xsbase, b0, x0, plane, ngroups, group):
+    """The lane rule (edgemoe/kernels/cpu_int.py) for one row and token: with s[g] = scale[g] * xs[g],
+    the first sum: over lanes l in order of (over groups g in order of float32(lanes[g, l]) * s[g])."""
+    acc = cgutils.alloca_once_value(builder, _splat(F32, LANES, 0.0))
+    with cgutils.for_range(builder, ngroups) as loop:
+        g = loop.index
+        lanes = group_lanes(builder, pbase, xbase, builder.add(b0, builder.mul(g, plane)),
+                            builder.add(x0, builder.mul(g, group)), plane)
+        s = builder.fmul(builder.load(builder.gep(sbase, [g])), builder.load(builder.gep(xsbase, [g])))
+        splat = builder.insert_element(ir.Constant(_vec(F32, LANES), None), s, ir.Constant(I32, 0))
+        splat = builder.shuffle_vector(splat, splat, ir.Constant(_vec(I32, LANES), [0] * LANES))
+        term = builder.fmul(builder.sitofp(lanes, _vec(F32, LANES)), splat)
+        builder.store(builder.fadd(builder.load(acc), term), acc)
+    v = builder.load(acc)
+    total = builder.extract_element(v, ir.Constant(I32, 0))
+    for i in range(1, LANES):
+        total = builder.fadd(total, builder.extract_element(v, ir.Constant(I32, i)))
+    return total
+
+
+def _row_intrinsic(feature: str, group_lanes):
+    """An intrinsic (packed, b0, xq, x0, plane, ngroups, group, scale, xs) -> float32:
+    _row_lanes_body over `ngroups` groups of `plane` bytes from packed[b0] and of `group` activations
+    from xq[x0]; scale float32 [NG] is the row's, xs float32 [NG] the token's (contiguous views)."""
+    @intrinsic
+    def row(typingctx, packed, b0, xq, x0, plane, ngroups, group, scale, xs):
+        sig = types.float32(packed, b0, xq, x0, plane, ngroups, group, scale, xs)
+
+        def codegen(context, builder, sig, args):
+            if not target_has(feature):
+                with builder.if_then(cgutils.true_bit):
+                    context.call_conv.return_user_exc(builder, RuntimeError, (f"{feature} code on a CPU without it",))
+                return ir.Constant(F32, 0.0)
+            packed_a, b0_v, xq_a, x0_v, plane_v, ng_v, group_v, scale_a, xs_a = args
+
+            def data(i, value):
+                return cgutils.create_struct_proxy(sig.args[i])(context, builder, value=value).data
+            return _row_lanes_body(group_lanes, builder, data(0, packed_a), data(2, xq_a), data(7, scale_a),
+                                   data(8, xs_a), b0_v, x0_v, plane_v, ng_v, group_v)
+
+        return sig, codegen
+
+    return row
+
+
+avx2_row2, avx2_row4, avx2_row8 = (_row_intrinsic("avx2", partial(_group_lanes_avx2, b)) for b in (2, 4, 8))
+vnni_row4, vnni_row8 = (_row_intrinsic("avx512vnni", partial(_group_lanes_vnni, b)) for b in (4, 8))
