@@ -31,7 +31,7 @@ DENSE_BITS = (8, 4)
 GROUP_SIZE = {8: None, 4: 128}
 QUANTIZED_ROLES = ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "kv_b", "mlp.gate", "mlp.up", "mlp.down",
                    "shared.gate", "shared.up", "shared.down")
-KERNEL_MAX_TOKENS = {8: 16, 4: 1}   # INT4's groups of 128 make its kernel dearer per token
+KERNEL_MAX_TOKENS = {8: 16, 4: 16}   # tools/bench_dense_dtype.py: both kernels beat the GEMM up to 16 tokens
 
 
 class QuantizedLinear:
@@ -86,12 +86,20 @@ def _stacked(parts: list[QuantizedTensor]) -> QuantizedTensor:
                            *(np.concatenate([getattr(p, name) for p in parts]) for name in ("packed", "scale", "zero")))
 
 
-def dense_bits_for(choice: int | str | None, from_store: bool, spec) -> int | None:
-    """The width of the dense matrices for a load: 8, 4 or None (as loaded). choice "auto" (the
-    commands' default): 8 for a store of a decoder-only model, whose experts are quantized already
-    (INT8 per channel moves the bundled model's perplexity by +0.011%, and a token reads a quarter
-    of float32's or half of bfloat16's dense bytes: docs/benchmarks.md), as loaded for a checkpoint
-    directory (the model as published) and for an encoder-decoder model (not supported here)."""
-    if choice == "auto":
-        return 8 if from_store and not spec.is_encoder_decoder else None
-    return None if choice in (None, "none") else int(choice)
+def dense_bits_for(choice: int | str | None, manifest, spec) -> int | None:
+    """The width of the dense matrices for a load: 8, 4 or None (as loaded). manifest: the store's
+    (edgemoe.store.Manifest), None for a checkpoint directory. choice "auto" (the commands' default):
+    - as loaded for a checkpoint directory (the model as published) and for an encoder-decoder model
+      (not supported here);
+    - 4 (groups of 128) for a store whose experts are all at 4 bits or fewer and were not chosen by a
+      quality budget: its user asked for a 4-bit model, as a Q4_0 file quantizes its attention at 4
+      bits too (+0.19% perplexity on the bundled model, and a token reads half of INT8's dense
+      bytes: docs/benchmarks.md);
+    - 8 for any other store: wider experts, or widths a quality budget chose (that search measures
+      the experts' loss, so the dense matrices stay near exact: +0.011% perplexity at INT8)."""
+    if choice != "auto":
+        return None if choice in (None, "none") else int(choice)
+    if manifest is None or spec.is_encoder_decoder:
+        return None
+    narrow = max(e.bits for e in manifest.experts.values()) <= 4
+    return 4 if narrow and "budget" not in manifest.data else 8

@@ -256,7 +256,7 @@ def run_needs(manifest: Manifest, dtype: torch.dtype | None, dense_bits: int | s
     length) holds besides cached experts, by name."""
     spec = manifest.spec
     tokens = min(context or spec.max_position_embeddings, spec.max_position_embeddings)
-    bits = dense_bits_for(dense_bits, True, spec)
+    bits = dense_bits_for(dense_bits, manifest, spec)
     return {"dense": dense_load_bytes(manifest.path / manifest.data["dense"]["file"], dtype, bits),
             "kv_cache": batch * kv_cache_bytes(spec, tokens),
             "activations": batch * activation_bytes(spec, tokens),
@@ -306,7 +306,8 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None, threads: int
     computes that type natively, else float32; activations float32. threads: the kernels' thread
     count (None: the cores other processes leave free, followed as the machine's load changes).
     dense_bits: 8 or 4 quantizes the dense projections and the LM head at load (edgemoe.dense);
-    "auto" (the commands' default) is 8 for a store of a decoder-only model, else as loaded.
+    "auto" (the commands' default): 4 or 8 for a store of a decoder-only model, by its experts'
+    widths, else as loaded (edgemoe.dense.dense_bits_for).
     context, batch: the tokens of KV cache per sequence (None: the model's context length) and the
     sequences the caller will run at once, reserved by ram="auto" (auto_ram)."""
     if store is not None and options:
@@ -324,7 +325,7 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None, threads: int
             raise EdgeMoEError(f"{path}: {', '.join(given)} {verb} to stores, and this is a checkpoint directory "
                                f"(make a store with edgemoe convert)")
         model = load_checkpoint(path, dtype, threads)
-    dense_bits = dense_bits_for(dense_bits, from_store, model.spec)
+    dense_bits = dense_bits_for(dense_bits, model.store.manifest if from_store else None, model.spec)
     if dense_bits is not None:
         if model.spec.is_encoder_decoder:
             model.close()

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import edgemoe
 from edgemoe.bench import Bandwidths
 from edgemoe.cli import main
-from edgemoe.dense import KERNEL_MAX_TOKENS, QUANTIZED_ROLES, QuantizedLinear, quantize_matrix
+from edgemoe.dense import KERNEL_MAX_TOKENS, QUANTIZED_ROLES, QuantizedLinear, dense_bits_for, quantize_matrix
 from edgemoe.model import MoEModel, Segment
 from edgemoe.options import OptionError
 from edgemoe.quant import dequantize_reference
@@ -113,22 +113,41 @@ def test_dense_bits_reach_a_store_model_and_the_forward_step(tiny_model, tmp_pat
         assert logits.shape == (1, model.spec.vocab_size) and torch.isfinite(logits).all()
 
 
-def test_auto_quantizes_a_stores_dense_matrices_to_8_bits_and_keeps_a_checkpoints(tiny_model, tmp_path,
-                                                                                  monkeypatch, capsys):
+def test_auto_quantizes_a_stores_dense_matrices_by_its_expert_widths_and_keeps_a_checkpoints(
+        tiny_model, tmp_path, monkeypatch, capsys):
     from edgemoe.convert import convert
     checkpoint = tiny_model("mixtral")
-    convert(checkpoint, tmp_path / "store", bits=4)
-    with edgemoe.load(tmp_path / "store", dense_bits="auto") as model:
-        assert model.dense_bits == 8 and isinstance(model.layers[0]["qkv"], QuantizedLinear)
-    for path, choice in ((checkpoint, "auto"), (tmp_path / "store", "none"), (tmp_path / "store", None)):
+    for bits in (4, 8):
+        convert(checkpoint, tmp_path / f"int{bits}", bits=bits)
+        with edgemoe.load(tmp_path / f"int{bits}", dense_bits="auto") as model:
+            assert model.dense_bits == bits and isinstance(model.layers[0]["qkv"], QuantizedLinear)
+            assert model.layers[0]["qkv"].qt.bits == bits
+    for path, choice in ((checkpoint, "auto"), (tmp_path / "int4", "none"), (tmp_path / "int4", None)):
         with edgemoe.load(path, dense_bits=choice) as model:
             assert model.dense_bits is None and isinstance(model.layers[0]["q"], torch.Tensor)
     seen = []
     monkeypatch.setattr(MoEModel, "quantize_dense", lambda self, bits: seen.append(bits))
-    for flags, expected in (([], [8]), (["--dense-bits", "none"], []), (["--dense-bits", "4"], [4])):
+    for store, flags, expected in (("int4", [], [4]), ("int8", [], [8]), ("int4", ["--dense-bits", "none"], []),
+                                   ("int8", ["--dense-bits", "4"], [4])):
         seen.clear()
-        status, err = run_cli(monkeypatch, capsys, "run", str(tmp_path / "store"), "-p", "a", "-n", "1", *flags)
+        status, err = run_cli(monkeypatch, capsys, "run", str(tmp_path / store), "-p", "a", "-n", "1", *flags)
         assert status == 0 and seen == expected, (flags, err)
+
+
+def test_auto_keeps_8_bits_where_one_expert_is_wider_or_a_budget_chose_the_widths(tiny_model, tmp_path):
+    from edgemoe.convert import convert
+    from edgemoe.store import read_manifest
+    convert(tiny_model("mixtral"), tmp_path / "store", bits=4)
+    manifest = read_manifest(tmp_path / "store")
+    assert dense_bits_for("auto", manifest, manifest.spec) == 4
+    assert dense_bits_for("auto", None, manifest.spec) is None          # a checkpoint directory
+    key = next(iter(manifest.experts))
+    wider = dataclasses.replace(manifest, experts={**manifest.experts,
+                                                   key: dataclasses.replace(manifest.experts[key], bits=8)})
+    assert dense_bits_for("auto", wider, manifest.spec) == 8
+    budgeted = dataclasses.replace(manifest, data={**manifest.data, "budget": {}})
+    assert dense_bits_for("auto", budgeted, manifest.spec) == 8
+    assert dense_bits_for("none", manifest, manifest.spec) is None and dense_bits_for(8, manifest, manifest.spec) == 8
 
 
 def test_bad_dense_bits_are_refused_by_name(tiny_model, monkeypatch, capsys):

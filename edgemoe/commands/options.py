@@ -87,8 +87,9 @@ DTYPE = typer.Option("auto", "--dtype", callback=checked(options.one_of, tuple(D
                      help="Dense weight matrices: auto (as the checkpoint stores them where the CPU computes that "
                      "type natively, else float32), float32, bfloat16 or float16. Activations are float32.")
 DENSE_BITS = typer.Option("auto", "--dense-bits", callback=checked(options.dense_bits),
-                          help="The dense projections and the LM head at load: auto (8 bits for a store of a "
-                          "decoder-only model, else as loaded), none (as loaded: --dtype), 8 or 4 bits (fewer "
+                          help="The dense projections and the LM head at load: auto (for a store of a decoder-only "
+                          "model 4 bits if its experts are at 4 or fewer and no quality budget chose them, else 8; "
+                          "a checkpoint as loaded), none (as loaded: --dtype), 8 or 4 bits (fewer "
                           "bytes per token; the embedding and routers stay as --dtype says).")
 THREADS = typer.Option(None, "--threads", callback=checked(options.thread_count),
                        help="Threads for the kernels (default: the cores other processes leave free, followed as "
