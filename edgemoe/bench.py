@@ -56,6 +56,7 @@ class BenchConfig:
     io: str = "direct"                         # the disk tier's reads (edgemoe.store.disk)
     dtype: object | None = None                # dense weight matrices (None: as the store keeps them)
     dense_bits: int | str | None = "auto"      # the dense projections at load (edgemoe.dense.dense_bits_for)
+    kv_dtype: str = "float32"                   # the KV cache's element type (edgemoe.cache.KV_DTYPES)
     seed: int = 0
     threads: int | None = None                 # the kernels' threads (None: the cores left free)
     routing_profile: object | None = None      # a RoutingProfile for the predictive mode instead of the store's
@@ -234,7 +235,7 @@ def open_model(store_path: Path, mode: str, config: BenchConfig):
     import edgemoe
 
     model = edgemoe.load(store_path, config.dtype, config.threads, store=store_options(mode, config),
-                         dense_bits=config.dense_bits)
+                         dense_bits=config.dense_bits, kv_dtype=config.kv_dtype)
     if config.replay is not None:
         config.replay.attach(model)
     if mode == "all-in-ram":
@@ -305,7 +306,9 @@ def run_once(store_path: Path, mode: str, prompt: list[int], config: BenchConfig
     disk_per_token = decode["disk_bytes"] / n
     memory_per_token = dense_bytes_per_token(model) + decode["requested_bytes"] / n
     return {
-        "mode": mode, "dense_bits": model.dense_bits, "ram_bytes": store.ram_capacity if mode != "all-in-ram" else store.manifest.expert_bytes,
+        "mode": mode, "dense_bits": model.dense_bits,
+        "kv_dtype": str(model.kv_dtype).removeprefix("torch."),
+        "ram_bytes": store.ram_capacity if mode != "all-in-ram" else store.manifest.expert_bytes,
         "prefill_tokens": len(prompt), "ttft_s": ttft, "decode_tok_s": n / seconds,
         "hit_rate": decode["hits"] / decode["requests"] if decode["requests"] else 1.0,
         "disk_bytes_per_token": disk_per_token, "limit_decode_tok_s": limit_tok_s(disk_per_token, memory_per_token, bw),

@@ -2,13 +2,22 @@
 (Dk = Dv = Dh except in multi-head latent attention).
 
 A forward step writes each layer's new keys/values at positions [length, length + S) and reads
-[0, length + S); the model then advances `length` once, after the last layer. `fork` copies a
+[0, length + S); the model then advances `length` once, after the last layer. The cache holds them
+in `dtype` (float32, or bfloat16: half the bytes a decode step reads, rounded to nearest even on
+the way in) and gives them back in the dtype of the keys and values appended. `fork` copies a
 sequence (beams), `truncate` rolls it back (rejected speculative tokens).
 """
 
 from __future__ import annotations
 
 import torch
+
+# The KV cache's element types (load(kv_dtype=...), --kv-dtype). float32 is the default: bfloat16
+# halves the cache's memory and moves the bundled model's perplexity by -0.02% token by token, but
+# it decodes slower at 512 cached positions than float32 here and faster only from about 2048
+# (docs/benchmarks.md), and its coarser rounding turns the last-bit differences between expert
+# compute paths into different greedy tokens more often.
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class KVCache:
@@ -43,13 +52,16 @@ class KVCache:
             self._grow(layer, end)
         self._k[layer][:, self.length:end] = k
         self._v[layer][:, self.length:end] = v
-        return self._k[layer][:, :end], self._v[layer][:, :end]
+        return self._k[layer][:, :end].to(k.dtype), self._v[layer][:, :end].to(v.dtype)
 
     def layer_arrays(self, layer: int, end: int):
         """numpy views of layer's keys [K, C, Dk] and values [K, C, Dv], C >= end (grown if need be):
-        what the decode engine's kernel writes position end - 1 into and attends over."""
+        what the decode engine's kernel writes position end - 1 into and attends over. float32, or
+        for a bfloat16 cache int16 arrays of its bit patterns (numpy has no bfloat16)."""
         if end > self._k[layer].shape[1]:
             self._grow(layer, end)
+        if self.dtype == torch.bfloat16:
+            return self._k[layer].view(torch.int16).numpy(), self._v[layer].view(torch.int16).numpy()
         return self._k[layer].numpy(), self._v[layer].numpy()
 
     def advance(self, n: int) -> None:

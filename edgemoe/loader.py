@@ -21,6 +21,7 @@ from edgemoe.store.disk import IO_MODES, drop_page_cache
 from edgemoe.store.format import DENSE_FILE, MANIFEST, Manifest, StoreError, file_crc32, read_manifest
 from edgemoe.store.memory import RUNTIME_GROWTH, ram_budget, read_buffer_bytes, read_memory_facts
 
+from .cache import KV_DTYPES
 from .checkpoint import TORCH_DTYPES, Checkpoint, check_finite, read_json
 from .errors import EdgeMoEError
 from .dense import DENSE_BITS, dense_bits_for
@@ -197,17 +198,17 @@ def expert_gemm_dtype(dense: dict[str, torch.Tensor]) -> torch.dtype:
 
 def load_store(path: str | os.PathLike, options: StoreOptions | None = None, dtype: torch.dtype | None = None,
                threads: int | None = None, manifest=None, dense_bits: int | str | None = None,
-               context: int | None = None, batch: int = 1) -> MoEModel:
+               context: int | None = None, batch: int = 1, kv_dtype: str = "float32") -> MoEModel:
     """A model whose experts stay in a tiered store, held and run as `options` say (default
     StoreOptions()); the model owns the store: close it with model.close() or use the model as a
     context manager. manifest: the store's, already parsed (the converter's store before commit).
-    dense_bits, context, batch: what ram="auto" reserves for the dense weights and the KV cache
-    (auto_ram); the store's breakdown of that choice is store.ram_breakdown (None without "auto")."""
+    dense_bits, context, batch, kv_dtype: what ram="auto" reserves for the dense weights and the KV
+    cache (auto_ram); the store's breakdown of that choice is store.ram_breakdown (None without "auto")."""
     o = options or StoreOptions()
     ram, ram_breakdown = o.ram, None
     if ram == "auto":
         manifest = manifest if manifest is not None else read_manifest(Path(path))
-        ram, ram_breakdown = auto_ram(manifest, dtype, dense_bits, context, batch)
+        ram, ram_breakdown = auto_ram(manifest, dtype, dense_bits, context, batch, kv_dtype=kv_dtype)
     store = TieredStore(path, ram=ram, vram=o.vram, device=o.device, policy=o.policy, io=o.io,
                         place_popular=o.place_popular, routing_profile=o.routing_profile, manifest=manifest)
     store.ram_breakdown = ram_breakdown
@@ -243,22 +244,23 @@ def load_store(path: str | os.PathLike, options: StoreOptions | None = None, dty
 
 
 def auto_ram(manifest: Manifest, dtype: torch.dtype | None = None, dense_bits: int | str | None = "auto",
-             context: int | None = None, batch: int = 1, root: str | os.PathLike = "/") -> tuple[int, dict]:
+             context: int | None = None, batch: int = 1, root: str | os.PathLike = "/",
+             kv_dtype: str = "float32") -> tuple[int, dict]:
     """ram="auto": the RAM tier's capacity for this store and run, and its breakdown (ram_budget): the
     memory this process may still take (read under `root`), less what the run holds besides experts."""
     return ram_budget(read_memory_facts(root), manifest.expert_bytes,
-                      run_needs(manifest, dtype, dense_bits, context, batch))
+                      run_needs(manifest, dtype, dense_bits, context, batch, kv_dtype))
 
 
 def run_needs(manifest: Manifest, dtype: torch.dtype | None, dense_bits: int | str | None, context: int | None,
-              batch: int) -> dict[str, int]:
+              batch: int, kv_dtype: str = "float32") -> dict[str, int]:
     """Bytes a run of `batch` sequences of up to `context` tokens (None or more: the model's context
     length) holds besides cached experts, by name."""
     spec = manifest.spec
     tokens = min(context or spec.max_position_embeddings, spec.max_position_embeddings)
     bits = dense_bits_for(dense_bits, manifest, spec)
     return {"dense": dense_load_bytes(manifest.path / manifest.data["dense"]["file"], dtype, bits),
-            "kv_cache": batch * kv_cache_bytes(spec, tokens),
+            "kv_cache": batch * kv_cache_bytes(spec, tokens, KV_DTYPES[kv_dtype]),
             "activations": batch * activation_bytes(spec, tokens),
             "read_buffers": read_buffer_bytes(manifest),
             "runtime": RUNTIME_GROWTH}
@@ -282,10 +284,10 @@ def dense_load_bytes(dense_path: Path, dtype: torch.dtype | None, bits: int | No
     return total
 
 
-def kv_cache_bytes(spec: ModelSpec, tokens: int) -> int:
-    """One sequence's KVCache (float32) at `tokens`: it grows by doubling from 64 positions, so its
-    capacity may reach twice the tokens held."""
-    per_token = spec.num_layers * spec.num_kv_heads * (spec.key_dim + spec.value_dim) * 4
+def kv_cache_bytes(spec: ModelSpec, tokens: int, dtype: torch.dtype = torch.float32) -> int:
+    """One sequence's KVCache at `tokens`: it grows by doubling from 64 positions, so its capacity
+    may reach twice the tokens held."""
+    per_token = spec.num_layers * spec.num_kv_heads * (spec.key_dim + spec.value_dim) * dtype.itemsize
     return per_token * max(64, 2 * tokens)
 
 
@@ -299,7 +301,7 @@ def activation_bytes(spec: ModelSpec, tokens: int) -> int:
 
 def load(path: str | os.PathLike, dtype: torch.dtype | None = None, threads: int | None = None,
          store: StoreOptions | None = None, dense_bits: int | None = None, context: int | None = None,
-         batch: int = 1, **options) -> MoEModel:
+         batch: int = 1, kv_dtype: str = "float32", **options) -> MoEModel:
     """A model from a Hugging Face checkpoint directory (all in RAM) or from a store (experts tiered,
     held and run as `store` says, or StoreOptions(**options): load(path, ram="25%", policy="lfu")).
     Dense weight matrices in `dtype`, by default as the checkpoint stores them where the CPU
@@ -309,15 +311,19 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None, threads: int
     "auto" (the commands' default): 4 or 8 for a store of a decoder-only model, by its experts'
     widths, else as loaded (edgemoe.dense.dense_bits_for).
     context, batch: the tokens of KV cache per sequence (None: the model's context length) and the
-    sequences the caller will run at once, reserved by ram="auto" (auto_ram)."""
+    sequences the caller will run at once, reserved by ram="auto" (auto_ram). kv_dtype: the KV
+    cache's "float32" or "bfloat16" (edgemoe.cache.KV_DTYPES)."""
     if store is not None and options:
         raise TypeError("load: give store=StoreOptions(...) or option keywords, not both")
     if dense_bits not in (None, "auto", "none", *DENSE_BITS):
         raise OptionError("dense_bits=", dense_bits, f"expected one of {DENSE_BITS}, 'auto' or None (as loaded)")
+    if kv_dtype not in KV_DTYPES:
+        raise OptionError("kv_dtype=", kv_dtype, f"expected one of {tuple(KV_DTYPES)}")
     store = store if store is not None else StoreOptions(**options)
     from_store = is_store(path)
     if from_store:
-        model = load_store(path, store, dtype, threads, dense_bits=dense_bits, context=context, batch=batch)
+        model = load_store(path, store, dtype, threads, dense_bits=dense_bits, context=context, batch=batch,
+                           kv_dtype=kv_dtype)
     else:
         given = store.given()
         if given:
@@ -331,4 +337,8 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None, threads: int
             model.close()
             require_decoder_only(model.spec, path, "dense_bits= (--dense-bits)")
         model.quantize_dense(dense_bits)
+    model.kv_dtype = KV_DTYPES[kv_dtype]
+    if model.spec.is_encoder_decoder and model.kv_dtype != torch.float32:
+        model.close()
+        require_decoder_only(model.spec, path, "kv_dtype= (--kv-dtype)")
     return model

@@ -74,7 +74,8 @@ class StoreOwner:
     preloader = None
 
     def _hold(self, spec: ModelSpec, experts, store, tokenizer, generation_config: dict | None, name: str) -> None:
-        """The parts every model keeps as given; activations, residual stream and KV cache are float32."""
+        """The parts every model keeps as given; activations and residual stream are float32, and so is
+        the KV cache unless the loader sets kv_dtype (edgemoe.loader.kv_dtype_for)."""
         self.spec = spec
         self.experts = experts
         self.store = store
@@ -82,6 +83,7 @@ class StoreOwner:
         self.generation_config = generation_config or {}
         self.name = name
         self.dtype = torch.float32
+        self.kv_dtype = torch.float32
 
     def __enter__(self):
         return self
@@ -180,7 +182,7 @@ class MoEModel(StoreOwner):
 
     def new_cache(self) -> KVCache:
         s = self.spec
-        return KVCache(s.num_layers, s.num_kv_heads, s.key_dim, dtype=self.dtype, value_dim=s.value_dim)
+        return KVCache(s.num_layers, s.num_kv_heads, s.key_dim, dtype=self.kv_dtype, value_dim=s.value_dim)
 
     @torch.inference_mode()
     def logits(self, token_ids: Sequence[int] | torch.Tensor, cache: KVCache | None = None,

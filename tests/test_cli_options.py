@@ -218,7 +218,9 @@ def test_every_checked_option_names_its_flag(monkeypatch, capsys, paths, command
 STORE_FLAGS = ("--ram", "--vram", "--device", "--policy", "--preload", "--skip-below", "--fallback-below", "--compute")
 STORE_COMMANDS = ("run", "eval", "serve", "chat")      # those that load a model with the store options
 COMPUTING_COMMANDS = ("run", "eval", "convert", "trace", "profile", "bench", "serve", "chat")
-SHARED_FLAGS = (*STORE_FLAGS, "--dtype", "--dense-bits", "--threads", "--temperature", "--top-k", "--top-p", "--seed")
+LOADING_COMMANDS = ("run", "eval", "bench", "serve", "chat")   # those that load a model to run it
+LOAD_FLAGS = ("--dtype", "--dense-bits", "--kv-dtype")
+SHARED_FLAGS = (*STORE_FLAGS, *LOAD_FLAGS, "--threads", "--temperature", "--top-k", "--top-p", "--seed")
 OWN_MEANING = {("bench", "--ram"): "a capacity every mode runs with, 25% by default, no auto",
                ("inspect", "--ram"): "the capacity placement is shown for, none by default",
                ("simulate", "--policy"): "the policies to compare, repeatable"}
@@ -241,6 +243,12 @@ def test_every_command_that_takes_the_store_options_takes_all_of_them():
     flags = declared_flags()
     assert {command: [f for f in STORE_FLAGS if f not in flags[command]] for command in STORE_COMMANDS} == \
         {command: [] for command in STORE_COMMANDS}
+
+
+def test_every_command_that_loads_a_model_takes_every_load_flag():
+    flags = declared_flags()
+    assert {command: [f for f in LOAD_FLAGS if f not in flags[command]] for command in LOADING_COMMANDS} == \
+        {command: [] for command in LOADING_COMMANDS}
 
 
 def test_every_command_that_computes_takes_threads():

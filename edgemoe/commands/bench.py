@@ -17,8 +17,8 @@ from edgemoe import options
 from edgemoe.progress import progress_bar
 
 from .common import replay_for, size
-from .options import (COMPUTE, DENSE_BITS, DTYPE, FALLBACK_BELOW, JSON, QUIET, SKIP_BELOW, THREADS, as_store_options,
-                      checked, torch_dtype)
+from .options import (COMPUTE, DENSE_BITS, DTYPE, FALLBACK_BELOW, JSON, KV_DTYPE, QUIET, SKIP_BELOW, THREADS,
+                      as_store_options, checked, torch_dtype)
 
 
 def _bench_mode(value, flag):
@@ -56,6 +56,7 @@ def bench(
     fallback_below: float = FALLBACK_BELOW,
     dtype: str = DTYPE,
     dense_bits: str = DENSE_BITS,
+    kv_dtype: str = KV_DTYPE,
     threads: Optional[int] = THREADS,
     quiet: bool = QUIET,
 ):
@@ -83,8 +84,8 @@ def bench(
         routed_by, replayer = "the model's own routers", None
     config = BenchConfig(ram=parse_ram(ram, store_path), modes=tuple(mode) or MODES, prefill_tokens=lengths,
                          decode_tokens=decode_tokens, warmup_tokens=warmup_tokens, repeats=repeats, cold=cold,
-                         replay=replayer, dtype=torch_dtype(dtype), dense_bits=dense_bits, threads=threads,
-                         routing_profile=profile, skip_below=store_options.skip_below,
+                         replay=replayer, dtype=torch_dtype(dtype), dense_bits=dense_bits, kv_dtype=kv_dtype,
+                         threads=threads, routing_profile=profile, skip_below=store_options.skip_below,
                          fallback_below=store_options.fallback_below, compute=store_options.compute)
     # The bandwidths are measured first, outside the memory limit: their 1 GiB buffer is not the run's.
     bandwidths = measure_bandwidths(store_path)

@@ -43,13 +43,14 @@ def replay_for(spec, trace: Optional[Path]):
     return RoutingReplay(read_trace(trace), spec.moe_layer_ids, spec.num_experts, spec.top_k, str(trace))
 
 
-def load_served(model: Optional[Path], dtype: str, dense_bits: str, threads, store_options):
+def load_served(model: Optional[Path], dtype: str, dense_bits: str, kv_dtype: str, threads, store_options):
     """The model for serve and chat (store options given for a checkpoint directory are refused)."""
     import edgemoe
     from edgemoe.loader import require_decoder_only
 
     path = model_path(model)
-    m = edgemoe.load(path, torch_dtype(dtype), threads, store=store_options, dense_bits=dense_bits)
+    m = edgemoe.load(path, torch_dtype(dtype), threads, store=store_options, dense_bits=dense_bits,
+                     kv_dtype=kv_dtype)
     warn_ram_auto(m)
     require_decoder_only(m.spec, path, "serving and chat (edgemoe serve / chat)")
     if m.tokenizer is None:

@@ -15,8 +15,8 @@ from edgemoe.errors import EdgeMoEError
 from edgemoe.progress import progress_bar
 
 from .common import read_text, warn_ram_auto
-from .options import (COMPUTE, DENSE_BITS, DEVICE, DTYPE, FALLBACK_BELOW, JSON, MODEL, POLICY, PRELOAD, QUIET, RAM,
-                      SKIP_BELOW, THREADS, VRAM, as_store_options, checked, model_path, torch_dtype)
+from .options import (COMPUTE, DENSE_BITS, DEVICE, DTYPE, FALLBACK_BELOW, JSON, KV_DTYPE, MODEL, POLICY, PRELOAD,
+                      QUIET, RAM, SKIP_BELOW, THREADS, VRAM, as_store_options, checked, model_path, torch_dtype)
 
 
 def eval_(
@@ -44,6 +44,7 @@ def eval_(
     compute: str = COMPUTE,
     dtype: str = DTYPE,
     dense_bits: str = DENSE_BITS,
+    kv_dtype: str = KV_DTYPE,
     threads: Optional[int] = THREADS,
     quiet: bool = QUIET,
 ):
@@ -65,7 +66,8 @@ def eval_(
     # runs) measures what they do.
     decode = decode or bool(skip_below or fallback_below)
     path = model_path(model)
-    m = edgemoe.load(path, torch_dtype(dtype), threads, store=store_options, dense_bits=dense_bits, context=context)
+    m = edgemoe.load(path, torch_dtype(dtype), threads, store=store_options, dense_bits=dense_bits, kv_dtype=kv_dtype,
+                     context=context)
     warn_ram_auto(m)
     require_decoder_only(m.spec, path, "edgemoe eval (next-token perplexity)")
     options.window_length(context, "--context", m.context_length)

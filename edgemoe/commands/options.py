@@ -91,6 +91,9 @@ DENSE_BITS = typer.Option("auto", "--dense-bits", callback=checked(options.dense
                           "model 4 bits if its experts are at 4 or fewer and no quality budget chose them, else 8; "
                           "a checkpoint as loaded), none (as loaded: --dtype), 8 or 4 bits (fewer "
                           "bytes per token; the embedding and routers stay as --dtype says).")
+KV_DTYPE = typer.Option("float32", "--kv-dtype", callback=checked(options.one_of, ("float32", "bfloat16")),
+                        help="The KV cache's keys and values: float32, or bfloat16 (half the memory; faster only "
+                        "at long contexts, docs/benchmarks.md).")
 THREADS = typer.Option(None, "--threads", callback=checked(options.thread_count),
                        help="Threads for the kernels (default: the cores other processes leave free, followed as "
                        "the load changes).")

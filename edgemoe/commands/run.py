@@ -14,7 +14,7 @@ from edgemoe.stats import format_stats, run_stats
 
 from .cannot_act import refuse_sampling_flags_if_greedy
 from .common import ram_breakdown_text, replay_for, warn, warn_ram_auto
-from .options import (COMPUTE, DENSE_BITS, DEVICE, DTYPE, FALLBACK_BELOW, MODEL, POLICY, PRELOAD, RAM, SEED,
+from .options import (COMPUTE, DENSE_BITS, DEVICE, DTYPE, FALLBACK_BELOW, KV_DTYPE, MODEL, POLICY, PRELOAD, RAM, SEED,
                       SKIP_BELOW, TEMPERATURE, THREADS, TOP_K, TOP_P, VRAM, as_store_options, checked, model_path,
                       sampling, torch_dtype)
 
@@ -71,6 +71,7 @@ def run(
     compute: str = COMPUTE,
     dtype: str = DTYPE,
     dense_bits: str = DENSE_BITS,
+    kv_dtype: str = KV_DTYPE,
     threads: Optional[int] = THREADS,
 ):
     """Generate text, streamed as it is produced, from a checkpoint directory or a store."""
@@ -84,8 +85,8 @@ def run(
     prompt, stop = valid_text(prompt, "--prompt"), [valid_text(s, "--stop") for s in stop]
     path = model_path(model)
     context = _run_context(prompt, chat, max_new_tokens, (speculate or 4) if draft else 0)
-    m = edgemoe.load(path, torch_dtype(dtype), threads, store=store_options, dense_bits=dense_bits, context=context,
-                     batch=beams or 1)
+    m = edgemoe.load(path, torch_dtype(dtype), threads, store=store_options, dense_bits=dense_bits, kv_dtype=kv_dtype,
+                     context=context, batch=beams or 1)
     warn_ram_auto(m)
     for flag, given in (("--beams", beams is not None), ("--replay", replay is not None),
                         ("--draft", draft is not None)):

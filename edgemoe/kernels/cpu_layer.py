@@ -36,6 +36,7 @@ import numpy as np
 from ._jit import njit_exact, njit_exact_inline, njit_exact_parallel, njit_serial
 from .cpu import _block_size, rms_norm_kernel
 from .cpu_int import _quantize_row, _rows
+from .kv import narrow, widen
 from .views import float32_view, uint8_view
 
 # The layer table's columns. First its matrices, MATRIX_COLUMNS each: the addresses of the packed
@@ -140,7 +141,7 @@ def _attend_head(q, keys, values, j0, j1, scale, sink, has_sink, scores, out):
     for j in range(j0, j1):
         s = np.float32(0)
         for d in range(q.shape[0]):
-            s += q[d] * keys[j, d]
+            s += q[d] * widen(keys[j, d])
         s = s * scale
         scores[j - j0] = s
         top = max(top, s)
@@ -157,7 +158,7 @@ def _attend_head(q, keys, values, j0, j1, scale, sink, has_sink, scores, out):
     for j in range(j0, j1):
         p = scores[j - j0] / total
         for d in range(out.shape[0]):
-            out[d] += p * values[j, d]
+            out[d] += p * widen(values[j, d])
 
 
 @njit_serial
@@ -262,8 +263,10 @@ def _attention_tail(path, table, dims, eps, scale, x, q, k, v, keys, values, pos
     h = norm(x), router logits (if the layer routes)."""
     dim, heads, kv_heads, dk, dv = dims[DIM_D], dims[DIM_H], dims[DIM_K], dims[DIM_DK], dims[DIM_DV]
     for kh in range(kv_heads):
-        keys[kh, pos, :] = k[kh * dk:(kh + 1) * dk]
-        values[kh, pos, :] = v[kh * dv:(kh + 1) * dv]
+        for d in range(dk):
+            keys[kh, pos, d] = narrow(k[kh * dk + d], keys[kh, pos, d])
+        for d in range(dv):
+            values[kh, pos, d] = narrow(v[kh * dv + d], values[kh, pos, d])
     window = table[WINDOW]
     j0 = max(0, pos + 1 - window) if window > 0 else 0
     has_sink = table[SINKS] != 0
@@ -291,10 +294,10 @@ def _attention_tail(path, table, dims, eps, scale, x, q, k, v, keys, values, pos
 @njit_exact_parallel
 def attention_block_kernel(path, table, dims, eps, scale, clip, x, cos, sin, keys, values, pos, h, logits,
                            nblocks):
-    """Grouped-query attention. x float32 [D] (updated: x + attention), keys / values float32
-    [K, L, Dk / Dv] (position pos written), cos / sin float32 [Dk] of the position, h float32 [D]
-    (out: the MoE block's normed input), logits float32 [E] (out, if table[ROUTER]); clip < 0: none.
-    See the module docstring."""
+    """Grouped-query attention. x float32 [D] (updated: x + attention), keys / values [K, L, Dk / Dv]
+    float32, or bfloat16 as int16 bit patterns (edgemoe/kernels/kv.py; position pos written), cos / sin
+    float32 [Dk] of the position, h float32 [D] (out: the MoE block's normed input), logits float32 [E]
+    (out, if table[ROUTER]); clip < 0: none. See the module docstring."""
     normed = np.empty(dims[DIM_D], np.float32)
     _norm(dims[DIM_NORM], x, table, ATTN_NORM, ATTN_NORM_BIAS, eps, normed)
     q, k, v = _gqa_qkv(path, table, dims, eps, clip, normed, cos, sin, nblocks)
