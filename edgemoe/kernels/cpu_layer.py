@@ -134,31 +134,40 @@ def _rope_heads(v, heads, dim, cos, sin):
 
 
 @njit_serial
-def _attend_head(q, keys, values, j0, j1, scale, sink, has_sink, scores, out):
-    """One query head over keys/values [j0, j1) of its kv head: softmax(q . k * scale) @ v into out [Dv];
-    `sink` (if has_sink) joins the softmax and is dropped after it."""
-    top = np.float32(-np.inf)
+def _attend_group(q, keys, values, j0, j1, scale, sinks, has_sink, scores, out):
+    """The G query heads of one kv head over its keys/values [j0, j1): for each head g,
+    softmax(q[g] . k * scale) @ v into out[g]; sinks[g] (if has_sink) joins head g's softmax and is
+    dropped after it. q [G, Dk], out [G, Dv], scores [G, j1 - j0] scratch. Each key and value row is
+    read once for the whole group (not once per head): past a few hundred positions a kv head's rows
+    no longer fit in the core's cache, and the group's heads would read them from memory G times."""
+    group = q.shape[0]
     for j in range(j0, j1):
-        s = np.float32(0)
-        for d in range(q.shape[0]):
-            s += q[d] * widen(keys[j, d])
-        s = s * scale
-        scores[j - j0] = s
-        top = max(top, s)
-    if has_sink:
-        top = max(top, sink)
-    total = np.float32(0)
-    for j in range(j1 - j0):
-        e = np.exp(scores[j] - top)
-        scores[j] = e
-        total += e
-    if has_sink:
-        total += np.exp(sink - top)
+        for g in range(group):
+            s = np.float32(0)
+            for d in range(q.shape[1]):
+                s += q[g, d] * widen(keys[j, d])
+            scores[g, j - j0] = s * scale
+    totals = np.empty(group, np.float32)
+    for g in range(group):
+        top = np.float32(-np.inf)
+        for j in range(j1 - j0):
+            top = max(top, scores[g, j])
+        if has_sink:
+            top = max(top, sinks[g])
+        total = np.float32(0)
+        for j in range(j1 - j0):
+            e = np.exp(scores[g, j] - top)
+            scores[g, j] = e
+            total += e
+        if has_sink:
+            total += np.exp(sinks[g] - top)
+        totals[g] = total
     out[:] = 0
     for j in range(j0, j1):
-        p = scores[j - j0] / total
-        for d in range(out.shape[0]):
-            out[d] += p * widen(values[j, d])
+        for g in range(group):
+            p = scores[g, j - j0] / totals[g]
+            for d in range(out.shape[1]):
+                out[g, d] += p * widen(values[j, d])
 
 
 @njit_serial
@@ -273,11 +282,13 @@ def _attention_tail(path, table, dims, eps, scale, x, q, k, v, keys, values, pos
     sinks = _vector(table[SINKS], heads) if has_sink else np.zeros(heads, np.float32)
     attended = np.empty(heads * dv, np.float32)
     group = heads // kv_heads
-    for hd in numba.prange(heads):
-        scores = np.empty(pos + 1 - j0, np.float32)
-        kh = hd // group
-        _attend_head(q[hd * dk:(hd + 1) * dk], keys[kh], values[kh], j0, pos + 1, scale, sinks[hd], has_sink,
-                     scores, attended[hd * dv:(hd + 1) * dv])
+    by_head = q.reshape(heads, dk)
+    by_head_out = attended.reshape(heads, dv)
+    for kh in numba.prange(kv_heads):
+        scores = np.empty((group, pos + 1 - j0), np.float32)
+        h0, h1 = kh * group, (kh + 1) * group
+        _attend_group(by_head[h0:h1], keys[kh], values[kh], j0, pos + 1, scale, sinks[h0:h1], has_sink, scores,
+                      by_head_out[h0:h1])
     o = _project(path, table, O, attended, dim, nblocks)
     _add_bias(o, table[O_BIAS])
     for c in range(dim):
