@@ -5,7 +5,8 @@ One call does, for a token's hidden state x [D] (the residual stream, updated in
     n = norm(x) -> qkv = n @ Wqkv^T (integer path, int8 activations) (+ q/k/v biases)
       -> q/k RMSNorm (per head or over the projection) -> clip -> rotary (cos/sin of the position)
       -> k, v written into the KV cache at `pos` -> attention of each query head over its kv head's
-         keys [j0, pos] (sliding window; optional sink logit) -> o = attn @ Wo^T (+ bias)
+         keys [j0, pos] (sliding window; optional sink logit; a kv head's query heads together, in
+         parallel over kv heads) -> o = attn @ Wo^T (+ bias)
       -> x += o -> h = norm(x) -> router logits = Wr @ h (float32 Wr, when the layer routes)
 
 (attention_block_kernel), or, for multi-head latent attention (latent_attention_block_kernel), q

@@ -118,15 +118,21 @@ def _dot_intrinsic(feature: str, body):
     return dot
 
 
-def _avx2_body(bits, builder, pbase, xbase, b0, x0, plane, nblocks):
+def _avx2_sums(bits, block_int8, builder, pbase, xbase, b0, x0, plane, nblocks):
+    """int32x8 partial sums of `nblocks` 32-byte blocks from packed[b0] (zero at this point of the
+    code each time it runs); INT8 blocks by block_int8."""
     acc = cgutils.alloca_once_value(builder, _splat(I32, 8, 0))
     with cgutils.for_range(builder, nblocks) as loop:
         step = builder.mul(loop.index, ir.Constant(loop.index.type, BLOCK))
         poff, xoff = builder.add(b0, step), builder.add(x0, step)
-        block = (_block_int8(builder, pbase, xbase, poff, xoff) if bits == 8
+        block = (block_int8(builder, pbase, xbase, poff, xoff) if bits == 8
                  else _block_small(builder, bits, pbase, xbase, poff, xoff, plane))
         builder.store(builder.add(builder.load(acc), block), acc)
-    return _hsum(builder, builder.load(acc))
+    return builder.load(acc)
+
+
+def _avx2_body(bits, builder, pbase, xbase, b0, x0, plane, nblocks):
+    return _hsum(builder, _avx2_sums(bits, _block_int8, builder, pbase, xbase, b0, x0, plane, nblocks))
 
 
 avx2_dot2, avx2_dot4, avx2_dot8 = (_dot_intrinsic("avx2", partial(_avx2_body, b)) for b in (2, 4, 8))
@@ -150,7 +156,9 @@ def _block_vnni(builder, bits, pbase, xbase, poff, xoff, plane, accs):
     return out
 
 
-def _vnni_body(bits, builder, pbase, xbase, b0, x0, plane, nblocks):
+def _vnni_sums(bits, builder, pbase, xbase, b0, x0, plane, nblocks):
+    """int32x16 partial sums of `nblocks` 64-byte blocks from packed[b0], the planes' accumulators
+    added (zero at this point of the code each time it runs)."""
     accs = [cgutils.alloca_once_value(builder, _splat(I32, VNNI_BLOCK // 4, 0)) for _ in range(8 // bits)]
     with cgutils.for_range(builder, nblocks) as loop:
         step = builder.mul(loop.index, ir.Constant(loop.index.type, VNNI_BLOCK))
@@ -161,7 +169,12 @@ def _vnni_body(bits, builder, pbase, xbase, b0, x0, plane, nblocks):
     total = builder.load(accs[0])
     for acc in accs[1:]:
         total = builder.add(total, builder.load(acc))
-    return _call(builder, "llvm.vector.reduce.add.v16i32", I32, [total])
+    return total
+
+
+def _vnni_body(bits, builder, pbase, xbase, b0, x0, plane, nblocks):
+    return _call(builder, "llvm.vector.reduce.add.v16i32", I32,
+                 [_vnni_sums(bits, builder, pbase, xbase, b0, x0, plane, nblocks)])
 
 
 vnni_dot2, vnni_dot4, vnni_dot8 = (_dot_intrinsic("avx512vnni", partial(_vnni_body, b)) for b in (2, 4, 8))
@@ -198,30 +211,14 @@ def _block_int8_lanes(builder, pbase, xbase, poff, xoff):
 
 def _group_lanes_avx2(bits, builder, pbase, xbase, poff, xoff, plane):
     """int32x8 lanes of one group whose plane bytes (a multiple of 32) start at poff."""
-    acc = cgutils.alloca_once_value(builder, _splat(I32, LANES, 0))
-    with cgutils.for_range(builder, builder.udiv(plane, ir.Constant(plane.type, BLOCK))) as loop:
-        step = builder.mul(loop.index, ir.Constant(loop.index.type, BLOCK))
-        p, x = builder.add(poff, step), builder.add(xoff, step)
-        block = (_block_int8_lanes(builder, pbase, xbase, p, x) if bits == 8
-                 else _block_small(builder, bits, pbase, xbase, p, x, plane))
-        builder.store(builder.add(builder.load(acc), block), acc)
-    return builder.load(acc)
+    blocks = builder.udiv(plane, ir.Constant(plane.type, BLOCK))
+    return _avx2_sums(bits, _block_int8_lanes, builder, pbase, xbase, poff, xoff, plane, blocks)
 
 
 def _group_lanes_vnni(bits, builder, pbase, xbase, poff, xoff, plane):
     """int32x8 lanes of one group whose plane bytes (a multiple of 64) start at poff."""
-    zero = _splat(I32, VNNI_BLOCK // 4, 0)
-    accs = [cgutils.alloca_once_value(builder, zero) for _ in range(8 // bits)]   # stores zero here, each group
-    with cgutils.for_range(builder, builder.udiv(plane, ir.Constant(plane.type, VNNI_BLOCK))) as loop:
-        step = builder.mul(loop.index, ir.Constant(loop.index.type, VNNI_BLOCK))
-        sums = _block_vnni(builder, bits, pbase, xbase, builder.add(poff, step), builder.add(xoff, step), plane,
-                           [builder.load(a) for a in accs])
-        for acc, total in zip(accs, sums):
-            builder.store(total, acc)
-    total = builder.load(accs[0])
-    for acc in accs[1:]:
-        total = builder.add(total, builder.load(acc))
-    return _fold(builder, total)
+    blocks = builder.udiv(plane, ir.Constant(plane.type, VNNI_BLOCK))
+    return _fold(builder, _vnni_sums(bits, builder, pbase, xbase, poff, xoff, plane, blocks))
 
 
 def _row_lanes_body(group_lanes, builder, pbase, xbase, sbase, xsbase, b0, x0, plane, ngroups, group):
