@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--prefill", type=int, default=512)
     parser.add_argument("--dense-bits", nargs="+", default=["auto", "none"], choices=["auto", "none", "8", "4"],
-                        help="edgemoe settings to run (auto: the default, 8 bits for a store)")
+                        help="edgemoe settings to run (auto: the default, dense.dense_bits_for)")
     parser.add_argument("--json", help="write every run's figures here")
     args = parser.parse_args()
     pairs = [tuple(p.split("=", 1)) for p in args.pair]
