@@ -93,7 +93,7 @@ def dense_bits_for(choice: int | str | None, manifest, spec) -> int | None:
       (not supported here);
     - 4 (groups of 128) for a store whose experts are all at 4 bits or fewer and were not chosen by a
       quality budget: its user asked for a 4-bit model, as a Q4_0 file quantizes its attention at 4
-      bits too (+0.19% perplexity on the bundled model, and a token reads half of INT8's dense
+      bits too (+0.17% perplexity on the bundled model, and a token reads half of INT8's dense
       bytes: docs/benchmarks.md);
     - 8 for any other store: wider experts, or widths a quality budget chose (that search measures
       the experts' loss, so the dense matrices stay near exact: +0.011% perplexity at INT8)."""

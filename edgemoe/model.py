@@ -75,7 +75,7 @@ class StoreOwner:
 
     def _hold(self, spec: ModelSpec, experts, store, tokenizer, generation_config: dict | None, name: str) -> None:
         """The parts every model keeps as given; activations and residual stream are float32, and so is
-        the KV cache unless the loader sets kv_dtype (edgemoe.loader.kv_dtype_for)."""
+        the KV cache unless the loader sets kv_dtype (load(kv_dtype=...))."""
         self.spec = spec
         self.experts = experts
         self.store = store

@@ -10,6 +10,8 @@ import torch
 import edgemoe
 from edgemoe.cache import KVCache
 from edgemoe.convert import convert
+from edgemoe.kernels import int_paths
+from edgemoe.kernels.ops import INT_PATH_ENV
 from edgemoe.kernels.kv import narrow, widen
 from edgemoe.model import Segment
 from edgemoe.options import OptionError
@@ -83,9 +85,15 @@ def test_float32_unless_bfloat16_is_asked_for(store, tiny_model):
         edgemoe.load(store, kv_dtype="float16")
 
 
-def test_the_engine_writes_the_bits_the_generic_forward_writes(store):
+@pytest.mark.parametrize("path", int_paths())
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_engine_writes_the_bits_the_generic_forward_writes(tiny_model, tmp_path, monkeypatch, path, dtype):
     """At a sequence's first position the engine's keys and values are bit-identical to the generic
-    forward's (tests/test_decode_engine.py), so their bfloat16 roundings must be too."""
+    forward's (tests/test_decode_engine.py), so their bfloat16 roundings must be too: on every
+    integer path this CPU runs, from a float32 and a bfloat16 checkpoint."""
+    monkeypatch.setenv(INT_PATH_ENV, path)
+    store = tmp_path / "store"
+    convert(tiny_model("qwen3_moe", dtype=dtype), store, bits=8)
     with edgemoe.load(store, dense_bits=8, compute="dequant", kv_dtype="bfloat16") as engine, \
             edgemoe.load(store, dense_bits=8, compute="dequant", kv_dtype="bfloat16") as generic:
         generic.decode_engine = None

@@ -139,8 +139,9 @@ def _attend_group(q, keys, values, j0, j1, scale, sinks, has_sink, scores, out):
     """The G query heads of one kv head over its keys/values [j0, j1): for each head g,
     softmax(q[g] . k * scale) @ v into out[g]; sinks[g] (if has_sink) joins head g's softmax and is
     dropped after it. q [G, Dk], out [G, Dv], scores [G, j1 - j0] scratch. Each key and value row is
-    read once for the whole group (not once per head): past a few hundred positions a kv head's rows
-    no longer fit in the core's cache, and the group's heads would read them from memory G times."""
+    read once for the whole group, not once per head: at long contexts a kv head's rows outgrow the
+    core's cache (1 MiB of float32 keys and values at 2048 positions of 64 dims), and the heads would
+    each read them from memory again (docs/benchmarks.md measures the difference)."""
     group = q.shape[0]
     for j in range(j0, j1):
         for g in range(group):

@@ -54,7 +54,6 @@ def _int_linear(x: torch.Tensor, qt: QuantizedTensor) -> torch.Tensor:
     """The integer path's x @ W^T: float32 [T, C] -> [T, R], the epilogue in the kernel's order."""
     xq, xs, qs = quantize_activations_reference(x, qt.group, qt.ngroups)
     codes = get_format(qt.bits).unpack(torch.tensor(qt.packed), qt.group).long()  # [R, NG, G]
-    isum = torch.einsum("rgk,tgk->trg", codes, xq.long().reshape(x.shape[0], qt.ngroups, qt.group))
     scale, zero = torch.tensor(qt.scale), torch.tensor(qt.zero)  # [R, NG]
     if uses_lanes(qt):
         return _lane_rule(codes, xq.reshape(x.shape[0], qt.ngroups, qt.group), xs, qs, scale, zero, qt.bits)
