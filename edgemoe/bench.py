@@ -257,6 +257,7 @@ def _counters(model) -> dict:
     return {"requests": s.requests, "hits": s.vram.hits + s.ram.hits, "disk_bytes": s.disk_bytes_read,
             "disk_reads": store.disk.reads, "requested_bytes": s.requested_bytes,
             "io_wait": model.experts.io_wait_seconds, "attention": t.attention, "experts": t.experts,
+            "layers": t.layers,
             "preloads_loaded": s.preloads_loaded, "preloads_used": s.preloads_used,
             "skipped": model.experts.skipped, "fallback_uses": model.experts.fallback_uses,
             "read_cpu": store.disk.read_cpu_seconds, "loader_cpu": s.loader_cpu_seconds}
@@ -316,6 +317,7 @@ def run_once(store_path: Path, mode: str, prompt: list[int], config: BenchConfig
         "prefill_disk_reads": prefill["disk_reads"], "prefill_expert_requests": prefill["requests"],
         "prefill_max_reads_per_chunk": max(chunk_reads),
         "decode_attention_s_per_token": decode["attention"] / n, "decode_experts_s_per_token": decode["experts"] / n,
+        "decode_layers_s_per_token": decode["layers"] / n,
         "decode_io_wait_s_per_token": decode["io_wait"] / n,
         "decode_preloads_per_token": decode["preloads_loaded"] / n,
         "decode_preloads_used_per_token": decode["preloads_used"] / n,

@@ -10,7 +10,10 @@ sequence (beams), `truncate` rolls it back (rejected speculative tokens).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+from .kernels.views import address
 
 # The KV cache's element types (load(kv_dtype=...), --kv-dtype). float32 is the default: bfloat16
 # halves the cache's memory and moves the bundled model's perplexity by -0.02% token by token, but
@@ -63,6 +66,18 @@ class KVCache:
         if self.dtype == torch.bfloat16:
             return self._k[layer].view(torch.int16).numpy(), self._v[layer].view(torch.int16).numpy()
         return self._k[layer].numpy(), self._v[layer].numpy()
+
+    def layer_addresses(self, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """layer_arrays for every layer at once, as a kernel that runs all layers takes them: int64
+        [L, 3] (each layer's keys and values addresses and its capacity) and layer 0's keys array
+        (their element type)."""
+        rows = np.empty((self.num_layers, 3), np.int64)
+        for layer in range(self.num_layers):
+            keys, values = self.layer_arrays(layer, end)
+            rows[layer] = (address(keys), address(values), keys.shape[1])
+            if layer == 0:
+                like = keys
+        return rows, like
 
     def advance(self, n: int) -> None:
         self.length += n

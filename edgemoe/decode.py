@@ -48,10 +48,12 @@ class DecodeEngine:
         self.spec = spec
         self._keep: list = []     # arrays the tables point into (float32 copies of norms and biases)
         self.tables = [self._table(l, w) for l, w in enumerate(layers)]
+        self.stacked_tables = np.stack(self.tables)   # step()'s: every layer's table in one array
         self.dims = self._dims(spec)
         self.scale = np.float32(spec.key_dim ** -0.5 if spec.attention_scale is None else spec.attention_scale)
         self.clip = np.float32(-1 if spec.clip_qkv is None else spec.clip_qkv)
         self.eps = float(spec.rms_norm_eps)   # a float64, as the generic path's norms take it
+        self._computes_token = spec.attention == "gqa" and all(self.computes_moe(l) for l in range(len(self.tables)))
 
     @classmethod
     def for_model(cls, spec: ModelSpec, layers: list[dict]) -> "DecodeEngine | None":
@@ -122,6 +124,51 @@ class DecodeEngine:
             cpu_layer.attention_block_kernel(_int_path(None), table, self.dims, self.eps, self.scale, self.clip,
                                              *arrays)
         return x, h, (logits if table[cpu_layer.ROUTER] else None)
+
+    def computes_token(self) -> bool:
+        """Whether step() can run a token through every layer: grouped-query attention, and every layer
+        a MoE block that moe() computes."""
+        return self._computes_token
+
+    def step(self, x: torch.Tensor, position: int, cos: torch.Tensor, sin: torch.Tensor, cache,
+             layouts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One token through every layer in one kernel call (computes_token): layer() then moe(), layer
+        after layer, with the bits of those calls. x float32 [1, D] is updated in place (the embedding
+        in, the last layer's output out); layouts int64 [L, E, LAYOUT_COLUMNS] (the store's
+        resident_tables). Returns each layer's MoE input hs [L, D] and router choice (weights [L, A]
+        float32, experts [L, A]), for the hooks and counts that follow."""
+        spec = self.spec
+        layers = len(self.tables)
+        kv, like = cache.layer_addresses(position + 1)
+        hs = torch.empty(layers, spec.hidden_size, dtype=torch.float32)
+        weights = torch.empty(layers, spec.top_k, dtype=torch.float32)
+        experts = torch.empty(layers, spec.top_k, dtype=torch.long)
+        cpu_layer.decode_token_kernel(_int_path(None), self.stacked_tables, self.dims, self.eps, self.scale, self.clip,
+                                      x.numpy()[0], cos.numpy()[0], sin.numpy()[0], kv, like, position, layouts,
+                                      spec.top_k, spec.norm_topk_prob, hs.numpy(), weights.numpy(), experts.numpy(),
+                                      cpu.row_blocks())
+        return hs, weights, experts
+
+    def computes_moe(self, l: int) -> bool:
+        """Whether moe() can run layer l's MoE block: a routed layer with a softmax router that scales
+        nothing and no shared expert (other MoE blocks run through the model's generic MoE block)."""
+        spec = self.spec
+        return (self.tables[l][cpu_layer.ROUTER] != 0 and spec.router == "softmax"
+                and spec.routed_scaling_factor == 1.0 and not spec.shared_expert_hidden)
+
+    def moe(self, x: torch.Tensor, h: torch.Tensor, logits: torch.Tensor,
+            layouts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """A MoE block (computes_moe) for one token whose experts are all resident on the integer
+        path: x [1, D] += the weighted sum of its chosen experts' outputs on h [1, D], in place; layouts
+        int64 [E, LAYOUT_COLUMNS] (the store's resident layer table). Returns the router's (weights
+        [1, A] float32, experts [1, A]), as choose() gives them. Bit for bit the generic MoE block's."""
+        spec = self.spec
+        weights = torch.empty(1, spec.top_k, dtype=torch.float32)
+        experts = torch.empty(1, spec.top_k, dtype=torch.long)
+        cpu_layer.moe_block_kernel(_int_path(None), layouts, h.numpy()[0], logits.numpy()[0], spec.top_k,
+                                   spec.norm_topk_prob, x.numpy()[0], weights.numpy()[0], experts.numpy()[0],
+                                   cpu.row_blocks())
+        return weights, experts
 
     def choose(self, logits: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The router's choice from the layer's logits [1, E]: (weights [1, A] float32, experts [1, A]),

@@ -148,6 +148,19 @@ class ExpertProvider(ABC):
     def prepare(self, layer: int, batches: "ExpertBatches") -> None:
         """The layer's routing is known (called before routing hooks, e.g. preloaders, run)."""
 
+    def resident_layouts(self, layer: int) -> np.ndarray | None:
+        """The layer's experts as a layout table the decode engine computes inside its kernel
+        (edgemoe.quantized.StoreExperts), or None: the MoE block then runs through run()."""
+        return None
+
+    def resident_step_layouts(self) -> np.ndarray | None:
+        """Every layer's resident_layouts stacked (int64 [L, E, LAYOUT_COLUMNS]), when every layer has
+        them: the decode engine then runs a whole token in one call. None here."""
+        return None
+
+    def served_resident(self, layer: int, experts: list[int]) -> None:
+        """Counts the experts the decode engine computed from resident_layouts (ascending)."""
+
     def run(self, layer: int, x: torch.Tensor, batches: ExpertBatches) -> torch.Tensor:
         """Weighted sum of the active experts' outputs per token: x [T, D] -> [T, D]."""
         out = torch.zeros_like(x)

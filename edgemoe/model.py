@@ -46,6 +46,7 @@ class Timings:
 
     attention: float = 0.0
     experts: float = 0.0
+    layers: float = 0.0     # one-token steps whose every layer ran in one kernel call (not split)
     total: float = 0.0
     steps: int = 0
     tokens: int = 0
@@ -54,7 +55,7 @@ class Timings:
 
     @property
     def other(self) -> float:
-        return self.total - self.attention - self.experts
+        return self.total - self.attention - self.experts - self.layers
 
     def first_token_chosen(self) -> None:
         """The steps so far chose the first new token: they are the prefill, however many chunks the
@@ -234,6 +235,10 @@ class MoEModel(StoreOwner):
         """Decoder layers start..stop - 1 (default: to the last) on hidden states x [T, D] (the caches
         are not advanced; the budget search runs one layer at a time)."""
         cos, sin = self._rope(positions)
+        if start == 0 and stop is None:
+            layouts = self._resident_step_layouts(x, segments)
+            if layouts is not None:
+                return self._resident_step(x, positions, cos, sin, segments, layouts)
         for l in range(start, self.spec.num_layers if stop is None else stop):
             x = self._layer(l, x, positions, cos, sin, segments)
         return x
@@ -272,6 +277,13 @@ class MoEModel(StoreOwner):
         if self.decode_engine is not None and x.shape[0] == 1 and len(segments) == 1:
             cache = segments[0].cache   # the token goes where cache.append would put it
             x, h, logits = self.decode_engine.layer(l, x, cache.length, cos, sin, cache)
+            layouts = self._resident_moe(l)
+            if layouts is not None:
+                t1 = time.perf_counter()
+                self._resident_moe_block(l, x, h, logits, layouts, positions, segments)
+                t.attention += t1 - t0
+                t.experts += time.perf_counter() - t1
+                return x
         else:
             x = x + self._attention(l, w, self._norm(x, w, "attn_norm"), positions, cos, sin, segments)
             h, logits = self._norm(x, w, "mlp_norm"), None
@@ -280,6 +292,51 @@ class MoEModel(StoreOwner):
         t.attention += t1 - t0
         t.experts += time.perf_counter() - t1
         return x
+
+    def _resident_step_layouts(self, x: torch.Tensor, segments: Sequence[Segment]):
+        """The experts' layouts when the decode engine runs this step's every layer in one call
+        (DecodeEngine.step: one float32 token of one sequence, every expert resident in RAM, every
+        layer's MoE block one that the engine computes, no routing replayed), else None."""
+        engine = self.decode_engine
+        if (engine is None or x.shape[0] != 1 or len(segments) != 1 or x.dtype != torch.float32
+                or self.routing_override is not None or not engine.computes_token()):
+            return None
+        return self.experts.resident_step_layouts()
+
+    def _resident_step(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       segments: Sequence[Segment], layouts) -> torch.Tensor:
+        """run_layers by the decode engine in one call; then, layer by layer, the hooks and the store's
+        counts see what _mlp would show them (after the compute: nothing is left to read)."""
+        start = time.perf_counter()
+        x = x.clone()   # updated in place
+        hs, weights, experts = self.decode_engine.step(x, segments[0].cache.length, cos, sin, segments[0].cache,
+                                                      layouts)
+        self.timings.layers += time.perf_counter() - start
+        for l, chosen in enumerate(experts.tolist()):
+            for hook in self.moe_input_hooks:
+                hook(l, hs[l:l + 1])
+            self.experts.served_resident(l, sorted(chosen))
+            for hook in self.routing_hooks:
+                hook(l, experts[l:l + 1], weights[l:l + 1], positions, segments)
+        return x
+
+    def _resident_moe(self, l: int):
+        """Layer l's expert layouts when the decode engine computes its MoE block (DecodeEngine.moe:
+        every expert resident in RAM, a softmax router, no routing replayed), else None."""
+        if self.routing_override is not None or not self.decode_engine.computes_moe(l):
+            return None
+        return self.experts.resident_layouts(l)
+
+    def _resident_moe_block(self, l: int, x: torch.Tensor, h: torch.Tensor, logits: torch.Tensor,
+                            layouts, positions: torch.Tensor, segments) -> None:
+        """_mlp's MoE block for one token by the decode engine, x updated in place; the hooks and the
+        store's counts see what _mlp would show them (after the compute: nothing is left to read)."""
+        for hook in self.moe_input_hooks:
+            hook(l, h)
+        weights, experts = self.decode_engine.moe(x, h, logits, layouts)
+        self.experts.served_resident(l, sorted(experts[0].tolist()))
+        for hook in self.routing_hooks:
+            hook(l, experts, weights, positions, segments)
 
     def _rope_scaling(self, positions: torch.Tensor) -> tuple:
         """(inverse frequencies, cos/sin factor) for a step at these positions: LongRoPE's long set

@@ -130,6 +130,7 @@ class StoreExperts(ExpertProvider):
         self._kept: ExpertBatches | None = None
         self._weak: set[tuple[int, int]] = set()   # the running layer's weakly chosen experts
         self.layer_kernel = layer_kernel
+        self._checked_tables: tuple[np.ndarray, bool] | None = None   # resident_step_layouts' last verdict
         self.gemm_dtype = gemm_dtype
 
     def choose(self, bits: int, tokens: int, nbytes: int = 0) -> str:
@@ -215,6 +216,34 @@ class StoreExperts(ExpertProvider):
         self.store.get_resident(layer, batches.experts)   # counted as get() counts them
         y = swiglu_experts_int(x.numpy()[batches.pair_tokens.numpy()], layouts, batches.starts)
         return _weighted_sum(x, batches, y)
+
+    def resident_layouts(self, layer: int) -> np.ndarray | None:
+        """The layer's experts as the decode engine computes them inside its own kernel (the store's
+        resident_layer_table), when every expert of the store is resident in RAM at full width,
+        SwiGLU, and one token of each width computes on "fused-int"; else None."""
+        if not self.layer_kernel or self.store.device is not None or self.activations(layer, 0) is not None:
+            return None
+        table = self.store.resident_layer_table(layer)
+        if table is None or any(self.choose(bits, 1) != "fused-int" for bits in set(table[:, G_BITS].tolist())):
+            return None
+        return table
+
+    def resident_step_layouts(self) -> np.ndarray | None:
+        tables = self.store.resident_tables() if self.layer_kernel else None
+        if tables is None:
+            return None
+        if self._checked_tables is None or self._checked_tables[0] is not tables:   # once per stacked table
+            ok = (self.store.device is None
+                  and all(self.activations(l, 0) is None for l in range(tables.shape[0]))
+                  and all(self.choose(bits, 1) == "fused-int" for bits in set(tables[:, :, G_BITS].ravel().tolist())))
+            self._checked_tables = (tables, ok)
+        return tables if self._checked_tables[1] else None
+
+    def served_resident(self, layer: int, experts: list[int]) -> None:
+        """Counts a layer's experts (ascending) that the decode engine computed from resident_layouts,
+        as run() counts them: the store is told the layer and serves each from RAM."""
+        self.store.begin_layer(layer, needed=((layer, e) for e in experts))
+        self.store.get_resident(layer, experts)
 
     def _compute_pairs(self, layer: int, x: torch.Tensor, pair_x: np.ndarray, batches: ExpertBatches,
                        experts: list[tuple[int, ResidentExpert]], starts: np.ndarray, y: np.ndarray) -> None:

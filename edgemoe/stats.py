@@ -24,7 +24,7 @@ def run_stats(model, speculation=None) -> dict:
                      decode_tokens=decode_tokens, decode_tok_s=decode_tokens / decode_seconds if decode_seconds else None)
     if speculation is not None:
         stats["speculation"] = speculation.to_dict()
-    stats["time_split_s"] = {"attention": t.attention, "experts": t.experts, "other": t.other}
+    stats["time_split_s"] = {"attention": t.attention, "experts": t.experts, "layers": t.layers, "other": t.other}
     store = getattr(model.experts, "store", None)
     if store is not None:
         s = store.stats

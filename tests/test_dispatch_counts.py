@@ -1,5 +1,6 @@
 """The decode step's call counts, counted (not timed, so a noisy machine cannot fool it): numba
-kernel dispatches and torch calls per MoE layer of one decode step, every expert resident. A bound
+kernel dispatches and torch calls per MoE layer of one decode step, while the store is still
+reading experts (layer by layer) and once every expert is resident (one call for every layer). A bound
 that fails is overhead creeping back into the hot path (DESIGN: a few kernel calls per layer cost
 well under a millisecond a token; the Python around the calls is what costs).
 
@@ -8,7 +9,10 @@ layer kernel's argument check, the kernel and the ordered weighted sum) and unde
 The whole step, with the decode engine (edgemoe/decode.py): 6 dispatches a layer (its attention
 block, the router's choice, the experts' 3, and the step's LM head shared among the layers) and
 under 70 torch calls a layer (66 measured on these two-layer models, whose per-step calls weigh
-more than on a deep model; the generic forward made ~170)."""
+more than on a deep model; the generic forward made ~170). Every expert resident: 2 dispatches a
+step (DecodeEngine.step's one call for every layer, the LM head), 4 torch calls a layer (the hooks'
+views of each layer's routing) and 72 a step (69 measured: positions, rotary table, embedding,
+LM head, the step's own arrays)."""
 
 import numba
 import pytest
@@ -24,6 +28,9 @@ EXPERT_DISPATCHES_PER_LAYER = 3
 EXPERT_TORCH_CALLS_PER_LAYER = 30
 STEP_TORCH_CALLS_PER_LAYER = 70
 STEP_DISPATCHES_PER_LAYER = 6
+RESIDENT_STEP_DISPATCHES = 2
+RESIDENT_STEP_TORCH_CALLS = 72
+RESIDENT_STEP_TORCH_CALLS_PER_LAYER = 4
 
 
 class TorchCalls(TorchFunctionMode):
@@ -86,3 +93,23 @@ def test_one_decode_step_stays_within_its_call_counts(tiny_model, tmp_path, numb
     assert experts["numba"] == EXPERT_DISPATCHES_PER_LAYER * layers
     assert experts["torch"] <= EXPERT_TORCH_CALLS_PER_LAYER * layers, experts
     assert step.count <= STEP_TORCH_CALLS_PER_LAYER * layers, step.count
+
+
+@pytest.mark.parametrize("arch, overrides", [("qwen3_moe", {"num_experts": 16, "num_experts_per_tok": 8}),
+                                             ("mixtral", {})])
+def test_a_step_with_every_expert_resident_is_one_call_for_the_layers(tiny_model, tmp_path, numba_dispatches,
+                                                                      arch, overrides):
+    convert(tiny_model(arch, **overrides), tmp_path / "s", bits=4)
+    with edgemoe.load(tmp_path / "s", compute="fused-int", dense_bits=8) as model:
+        for entry in model.store.experts():
+            model.store.get(*entry.key)
+        layers = model.spec.num_layers
+        cache = model.new_cache()
+        token = int(model.forward(torch.arange(6), [Segment(cache, 6)], last_only=True)[-1].argmax())
+        for _ in range(2):
+            token = int(model.forward(torch.tensor([token]), [Segment(cache, 1)], last_only=True)[-1].argmax())
+        before = numba_dispatches["calls"]
+        with TorchCalls() as step:
+            model.forward(torch.tensor([token]), [Segment(cache, 1)], last_only=True)
+    assert numba_dispatches["calls"] - before == RESIDENT_STEP_DISPATCHES
+    assert step.count <= RESIDENT_STEP_TORCH_CALLS + RESIDENT_STEP_TORCH_CALLS_PER_LAYER * layers, step.count

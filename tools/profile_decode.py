@@ -5,10 +5,13 @@ Loads STORE with every expert in RAM, prefills a prompt, then times decode steps
 around each kernel entry point (a few hundred calls a token; the timers cost well under 1%).
 
     python tools/profile_decode.py STORE [--prefill 512] [--tokens 32] [--dense-bits 8] [--threads N] [--cpu-time]
-                                         [--per-expert] [--generic]
+                                         [--per-expert] [--generic] [--by-layer]
 
+With every expert resident, the decode engine (edgemoe/decode.py) runs a step's every layer in one
+kernel call ("all layers"), where attention and experts cannot be told apart: --by-layer runs its
+calls layer by layer instead (the attention block, then the MoE block: the same bits), to split them.
 --per-expert computes each expert in its own kernel call (StoreExperts.layer_kernel off), to set
-beside the default of one call per layer. --generic runs without the decode engine (edgemoe/decode.py).
+beside one call per layer. --generic runs without the decode engine.
 
 --cpu-time counts this thread's CPU time instead of wall time: with --threads 1 every kernel runs on
 the calling thread, so the split holds even on a busy machine (where wall time also counts the
@@ -53,6 +56,10 @@ def instrument() -> None:
     model_module.attend = timed("attention", model_module.attend)    # over the KV cache, any path
     # the decode engine's one call per layer: norms, projections, rotary, attention, router logits
     cpu_layer.attention_block_kernel = timed("attention block", cpu_layer.attention_block_kernel)
+    # the decode engine's MoE block: router, experts and their weighted sum, when every expert is resident
+    cpu_layer.moe_block_kernel = timed("experts", cpu_layer.moe_block_kernel)
+    # or every layer of the step in one call (attention and experts not split: --by-layer splits them)
+    cpu_layer.decode_token_kernel = timed("all layers", cpu_layer.decode_token_kernel)
     kernels.qmatmul_int = timed("dense matmul", kernels.qmatmul_int)      # QuantizedLinear (--dense-bits)
     kernels.dequantize = timed("dense matmul", kernels.dequantize)
     for path, fn in list(quantized.FUSED.items()):
@@ -71,6 +78,8 @@ def main() -> None:
     parser.add_argument("--cpu-time", action="store_true")
     parser.add_argument("--per-expert", action="store_true")
     parser.add_argument("--generic", action="store_true", help="without the decode engine (the generic forward)")
+    parser.add_argument("--by-layer", action="store_true",
+                        help="the engine's calls layer by layer, not one call for every layer (to split its time)")
     args = parser.parse_args()
     global CLOCK
     CLOCK = time.thread_time if args.cpu_time else time.perf_counter
@@ -79,6 +88,8 @@ def main() -> None:
     model.experts.layer_kernel = not args.per_expert
     if args.generic:
         model.decode_engine = None
+    if args.by_layer:
+        model.experts.resident_step_layouts = lambda: None
     for entry in model.store.experts():          # every expert resident before the timing
         model.store.get(*entry.key)
     cache = model.new_cache()
@@ -97,7 +108,7 @@ def main() -> None:
           f"prefill {args.prefill}, {args.tokens} tokens, {'CPU' if args.cpu_time else 'wall'} time; load average {os.getloadavg()[0]:.2f}")
     print(f"{'part':>14} {'ms/token':>9} {'share':>6} {'calls/token':>11}")
     inside = 0.0
-    for kind in ("dense matmul", "attention", "attention block", "experts"):
+    for kind in ("dense matmul", "attention", "attention block", "experts", "all layers"):
         ms = TOTALS[kind] / args.tokens
         inside += ms
         print(f"{kind:>14} {ms * 1e3:9.2f} {ms / total:6.1%} {CALLS[kind] / args.tokens:11.0f}")

@@ -312,6 +312,13 @@ def swiglu_experts_int_kernel(path, layout, starts, x, inner, y, nblocks):
     for the pairs starts[a] <= p < starts[a + 1] of each expert a. x float32 [P, D]: each pair's
     token, gathered; y float32 [P, D]. Per pair, bit-identical to swiglu_int_kernel on that token.
     Work is spread over (expert, block of rows) so that many small experts keep every thread busy."""
+    swiglu_experts_int(path, layout, starts, x, inner, y, nblocks)
+
+
+@njit_exact_inline
+def swiglu_experts_int(path, layout, starts, x, inner, y, nblocks):
+    """swiglu_experts_int_kernel's body, inlined into the kernels that call it (its parallel loops
+    become theirs: edgemoe/kernels/cpu_layer.py's MoE block)."""
     nexp = layout.shape[0]
     npairs, dim = x.shape
     xcols, hcols, xng, hng = np.int64(0), np.int64(0), np.int64(0), np.int64(0)   # the widest expert's

@@ -36,9 +36,9 @@ import numpy as np
 
 from ._jit import njit_exact, njit_exact_inline, njit_exact_parallel, njit_serial
 from .cpu import _block_size, rms_norm_kernel
-from .cpu_int import _quantize_row, _rows
+from .cpu_int import INNER, _quantize_row, _rows, swiglu_experts_int
 from .kv import narrow, widen
-from .views import float32_view, uint8_view
+from .views import float32_view, like_view, uint8_view
 
 # The layer table's columns. First its matrices, MATRIX_COLUMNS each: the addresses of the packed
 # codes, scales and zeros, then width, padded group size and group count. QKV: q, k, v stacked
@@ -311,6 +311,11 @@ def attention_block_kernel(path, table, dims, eps, scale, clip, x, cos, sin, key
     float32, or bfloat16 as int16 bit patterns (edgemoe/kernels/kv.py; position pos written), cos / sin
     float32 [Dk] of the position, h float32 [D] (out: the MoE block's normed input), logits float32 [E]
     (out, if table[ROUTER]); clip < 0: none. See the module docstring."""
+    _attention_block(path, table, dims, eps, scale, clip, x, cos, sin, keys, values, pos, h, logits, nblocks)
+
+
+@njit_exact_inline
+def _attention_block(path, table, dims, eps, scale, clip, x, cos, sin, keys, values, pos, h, logits, nblocks):
     normed = np.empty(dims[DIM_D], np.float32)
     _norm(dims[DIM_NORM], x, table, ATTN_NORM, ATTN_NORM_BIAS, eps, normed)
     q, k, v = _gqa_qkv(path, table, dims, eps, clip, normed, cos, sin, nblocks)
@@ -345,3 +350,60 @@ def softmax_topk_kernel(logits, top_k, normalize, weights, experts):
     if normalize:
         for a in range(top_k):
             weights[a] = weights[a] / total
+
+
+@njit_exact_parallel
+def moe_block_kernel(path, layouts, h, logits, top_k, normalize, x, weights, experts, nblocks):
+    """A one-token MoE block whose experts are all resident, SwiGLU on the integer path, in one call:
+    the softmax router's choice from logits float32 [E] (softmax_topk_kernel: weights float32 [A] and
+    experts int64 [A] out, strongest first), the chosen experts on h float32 [D] (layouts int64
+    [E, LAYOUT_COLUMNS], row e expert e's: cpu_int.swiglu_experts_int), and their outputs times
+    their weights added up in ascending expert order, then into x float32 [D] in place. The bits of
+    the generic MoE block on the same choice (edgemoe.experts.ExpertBatches orders a step's pairs by
+    expert; edgemoe.quantized's weighted sum adds them in that order, then the residual), where
+    Python around each piece cost a fine-grained layer more than its experts' compute."""
+    _moe_block(path, layouts, h, logits, top_k, normalize, x, weights, experts, nblocks)
+
+
+@njit_exact_inline
+def _moe_block(path, layouts, h, logits, top_k, normalize, x, weights, experts, nblocks):
+    softmax_topk_kernel(logits, top_k, normalize, weights, experts)
+    order = np.argsort(experts, kind="mergesort")
+    dim = h.shape[0]
+    chosen = np.empty((top_k, layouts.shape[1]), np.int64)
+    rows = np.empty((top_k, dim), np.float32)
+    for a in range(top_k):
+        chosen[a, :] = layouts[experts[order[a]], :]
+        rows[a, :] = h
+    starts = np.arange(top_k + 1)
+    y = np.empty((top_k, dim), np.float32)
+    swiglu_experts_int(path, chosen, starts, rows, layouts[0, INNER], y, nblocks)
+    out = np.zeros(dim, np.float32)
+    for a in range(top_k):
+        w = weights[order[a]]
+        for c in range(dim):
+            out[c] = out[c] + y[a, c] * w
+    for c in range(dim):
+        x[c] = x[c] + out[c]
+
+
+@njit_exact_parallel
+def decode_token_kernel(path, tables, dims, eps, scale, clip, x, cos, sin, kv, kv_like, pos, layouts, top_k,
+                        normalize, hs, weights, experts, nblocks):
+    """One token through every decoder layer in one call, for a model whose layers are all grouped-query
+    attention then a MoE block that moe_block_kernel computes: per layer l, attention_block_kernel with
+    tables[l] (int64 [L, TABLE_COLUMNS]) and the layer's cache, then moe_block_kernel with layouts[l]
+    (int64 [L, E, LAYOUT_COLUMNS]). x float32 [D]: the token's embedding in, the last layer's output
+    out. kv int64 [L, 3]: each layer's keys and values addresses and its cache capacity, both
+    [K, capacity, Dk / Dv] of kv_like's element type (the layer-0 keys array: float32, or int16 bit
+    patterns of bfloat16). Out: hs float32 [L, D] (each MoE block's input), weights float32 [L, A]
+    and experts int64 [L, A] (each router's choice, strongest first). The bits of the two kernels
+    called layer by layer."""
+    heads, dk, dv = dims[DIM_K], dims[DIM_DK], dims[DIM_DV]
+    logits = np.empty(layouts.shape[1], np.float32)
+    for l in range(tables.shape[0]):
+        keys = like_view(kv[l, 0], (heads, kv[l, 2], dk), kv_like)
+        values = like_view(kv[l, 1], (heads, kv[l, 2], dv), kv_like)
+        _attention_block(path, tables[l], dims, eps, scale, clip, x, cos, sin, keys, values, pos, hs[l], logits,
+                         nblocks)
+        _moe_block(path, layouts[l], hs[l], logits, top_k, normalize, x, weights[l], experts[l], nblocks)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 from numba import types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 
 def _pointer_from(dtype):
@@ -42,6 +42,19 @@ def uint8_view(address, n):
 def float32_view(address, rows, cols):
     """float32 [rows, cols], C order, at address."""
     return numba.carray(_float32_pointer(address), (rows, cols))
+
+
+def like_view(address, shape, like):
+    """An array of like's element type and `shape` (a tuple), C order, at address (compiled only:
+    see the overload). How a kernel views per-layer buffers whose element type varies by caller
+    (a KV cache of float32, or of bfloat16 as int16 bit patterns)."""
+    raise NotImplementedError("edgemoe.kernels.views.like_view runs inside numba kernels only")
+
+
+@overload(like_view, inline="always")
+def _like_view(address, shape, like):
+    pointer = _pointer_from(like.dtype)
+    return lambda address, shape, like: numba.carray(pointer(address), shape)
 
 
 def address(a: np.ndarray) -> int:

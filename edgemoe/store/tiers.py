@@ -166,6 +166,7 @@ class TieredStore:
         policy = "lru" if holds_all else policy
         guarded = guard and ram_capacity is not None and not vram_capacity and not holds_all
         self._layer_tables: dict[int, np.ndarray | None] = {}   # resident_layer_table's, until an item enters or leaves
+        self._stacked_tables: np.ndarray | None = None             # resident_tables', as long
         self.cache = ExpertCache(
             tiers, lambda: make_policy(policy, self.spec.num_layers, self.popularity, self.routing_profile),
             guard=SchemeGuard(ram_capacity, GUARD_WINDOW_TOKENS * len(self.spec.moe_layer_ids)) if guarded else None,
@@ -223,6 +224,23 @@ class TieredStore:
                 table = self._make_layer_table(layer) if self.holds_everything() else None
                 self._layer_tables[layer] = table
         return table
+
+    def resident_tables(self) -> np.ndarray | None:
+        """Every layer's resident_layer_table stacked (int64 [L, E, LAYOUT_COLUMNS]) when every layer
+        has one (a decode step's kernel then runs all of them), else None; made once, dropped as they are."""
+        stacked = self._stacked_tables
+        if stacked is None:
+            tables = [self.resident_layer_table(l) for l in range(self.spec.num_layers)]
+            if any(t is None for t in tables):
+                return None
+            with self._lock:
+                if len(self._layer_tables) == len(tables):   # no item entered or left meanwhile
+                    self._stacked_tables = stacked = np.stack(tables)
+        return stacked
+
+    def _drop_layer_tables(self) -> None:
+        self._layer_tables.clear()
+        self._stacked_tables = None
 
     def _make_layer_table(self, layer: int) -> np.ndarray | None:
         items = [self.cache.find((layer, e)) for e in range(self.spec.num_experts)]
@@ -410,7 +428,7 @@ class TieredStore:
     def _leave(self, item: ResidentExpert) -> None:
         """item left the cache (or was served without entering it): its read buffer may be reused, so
         no layer table may hold its addresses."""
-        self._layer_tables.clear()
+        self._drop_layer_tables()
         if item.blob is not None:
             self.disk.release(item.blob)
 
@@ -423,7 +441,7 @@ class TieredStore:
 
     def _enter(self, item: ResidentExpert, tier: str) -> ResidentExpert:
         """item as the tier holds it: on the device for "vram", in host memory for "ram"."""
-        self._layer_tables.clear()
+        self._drop_layer_tables()
         if tier == "vram" and item.device is None:
             return ResidentExpert(item.entry, None, item.nbytes, to_device(item.tensors, self.device), self.device,
                                   item.narrowed)

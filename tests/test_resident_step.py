@@ -1,0 +1,134 @@
+"""A decode step with every expert resident in RAM: the decode engine runs the token through every
+layer in one kernel call (DecodeEngine.step), or each layer's MoE block in one call after its
+attention block (DecodeEngine.moe) where a step cannot run whole. Both must give the bits of the
+layer-by-layer path they replace (the attention block's kernel, then the experts' layer kernel and
+the ordered weighted sum: StoreExperts.run), the same hits, and show the hooks what it shows them."""
+
+import pytest
+import torch
+
+import edgemoe
+from edgemoe.convert import convert
+from edgemoe.kernels import cpu_layer, int_paths
+from edgemoe.kernels.ops import INT_PATH_ENV
+from edgemoe.model import Segment
+
+PROMPT, STEPS = [1, 5, 9, 2], [7, 3, 11, 4, 8]
+
+
+@pytest.fixture
+def store_of(tiny_model, tmp_path):
+    def make(arch, bits=4, **overrides):
+        path = tmp_path / f"{arch}-{bits}"
+        if not path.exists():
+            convert(tiny_model(arch, **overrides), path, bits=bits)
+        return path
+    return make
+
+
+def counted(monkeypatch, name):
+    """Counts calls of a cpu_layer kernel (the engine reaches it through the module)."""
+    calls = []
+    kernel = getattr(cpu_layer, name)
+    monkeypatch.setattr(cpu_layer, name, lambda *a: calls.append(1) or kernel(*a))
+    return calls
+
+
+def decode(path, way, monkeypatch, **options):
+    """Prefill, then one-token steps, every expert resident first; `way`: "step" (the default), "layer"
+    (no whole-token call), "generic" (neither: the engine's attention block, then StoreExperts.run).
+    Returns the steps' logits, the RAM hits and what the hooks saw."""
+    seen = []
+    with edgemoe.load(path, dense_bits=8, compute="fused-int", preload="none", **options) as model:
+        for entry in model.store.experts():
+            model.store.get(*entry.key)
+        if way != "step":
+            monkeypatch.setattr(model.experts, "resident_step_layouts", lambda: None)
+        if way == "generic":
+            monkeypatch.setattr(model.experts, "resident_layouts", lambda l: None)
+        model.add_moe_input_hook(lambda l, h: seen.append(("input", l, h.clone())))
+        model.add_routing_hook(lambda l, experts, weights, positions, segments:
+                               seen.append(("routing", l, experts.tolist(), weights.tolist(), positions.tolist())))
+        cache = model.new_cache()
+        model.forward(torch.tensor(PROMPT), [Segment(cache, len(PROMPT))])
+        seen.clear()
+        hits = model.store.stats.ram.hits
+        logits = torch.stack([model.forward(torch.tensor([t]), [Segment(cache, 1)])[-1] for t in STEPS])
+        return logits, model.store.stats.ram.hits - hits, seen
+
+
+def same(a, b):
+    """Two runs' logits, hits and hook records, bit for bit."""
+    assert torch.equal(a[0], b[0])
+    assert a[1] == b[1]
+    assert len(a[2]) == len(b[2])
+    for x, y in zip(a[2], b[2]):
+        assert x[:2] == y[:2]
+        assert torch.equal(x[2], y[2]) if x[0] == "input" else x[2:] == y[2:]
+
+
+@pytest.mark.parametrize("path", int_paths())
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch, overrides", [("qwen3_moe", {"num_experts": 16, "num_experts_per_tok": 8}),
+                                             ("mixtral", {}), ("olmoe", {})])
+def test_a_step_in_one_call_gives_the_layer_by_layer_bits(store_of, monkeypatch, path, kv_dtype, arch, overrides):
+    """On each integer path this CPU runs (forced), with a float32 and a bfloat16 KV cache, on
+    routers that renormalise the top-k weights (qwen3_moe, mixtral) and one that does not (olmoe)."""
+    monkeypatch.setenv(INT_PATH_ENV, path)
+    store = store_of(arch, **overrides)
+    steps, moe_blocks = counted(monkeypatch, "decode_token_kernel"), counted(monkeypatch, "moe_block_kernel")
+    whole = decode(store, "step", monkeypatch, kv_dtype=kv_dtype)
+    assert len(steps) == len(STEPS) and not moe_blocks
+    by_layer = decode(store, "layer", monkeypatch, kv_dtype=kv_dtype)
+    with edgemoe.load(store) as model:
+        layers, top_k = model.spec.num_layers, model.spec.top_k
+    assert len(moe_blocks) == len(STEPS) * layers and len(steps) == len(STEPS)
+    generic = decode(store, "generic", monkeypatch, kv_dtype=kv_dtype)
+    assert len(moe_blocks) == len(STEPS) * layers
+    same(whole, by_layer)
+    same(whole, generic)
+    assert whole[1] == len(STEPS) * layers * top_k
+
+
+def test_mixed_widths_and_a_grown_cache_keep_the_bits(store_of, monkeypatch):
+    """A store whose experts are INT4 and INT8 (each layer's table at several widths), and a cache
+    that grows past its first capacity inside the steps (its arrays reallocated: the kernel must be
+    given the new addresses)."""
+    store = store_of("mixtral", bits=8)
+    from edgemoe.cache import KVCache
+    results = []
+    for way in ("step", "generic"):
+        with edgemoe.load(store, dense_bits=8, compute="fused-int", preload="none") as model:
+            for entry in model.store.experts():
+                model.store.get(*entry.key)
+            if way == "generic":
+                monkeypatch.setattr(model.experts, "resident_step_layouts", lambda: None)
+                monkeypatch.setattr(model.experts, "resident_layouts", lambda l: None)
+            spec = model.spec
+            cache = KVCache(spec.num_layers, spec.num_kv_heads, spec.key_dim, capacity=2)
+            results.append(torch.stack([model.forward(torch.tensor([t]), [Segment(cache, 1)])[-1]
+                                        for t in PROMPT + STEPS]))
+    assert torch.equal(*results)
+
+
+def test_where_a_step_cannot_run_whole_it_runs_layer_by_layer(store_of, monkeypatch):
+    """A shared expert (qwen2_moe) is not the engine's MoE block; a store still reading experts has no
+    resident tables; a replayed routing overrides the router: each runs without the one call."""
+    steps = counted(monkeypatch, "decode_token_kernel")
+    with edgemoe.load(store_of("qwen2_moe"), dense_bits=8, compute="fused-int") as model:
+        for entry in model.store.experts():
+            model.store.get(*entry.key)
+        assert not model.decode_engine.computes_token()
+        model.forward(torch.tensor([3]), [Segment(model.new_cache(), 1)])
+    with edgemoe.load(store_of("mixtral"), dense_bits=8, compute="fused-int", preload="none") as model:
+        model.store.get(*next(iter(model.store.experts())).key)
+        assert model.decode_engine.computes_token() and model.experts.resident_step_layouts() is None
+        model.forward(torch.tensor([3]), [Segment(model.new_cache(), 1)])
+    assert not steps
+    with edgemoe.load(store_of("mixtral"), dense_bits=8, compute="fused-int", preload="none") as model:
+        for entry in model.store.experts():
+            model.store.get(*entry.key)
+        model.routing_override = lambda l, positions: (torch.ones(1, 2) / 2, torch.tensor([[0, 1]]))
+        model.forward(torch.tensor([3]), [Segment(model.new_cache(), 1)])
+    assert not steps
+
