@@ -32,6 +32,7 @@ class KVCache:
         self.length = 0
         self._k: list[torch.Tensor] = [self._empty(capacity, head_dim) for _ in range(num_layers)]
         self._v: list[torch.Tensor] = [self._empty(capacity, self.value_dim) for _ in range(num_layers)]
+        self._addresses: tuple[np.ndarray, np.ndarray] | None = None   # layer_addresses', until _grow
 
     def _empty(self, capacity: int, dim: int) -> torch.Tensor:
         return torch.empty(self.num_kv_heads, capacity, dim, dtype=self.dtype, device=self.device)
@@ -41,6 +42,7 @@ class KVCache:
         return self._k[0].shape[1]
 
     def _grow(self, layer: int, needed: int) -> None:
+        self._addresses = None
         capacity = max(needed, 2 * self._k[layer].shape[1])
         for store, dim in ((self._k, self.head_dim), (self._v, self.value_dim)):
             bigger = self._empty(capacity, dim)
@@ -70,14 +72,16 @@ class KVCache:
     def layer_addresses(self, end: int) -> tuple[np.ndarray, np.ndarray]:
         """layer_arrays for every layer at once, as a kernel that runs all layers takes them: int64
         [L, 3] (each layer's keys and values addresses and its capacity) and layer 0's keys array
-        (their element type)."""
-        rows = np.empty((self.num_layers, 3), np.int64)
-        for layer in range(self.num_layers):
-            keys, values = self.layer_arrays(layer, end)
-            rows[layer] = (address(keys), address(values), keys.shape[1])
-            if layer == 0:
-                like = keys
-        return rows, like
+        (their element type). Made again only when a layer's arrays were reallocated (_grow)."""
+        if self._addresses is None or end > int(self._addresses[0][:, 2].min()):
+            rows = np.empty((self.num_layers, 3), np.int64)
+            for layer in range(self.num_layers):
+                keys, values = self.layer_arrays(layer, end)
+                rows[layer] = (address(keys), address(values), keys.shape[1])
+                if layer == 0:
+                    like = keys
+            self._addresses = (rows, like)
+        return self._addresses
 
     def advance(self, n: int) -> None:
         self.length += n

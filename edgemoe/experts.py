@@ -158,8 +158,9 @@ class ExpertProvider(ABC):
         them: the decode engine then runs a whole token in one call. None here."""
         return None
 
-    def served_resident(self, layer: int, experts: list[int]) -> None:
-        """Counts the experts the decode engine computed from resident_layouts (ascending)."""
+    def served_resident(self, first_layer: int, chosen: list[list[int]]) -> None:
+        """Counts the experts the decode engine computed from resident_layouts: chosen[i] (ascending)
+        by layer first_layer + i, as run() would have counted them."""
 
     def run(self, layer: int, x: torch.Tensor, batches: ExpertBatches) -> torch.Tensor:
         """Weighted sum of the active experts' outputs per token: x [T, D] -> [T, D]."""

@@ -10,6 +10,8 @@ sequence, E experts, A active per token.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -51,13 +53,18 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     return F.layer_norm(x, weight.shape, weight, bias, eps)
 
 
+@functools.cache   # a decode step asks for one position's table: the frequencies are the same every time
+def _theta_frequencies(head_dim: int, theta: float) -> torch.Tensor:
+    with torch.inference_mode(False):   # a normal tensor, usable in and out of inference mode
+        return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+
+
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, inv_freq: tuple[float, ...] | None = None,
                 scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [T, Dh] for the given absolute positions [T] (half-split layout, as Llama/HF), from
     theta's frequencies or the given (scaled) ones [Dh/2], times `scale`."""
-    if inv_freq is None:
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    freqs = positions.float()[:, None] * torch.as_tensor(inv_freq, dtype=torch.float32)[None, :]  # [T, Dh/2]
+    inv_freq = _theta_frequencies(head_dim, theta) if inv_freq is None else torch.as_tensor(inv_freq, dtype=torch.float32)
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, Dh/2]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos() * scale, emb.sin() * scale
 

@@ -312,10 +312,10 @@ class MoEModel(StoreOwner):
         hs, weights, experts = self.decode_engine.step(x, segments[0].cache.length, cos, sin, segments[0].cache,
                                                       layouts)
         self.timings.layers += time.perf_counter() - start
-        for l, chosen in enumerate(experts.tolist()):
+        self.experts.served_resident(0, [sorted(chosen) for chosen in experts.tolist()])
+        for l in range(self.spec.num_layers):
             for hook in self.moe_input_hooks:
                 hook(l, hs[l:l + 1])
-            self.experts.served_resident(l, sorted(chosen))
             for hook in self.routing_hooks:
                 hook(l, experts[l:l + 1], weights[l:l + 1], positions, segments)
         return x
@@ -334,7 +334,7 @@ class MoEModel(StoreOwner):
         for hook in self.moe_input_hooks:
             hook(l, h)
         weights, experts = self.decode_engine.moe(x, h, logits, layouts)
-        self.experts.served_resident(l, sorted(experts[0].tolist()))
+        self.experts.served_resident(l, [sorted(experts[0].tolist())])
         for hook in self.routing_hooks:
             hook(l, experts, weights, positions, segments)
 

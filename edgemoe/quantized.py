@@ -239,11 +239,8 @@ class StoreExperts(ExpertProvider):
             self._checked_tables = (tables, ok)
         return tables if self._checked_tables[1] else None
 
-    def served_resident(self, layer: int, experts: list[int]) -> None:
-        """Counts a layer's experts (ascending) that the decode engine computed from resident_layouts,
-        as run() counts them: the store is told the layer and serves each from RAM."""
-        self.store.begin_layer(layer, needed=((layer, e) for e in experts))
-        self.store.get_resident(layer, experts)
+    def served_resident(self, first_layer: int, chosen: list[list[int]]) -> None:
+        self.store.served_resident(first_layer, chosen)
 
     def _compute_pairs(self, layer: int, x: torch.Tensor, pair_x: np.ndarray, batches: ExpertBatches,
                        experts: list[tuple[int, ResidentExpert]], starts: np.ndarray, y: np.ndarray) -> None:

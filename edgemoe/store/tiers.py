@@ -347,6 +347,20 @@ class TieredStore:
                                    self.stats.full_width_bytes_read)
             self._loads.await_layer(k for k in keys if not self._serves(k))
 
+    def served_resident(self, first_layer: int, chosen: list[list[int]]) -> None:
+        """Layers first_layer, first_layer + 1, ... computed the experts chosen[0], chosen[1], ...
+        (each ascending) while every expert was resident (resident_layer_table): what begin_layer and
+        get_resident would record for them, layer after layer (the policies told the layer, a hit per
+        request), under one lock. Nothing is read, awaited or timed: there is nothing to read."""
+        with self._lock:
+            self._weak = set()
+            for layer, experts in enumerate(chosen, first_layer):
+                lengths = {(layer, e): self.manifest.experts[(layer, e)].length for e in experts}
+                self.cache.begin_layer(layer, lengths, self.stats.full_width_bytes_read)
+                for key, length in lengths.items():
+                    self.stats.requested_bytes += length
+                    self.cache.request(key)
+
     def cancel_preloads(self, layer: int) -> None:
         """Drop the queued predictions for `layer` (not reads under way): its real routing is known now."""
         dropped = self._loads.cancel(layer)
