@@ -131,23 +131,35 @@ class DecodeEngine:
         return self._computes_token
 
     def step(self, x: torch.Tensor, position: int, cos: torch.Tensor, sin: torch.Tensor, cache,
-             layouts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             layouts: np.ndarray, replayed: tuple[torch.Tensor, torch.Tensor] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One token through every layer in one kernel call (computes_token): layer() then moe(), layer
         after layer, with the bits of those calls. x float32 [1, D] is updated in place (the embedding
         in, the last layer's output out); layouts int64 [L, E, LAYOUT_COLUMNS] (the store's
-        resident_tables). Returns each layer's MoE input hs [L, D] and router choice (weights [L, A]
-        float32, experts [L, A]), for the hooks and counts that follow."""
-        spec = self.spec
+        resident_tables); replayed: every layer's (weights [L, A], experts [L, A]) given (a replayed
+        trace), else the routers choose. Returns each layer's MoE input hs [L, D] and router choice
+        (weights [L, A] float32, experts [L, A]), for the hooks and counts that follow."""
         layers = len(self.tables)
         kv, like = cache.layer_addresses(position + 1)
-        hs = torch.empty(layers, spec.hidden_size, dtype=torch.float32)
-        weights = torch.empty(layers, spec.top_k, dtype=torch.float32)
-        experts = torch.empty(layers, spec.top_k, dtype=torch.long)
+        hs = torch.empty(layers, self.spec.hidden_size, dtype=torch.float32)
+        weights, experts = self._choice(layers, replayed)
         cpu_layer.decode_token_kernel(_int_path(None), self.stacked_tables, self.dims, self.eps, self.scale, self.clip,
                                       x.numpy()[0], cos.numpy()[0], sin.numpy()[0], kv, like, position, layouts,
-                                      spec.top_k, spec.norm_topk_prob, hs.numpy(), weights.numpy(), experts.numpy(),
-                                      cpu.row_blocks())
+                                      experts.shape[1], self.spec.norm_topk_prob, replayed is not None, hs.numpy(),
+                                      weights.numpy(), experts.numpy(), cpu.row_blocks())
         return hs, weights, experts
+
+    def _choice(self, layers: int, replayed: tuple[torch.Tensor, torch.Tensor] | None):
+        """The kernel's (weights float32 [L, A], experts int64 [L, A]): copies of a replayed choice,
+        or arrays for the routers' (A = top_k)."""
+        if replayed is not None:
+            weights, experts = replayed
+            if experts.numel() and not 0 <= int(experts.min()) <= int(experts.max()) < self.spec.num_experts:
+                raise ValueError(f"replayed routing: expert ids must be in [0, {self.spec.num_experts}), "
+                                 f"got {experts.tolist()}")
+            return (weights.to(torch.float32).contiguous().clone(), experts.to(torch.long).contiguous().clone())
+        return (torch.empty(layers, self.spec.top_k, dtype=torch.float32),
+                torch.empty(layers, self.spec.top_k, dtype=torch.long))
 
     def computes_moe(self, l: int) -> bool:
         """Whether moe() can run layer l's MoE block: a routed layer with a softmax router that scales
@@ -156,18 +168,17 @@ class DecodeEngine:
         return (self.tables[l][cpu_layer.ROUTER] != 0 and spec.router == "softmax"
                 and spec.routed_scaling_factor == 1.0 and not spec.shared_expert_hidden)
 
-    def moe(self, x: torch.Tensor, h: torch.Tensor, logits: torch.Tensor,
-            layouts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def moe(self, x: torch.Tensor, h: torch.Tensor, logits: torch.Tensor, layouts: np.ndarray,
+            replayed: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """A MoE block (computes_moe) for one token whose experts are all resident on the integer
         path: x [1, D] += the weighted sum of its chosen experts' outputs on h [1, D], in place; layouts
-        int64 [E, LAYOUT_COLUMNS] (the store's resident layer table). Returns the router's (weights
-        [1, A] float32, experts [1, A]), as choose() gives them. Bit for bit the generic MoE block's."""
-        spec = self.spec
-        weights = torch.empty(1, spec.top_k, dtype=torch.float32)
-        experts = torch.empty(1, spec.top_k, dtype=torch.long)
-        cpu_layer.moe_block_kernel(_int_path(None), layouts, h.numpy()[0], logits.numpy()[0], spec.top_k,
-                                   spec.norm_topk_prob, x.numpy()[0], weights.numpy()[0], experts.numpy()[0],
-                                   cpu.row_blocks())
+        int64 [E, LAYOUT_COLUMNS] (the store's resident layer table); replayed: (weights [1, A],
+        experts [1, A]) given, else the router chooses. Returns the (weights [1, A] float32, experts
+        [1, A]) it used, as choose() gives them. Bit for bit the generic MoE block's."""
+        weights, experts = self._choice(1, replayed)
+        cpu_layer.moe_block_kernel(_int_path(None), layouts, h.numpy()[0], logits.numpy()[0], experts.shape[1],
+                                   self.spec.norm_topk_prob, replayed is not None, x.numpy()[0], weights.numpy()[0],
+                                   experts.numpy()[0], cpu.row_blocks())
         return weights, experts
 
     def choose(self, logits: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

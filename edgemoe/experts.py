@@ -159,8 +159,8 @@ class ExpertProvider(ABC):
         return None
 
     def served_resident(self, first_layer: int, chosen: list[list[int]]) -> None:
-        """Counts the experts the decode engine computed from resident_layouts: chosen[i] (ascending)
-        by layer first_layer + i, as run() would have counted them."""
+        """Counts the experts the decode engine computed from resident_layouts: chosen[i] (ascending,
+        each once) by layer first_layer + i, as run() would have counted them."""
 
     def run(self, layer: int, x: torch.Tensor, batches: ExpertBatches) -> torch.Tensor:
         """Weighted sum of the active experts' outputs per token: x [T, D] -> [T, D]."""

@@ -296,10 +296,10 @@ class MoEModel(StoreOwner):
     def _resident_step_layouts(self, x: torch.Tensor, segments: Sequence[Segment]):
         """The experts' layouts when the decode engine runs this step's every layer in one call
         (DecodeEngine.step: one float32 token of one sequence, every expert resident in RAM, every
-        layer's MoE block one that the engine computes, no routing replayed), else None."""
+        layer's MoE block one that the engine computes), else None."""
         engine = self.decode_engine
         if (engine is None or x.shape[0] != 1 or len(segments) != 1 or x.dtype != torch.float32
-                or self.routing_override is not None or not engine.computes_token()):
+                or not engine.computes_token()):
             return None
         return self.experts.resident_step_layouts()
 
@@ -309,10 +309,14 @@ class MoEModel(StoreOwner):
         counts see what _mlp would show them (after the compute: nothing is left to read)."""
         start = time.perf_counter()
         x = x.clone()   # updated in place
+        replayed = None
+        if self.routing_override is not None:   # a replayed trace's choice for every layer, given to the kernel
+            choices = [self.routing_override(l, positions) for l in range(self.spec.num_layers)]
+            replayed = (torch.cat([w for w, _ in choices]), torch.cat([e for _, e in choices]))
         hs, weights, experts = self.decode_engine.step(x, segments[0].cache.length, cos, sin, segments[0].cache,
-                                                      layouts)
+                                                      layouts, replayed)
         self.timings.layers += time.perf_counter() - start
-        self.experts.served_resident(0, [sorted(chosen) for chosen in experts.tolist()])
+        self.experts.served_resident(0, [sorted(set(chosen)) for chosen in experts.tolist()])
         for l in range(self.spec.num_layers):
             for hook in self.moe_input_hooks:
                 hook(l, hs[l:l + 1])
@@ -322,8 +326,8 @@ class MoEModel(StoreOwner):
 
     def _resident_moe(self, l: int):
         """Layer l's expert layouts when the decode engine computes its MoE block (DecodeEngine.moe:
-        every expert resident in RAM, a softmax router, no routing replayed), else None."""
-        if self.routing_override is not None or not self.decode_engine.computes_moe(l):
+        every expert resident in RAM, a softmax router), else None."""
+        if not self.decode_engine.computes_moe(l):
             return None
         return self.experts.resident_layouts(l)
 
@@ -333,8 +337,9 @@ class MoEModel(StoreOwner):
         store's counts see what _mlp would show them (after the compute: nothing is left to read)."""
         for hook in self.moe_input_hooks:
             hook(l, h)
-        weights, experts = self.decode_engine.moe(x, h, logits, layouts)
-        self.experts.served_resident(l, [sorted(experts[0].tolist())])
+        replayed = self.routing_override(l, positions) if self.routing_override is not None else None
+        weights, experts = self.decode_engine.moe(x, h, logits, layouts, replayed)
+        self.experts.served_resident(l, [sorted(set(experts[0].tolist()))])
         for hook in self.routing_hooks:
             hook(l, experts, weights, positions, segments)
 

@@ -111,9 +111,41 @@ def test_mixed_widths_and_a_grown_cache_keep_the_bits(store_of, monkeypatch):
     assert torch.equal(*results)
 
 
+def replayed(l, positions):
+    """A replayed trace's choice: by layer and position, one expert chosen twice at some positions."""
+    p = int(positions[0])
+    experts = [(p + l) % 4, (p * 3 + 1) % 4] if p % 3 else [2, 2]
+    return torch.tensor([[0.625, 0.375]]), torch.tensor([experts])
+
+
+@pytest.mark.parametrize("way", ["step", "layer"])
+def test_replayed_routing_runs_in_the_engine_with_the_generic_bits(store_of, monkeypatch, way):
+    """The bench routes a random-weight model by a replayed trace: the engine takes its choice instead
+    of the router's, an expert chosen twice included (computed twice, added in pair order, counted once)."""
+    store = store_of("mixtral")
+    calls = counted(monkeypatch, "decode_token_kernel" if way == "step" else "moe_block_kernel")
+    results = []
+    for run in (way, "generic"):
+        with edgemoe.load(store, dense_bits=8, compute="fused-int", preload="none") as model:
+            for entry in model.store.experts():
+                model.store.get(*entry.key)
+            if run != "step":
+                monkeypatch.setattr(model.experts, "resident_step_layouts", lambda: None)
+            if run == "generic":
+                monkeypatch.setattr(model.experts, "resident_layouts", lambda l: None)
+            model.routing_override = replayed
+            cache = model.new_cache()
+            hits = model.store.stats.ram.hits
+            logits = torch.stack([model.forward(torch.tensor([t]), [Segment(cache, 1)])[-1] for t in PROMPT + STEPS])
+            results.append((logits, model.store.stats.ram.hits - hits))
+        if run == way:
+            assert calls
+    assert torch.equal(results[0][0], results[1][0]) and results[0][1] == results[1][1]
+
+
 def test_where_a_step_cannot_run_whole_it_runs_layer_by_layer(store_of, monkeypatch):
     """A shared expert (qwen2_moe) is not the engine's MoE block; a store still reading experts has no
-    resident tables; a replayed routing overrides the router: each runs without the one call."""
+    resident tables: each runs without the one call."""
     steps = counted(monkeypatch, "decode_token_kernel")
     with edgemoe.load(store_of("qwen2_moe"), dense_bits=8, compute="fused-int") as model:
         for entry in model.store.experts():
@@ -123,12 +155,6 @@ def test_where_a_step_cannot_run_whole_it_runs_layer_by_layer(store_of, monkeypa
     with edgemoe.load(store_of("mixtral"), dense_bits=8, compute="fused-int", preload="none") as model:
         model.store.get(*next(iter(model.store.experts())).key)
         assert model.decode_engine.computes_token() and model.experts.resident_step_layouts() is None
-        model.forward(torch.tensor([3]), [Segment(model.new_cache(), 1)])
-    assert not steps
-    with edgemoe.load(store_of("mixtral"), dense_bits=8, compute="fused-int", preload="none") as model:
-        for entry in model.store.experts():
-            model.store.get(*entry.key)
-        model.routing_override = lambda l, positions: (torch.ones(1, 2) / 2, torch.tensor([[0, 1]]))
         model.forward(torch.tensor([3]), [Segment(model.new_cache(), 1)])
     assert not steps
 

@@ -353,21 +353,23 @@ def softmax_topk_kernel(logits, top_k, normalize, weights, experts):
 
 
 @njit_exact_parallel
-def moe_block_kernel(path, layouts, h, logits, top_k, normalize, x, weights, experts, nblocks):
+def moe_block_kernel(path, layouts, h, logits, top_k, normalize, replayed, x, weights, experts, nblocks):
     """A one-token MoE block whose experts are all resident, SwiGLU on the integer path, in one call:
     the softmax router's choice from logits float32 [E] (softmax_topk_kernel: weights float32 [A] and
-    experts int64 [A] out, strongest first), the chosen experts on h float32 [D] (layouts int64
+    experts int64 [A] out, strongest first; replayed: weights and experts are given, a replayed trace's
+    choice, an expert possibly twice), the chosen experts on h float32 [D] (layouts int64
     [E, LAYOUT_COLUMNS], row e expert e's: cpu_int.swiglu_experts_int), and their outputs times
     their weights added up in ascending expert order, then into x float32 [D] in place. The bits of
     the generic MoE block on the same choice (edgemoe.experts.ExpertBatches orders a step's pairs by
     expert; edgemoe.quantized's weighted sum adds them in that order, then the residual), where
     Python around each piece cost a fine-grained layer more than its experts' compute."""
-    _moe_block(path, layouts, h, logits, top_k, normalize, x, weights, experts, nblocks)
+    _moe_block(path, layouts, h, logits, top_k, normalize, replayed, x, weights, experts, nblocks)
 
 
 @njit_exact_inline
-def _moe_block(path, layouts, h, logits, top_k, normalize, x, weights, experts, nblocks):
-    softmax_topk_kernel(logits, top_k, normalize, weights, experts)
+def _moe_block(path, layouts, h, logits, top_k, normalize, replayed, x, weights, experts, nblocks):
+    if not replayed:
+        softmax_topk_kernel(logits, top_k, normalize, weights, experts)
     order = np.argsort(experts, kind="mergesort")
     dim = h.shape[0]
     chosen = np.empty((top_k, layouts.shape[1]), np.int64)
@@ -389,7 +391,7 @@ def _moe_block(path, layouts, h, logits, top_k, normalize, x, weights, experts, 
 
 @njit_exact_parallel
 def decode_token_kernel(path, tables, dims, eps, scale, clip, x, cos, sin, kv, kv_like, pos, layouts, top_k,
-                        normalize, hs, weights, experts, nblocks):
+                        normalize, replayed, hs, weights, experts, nblocks):
     """One token through every decoder layer in one call, for a model whose layers are all grouped-query
     attention then a MoE block that moe_block_kernel computes: per layer l, attention_block_kernel with
     tables[l] (int64 [L, TABLE_COLUMNS]) and the layer's cache, then moe_block_kernel with layouts[l]
@@ -397,8 +399,8 @@ def decode_token_kernel(path, tables, dims, eps, scale, clip, x, cos, sin, kv, k
     out. kv int64 [L, 3]: each layer's keys and values addresses and its cache capacity, both
     [K, capacity, Dk / Dv] of kv_like's element type (the layer-0 keys array: float32, or int16 bit
     patterns of bfloat16). Out: hs float32 [L, D] (each MoE block's input), weights float32 [L, A]
-    and experts int64 [L, A] (each router's choice, strongest first). The bits of the two kernels
-    called layer by layer."""
+    and experts int64 [L, A] (each router's choice, strongest first; replayed: given, not chosen).
+    The bits of the two kernels called layer by layer."""
     heads, dk, dv = dims[DIM_K], dims[DIM_DK], dims[DIM_DV]
     logits = np.empty(layouts.shape[1], np.float32)
     for l in range(tables.shape[0]):
@@ -406,4 +408,4 @@ def decode_token_kernel(path, tables, dims, eps, scale, clip, x, cos, sin, kv, k
         values = like_view(kv[l, 1], (heads, kv[l, 2], dv), kv_like)
         _attention_block(path, tables[l], dims, eps, scale, clip, x, cos, sin, keys, values, pos, hs[l], logits,
                          nblocks)
-        _moe_block(path, layouts[l], hs[l], logits, top_k, normalize, x, weights[l], experts[l], nblocks)
+        _moe_block(path, layouts[l], hs[l], logits, top_k, normalize, replayed, x, weights[l], experts[l], nblocks)
