@@ -34,10 +34,11 @@ def counted(monkeypatch, name):
     return calls
 
 
-def decode(path, way, monkeypatch, **options):
+def decode(path, way, monkeypatch, routing=None, **options):
     """Prefill, then one-token steps, every expert resident first; `way`: "step" (the default), "layer"
-    (no whole-token call), "generic" (neither: the engine's attention block, then StoreExperts.run).
-    Returns the steps' logits, the RAM hits and what the hooks saw."""
+    (no whole-token call), "generic" (neither: the engine's attention block, then StoreExperts.run);
+    routing: a replayed trace's (the model's routing_override). Returns the steps' logits, the RAM hits
+    and what the hooks saw."""
     seen = []
     with edgemoe.load(path, dense_bits=8, compute="fused-int", preload="none", **options) as model:
         for entry in model.store.experts():
@@ -46,6 +47,7 @@ def decode(path, way, monkeypatch, **options):
             monkeypatch.setattr(model.experts, "resident_step_layouts", lambda: None)
         if way == "generic":
             monkeypatch.setattr(model.experts, "resident_layouts", lambda l: None)
+        model.routing_override = routing
         model.add_moe_input_hook(lambda l, h: seen.append(("input", l, h.clone())))
         model.add_routing_hook(lambda l, experts, weights, positions, segments:
                                seen.append(("routing", l, experts.tolist(), weights.tolist(), positions.tolist())))
@@ -113,9 +115,8 @@ def test_mixed_widths_and_a_grown_cache_keep_the_bits(store_of, monkeypatch):
 
 def replayed(l, positions):
     """A replayed trace's choice: by layer and position, one expert chosen twice at some positions."""
-    p = int(positions[0])
-    experts = [(p + l) % 4, (p * 3 + 1) % 4] if p % 3 else [2, 2]
-    return torch.tensor([[0.625, 0.375]]), torch.tensor([experts])
+    experts = [[(p + l) % 4, (p * 3 + 1) % 4] if p % 3 else [2, 2] for p in positions.tolist()]
+    return torch.tensor([[0.625, 0.375]] * len(experts)), torch.tensor(experts)
 
 
 @pytest.mark.parametrize("way", ["step", "layer"])
@@ -124,23 +125,10 @@ def test_replayed_routing_runs_in_the_engine_with_the_generic_bits(store_of, mon
     of the router's, an expert chosen twice included (computed twice, added in pair order, counted once)."""
     store = store_of("mixtral")
     calls = counted(monkeypatch, "decode_token_kernel" if way == "step" else "moe_block_kernel")
-    results = []
-    for run in (way, "generic"):
-        with edgemoe.load(store, dense_bits=8, compute="fused-int", preload="none") as model:
-            for entry in model.store.experts():
-                model.store.get(*entry.key)
-            if run != "step":
-                monkeypatch.setattr(model.experts, "resident_step_layouts", lambda: None)
-            if run == "generic":
-                monkeypatch.setattr(model.experts, "resident_layouts", lambda l: None)
-            model.routing_override = replayed
-            cache = model.new_cache()
-            hits = model.store.stats.ram.hits
-            logits = torch.stack([model.forward(torch.tensor([t]), [Segment(cache, 1)])[-1] for t in PROMPT + STEPS])
-            results.append((logits, model.store.stats.ram.hits - hits))
-        if run == way:
-            assert calls
-    assert torch.equal(results[0][0], results[1][0]) and results[0][1] == results[1][1]
+    ours = decode(store, way, monkeypatch, routing=replayed)
+    layers = len(ours[2]) // (2 * len(STEPS))   # the hooks saw two records a layer and step
+    assert len(calls) == len(STEPS) * (1 if way == "step" else layers)
+    same(ours, decode(store, "generic", monkeypatch, routing=replayed))
 
 
 def test_where_a_step_cannot_run_whole_it_runs_layer_by_layer(store_of, monkeypatch):
