@@ -85,7 +85,7 @@ def test_an_evicted_expert_still_in_use_keeps_its_bytes(store):
 
 def test_reads_within_a_time_follow_the_measured_mean_read(store):
     """The one disk-time estimate the preloader's credit and a speculative draft's prefetch budget use."""
-    with open_store(store, ram="100%") as s:
+    with open_store(store, ram="100%", place_popular=False) as s:   # not filled at open: no read yet
         disk = s.disk
         assert disk.reads_within(1.0) is None                 # nothing measured yet
         for key in list(s.manifest.experts)[:4]:

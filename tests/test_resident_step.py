@@ -146,3 +146,20 @@ def test_where_a_step_cannot_run_whole_it_runs_layer_by_layer(store_of, monkeypa
         model.forward(torch.tensor([3]), [Segment(model.new_cache(), 1)])
     assert not steps
 
+
+
+def test_a_ram_budget_that_holds_every_expert_is_filled_at_open(store_of, monkeypatch):
+    """So that a run whose model fits decodes in the one-call step from its first token (experts read
+    on first use might never all become resident); without a budget, or with placement off, experts
+    are read on first use as before."""
+    from edgemoe.store import open_store
+    path = store_of("mixtral")
+    with open_store(path, ram="100%") as store:
+        assert store.holds_everything() and store.resident_tables() is not None
+        assert store.stats.misses == 0 and store.stats.ram.hits == 0   # placement is no request
+    with open_store(path, ram="100%", place_popular=False) as store, open_store(path) as unlimited:
+        assert store.cache.count() == 0 and unlimited.cache.count() == 0
+    steps = counted(monkeypatch, "decode_token_kernel")
+    with edgemoe.load(path, dense_bits=8, compute="fused-int", ram="100%") as model:
+        model.forward(torch.tensor([3]), [Segment(model.new_cache(), 1)])
+    assert steps

@@ -185,8 +185,11 @@ class TieredStore:
                          for i in range(self.readers)]
         for loader in self._loaders:
             loader.start()
-        if place_popular and self.popularity:
-            self._place_popular()
+        # A RAM budget that holds every expert (the commands' --ram auto on a machine with room for
+        # them) is filled at once; without a budget (None: unlimited) experts are read on first use.
+        fill = holds_all and ram_capacity is not None
+        if place_popular and (self.popularity or fill):
+            self._place_popular(everything=fill)
             self._choice_start = (0.0, self._needed_bytes_read)   # placement is no layer's read
 
     # ---- public API -------------------------------------------------------------------------------
@@ -391,10 +394,16 @@ class TieredStore:
         check_device(device, "device=")
         return torch.device(device) if vram_capacity else None
 
-    def _place_popular(self) -> None:
-        """Fiddler's initial placement: the most popular experts in the fastest tiers, while they fit."""
+    def _place_popular(self, everything: bool = False) -> None:
+        """Fiddler's initial placement: the most popular experts in the fastest tiers, while they fit;
+        everything: a RAM tier that holds every expert gets every one, the profile's most popular
+        first (a decode step then runs whole in the decode engine's kernel from its first token,
+        where experts read on first use might never all be resident)."""
         room = sum(tier.capacity for tier in self.cache.tiers)
-        for key in sorted(self.popularity, key=lambda k: -self.popularity[k]):
+        keys = sorted(self.popularity, key=lambda k: -self.popularity[k])
+        if everything:
+            keys += [k for k in self.manifest.experts if k not in self.popularity]
+        for key in keys:
             entry = self.manifest.experts.get(key)
             if entry is None or entry.length > room:
                 continue
