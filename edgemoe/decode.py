@@ -1,4 +1,5 @@
-"""The decode engine: a one-token step's attention block in one kernel call per layer.
+"""The decode engine: a one-token step's attention block in one kernel call per layer, and with
+every expert resident in RAM the MoE block too, or the whole step in one call.
 
 Contract. `DecodeEngine.for_model(spec, layers)` returns an engine, or None where the layers are
 not its kind (then the generic forward runs every step). Its kind: grouped-query attention (RMSNorm or
@@ -12,6 +13,13 @@ model runs the MoE block on h (model.py). Against the generic forward on the sam
 projections, RMSNorms, rotary and residual are bit-identical; the attention, the router logits and
 LayerNorm differ in the last bits, so the results match within float32 rounding (tested per
 architecture in tests/test_decode_engine.py).
+
+With every expert resident in RAM at full width (the store's resident tables), `moe(x, h, logits,
+layouts)` runs a layer's MoE block (computes_moe: softmax router, no routed scaling, no shared
+expert) in one more call, and `step(x, position, cos, sin, cache, layouts)` runs every layer, both
+blocks each, in one call (computes_token: grouped-query attention and every layer's MoE block
+one that moe() computes). Both give the bits of layer() followed by the model's generic MoE block
+on the integer path (tests/test_resident_step.py); a replayed routing is given to them.
 
 Why: the generic forward makes about 40 torch ops and kernel calls for a token's attention block,
 each with Python around it; on a fine-grained model that glue cost more than the kernels

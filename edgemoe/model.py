@@ -317,11 +317,12 @@ class MoEModel(StoreOwner):
                                                       layouts, replayed)
         self.timings.layers += time.perf_counter() - start
         self.experts.served_resident(0, [sorted(set(chosen)) for chosen in experts.tolist()])
-        for l in range(self.spec.num_layers):
-            for hook in self.moe_input_hooks:
-                hook(l, hs[l:l + 1])
-            for hook in self.routing_hooks:
-                hook(l, experts[l:l + 1], weights[l:l + 1], positions, segments)
+        if self.moe_input_hooks or self.routing_hooks:   # each layer's rows as [1, ...] views
+            for l, (h, chosen, weight) in enumerate(zip(hs.split(1), experts.split(1), weights.split(1))):
+                for hook in self.moe_input_hooks:
+                    hook(l, h)
+                for hook in self.routing_hooks:
+                    hook(l, chosen, weight, positions, segments)
         return x
 
     def _resident_moe(self, l: int):
