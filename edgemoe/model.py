@@ -316,14 +316,22 @@ class MoEModel(StoreOwner):
         hs, weights, experts = self.decode_engine.step(x, segments[0].cache.length, cos, sin, segments[0].cache,
                                                       layouts, replayed)
         self.timings.layers += time.perf_counter() - start
-        self.experts.served_resident(0, [sorted(set(chosen)) for chosen in experts.tolist()])
+        self._served_resident(0, hs, weights, experts, positions, segments)
+        return x
+
+    def _served_resident(self, first_layer: int, hs: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                         positions: torch.Tensor, segments) -> None:
+        """After the decode engine computed the MoE blocks of layers first_layer, first_layer + 1, ...
+        of one token (their inputs hs [n, D], choices weights and experts [n, A]): the store's counts
+        and the hooks' calls _mlp would have made, layer after layer (after the compute: with every
+        expert resident nothing is left to read)."""
+        self.experts.served_resident(first_layer, [sorted(set(chosen)) for chosen in experts.tolist()])
         if self.moe_input_hooks or self.routing_hooks:   # each layer's rows as [1, ...] views
-            for l, (h, chosen, weight) in enumerate(zip(hs.split(1), experts.split(1), weights.split(1))):
+            for l, (h, chosen, weight) in enumerate(zip(hs.split(1), experts.split(1), weights.split(1)), first_layer):
                 for hook in self.moe_input_hooks:
                     hook(l, h)
                 for hook in self.routing_hooks:
                     hook(l, chosen, weight, positions, segments)
-        return x
 
     def _resident_moe(self, l: int):
         """Layer l's expert layouts when the decode engine computes its MoE block (DecodeEngine.moe:
@@ -334,15 +342,11 @@ class MoEModel(StoreOwner):
 
     def _resident_moe_block(self, l: int, x: torch.Tensor, h: torch.Tensor, logits: torch.Tensor,
                             layouts, positions: torch.Tensor, segments) -> None:
-        """_mlp's MoE block for one token by the decode engine, x updated in place; the hooks and the
-        store's counts see what _mlp would show them (after the compute: nothing is left to read)."""
-        for hook in self.moe_input_hooks:
-            hook(l, h)
+        """_mlp's MoE block for one token by the decode engine, x updated in place; then what
+        _served_resident says."""
         replayed = self.routing_override(l, positions) if self.routing_override is not None else None
         weights, experts = self.decode_engine.moe(x, h, logits, layouts, replayed)
-        self.experts.served_resident(l, [sorted(set(experts[0].tolist()))])
-        for hook in self.routing_hooks:
-            hook(l, experts, weights, positions, segments)
+        self._served_resident(l, h, weights, experts, positions, segments)
 
     def _rope_scaling(self, positions: torch.Tensor) -> tuple:
         """(inverse frequencies, cos/sin factor) for a step at these positions: LongRoPE's long set

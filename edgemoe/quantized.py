@@ -221,23 +221,23 @@ class StoreExperts(ExpertProvider):
         """The layer's experts as the decode engine computes them inside its own kernel (the store's
         resident_layer_table), when every expert of the store is resident in RAM at full width,
         SwiGLU, and one token of each width computes on "fused-int"; else None."""
-        if not self.layer_kernel or self.store.device is not None or self.activations(layer, 0) is not None:
-            return None
-        table = self.store.resident_layer_table(layer)
-        if table is None or any(self.choose(bits, 1) != "fused-int" for bits in set(table[:, G_BITS].tolist())):
-            return None
-        return table
+        table = self.store.resident_layer_table(layer) if self.layer_kernel else None
+        return table if table is not None and self._engine_computes(table, [layer]) else None
 
     def resident_step_layouts(self) -> np.ndarray | None:
         tables = self.store.resident_tables() if self.layer_kernel else None
         if tables is None:
             return None
         if self._checked_tables is None or self._checked_tables[0] is not tables:   # once per stacked table
-            ok = (self.store.device is None
-                  and all(self.activations(l, 0) is None for l in range(tables.shape[0]))
-                  and all(self.choose(bits, 1) == "fused-int" for bits in set(tables[:, :, G_BITS].ravel().tolist())))
-            self._checked_tables = (tables, ok)
+            self._checked_tables = (tables, self._engine_computes(tables, range(tables.shape[0])))
         return tables if self._checked_tables[1] else None
+
+    def _engine_computes(self, tables: np.ndarray, layers) -> bool:
+        """Whether these layers' resident experts (their layout tables) compute in the decode engine's
+        kernel: on the host, SwiGLU, one token of each of their widths on "fused-int"."""
+        widths = set(tables[..., G_BITS].ravel().tolist())
+        return (self.store.device is None and all(self.activations(l, 0) is None for l in layers)
+                and all(self.choose(bits, 1) == "fused-int" for bits in widths))
 
     def served_resident(self, first_layer: int, chosen: list[list[int]]) -> None:
         self.store.served_resident(first_layer, chosen)

@@ -19,7 +19,7 @@ PROMPT, STEPS = [1, 5, 9, 2], [7, 3, 11, 4, 8]
 @pytest.fixture
 def store_of(tiny_model, tmp_path):
     def make(arch, bits=4, **overrides):
-        path = tmp_path / f"{arch}-{bits}"
+        path = tmp_path / f"{arch}-{bits}-{'-'.join(f'{k}{v}' for k, v in sorted(overrides.items()))}"
         if not path.exists():
             convert(tiny_model(arch, **overrides), path, bits=bits)
         return path
@@ -90,6 +90,19 @@ def test_a_step_in_one_call_gives_the_layer_by_layer_bits(store_of, monkeypatch,
     same(whole, by_layer)
     same(whole, generic)
     assert whole[1] == len(STEPS) * layers * top_k
+
+
+@pytest.mark.parametrize("path", int_paths())
+def test_a_bfloat16_checkpoint_gives_the_layer_by_layer_bits(store_of, monkeypatch, path):
+    """What --dtype auto loads on a CPU with bfloat16 (the embedding and routers bfloat16, the dense
+    projections quantized from bfloat16 weights): the step's bits are still the layer-by-layer path's."""
+    monkeypatch.setenv(INT_PATH_ENV, path)
+    store = store_of("qwen3_moe", num_experts=16, num_experts_per_tok=8, dtype="bfloat16")
+    options = dict(dtype=torch.bfloat16)
+    steps = counted(monkeypatch, "decode_token_kernel")
+    whole = decode(store, "step", monkeypatch, **options)
+    assert len(steps) == len(STEPS)
+    same(whole, decode(store, "generic", monkeypatch, **options))
 
 
 def test_mixed_widths_and_a_grown_cache_keep_the_bits(store_of, monkeypatch):
