@@ -16,8 +16,9 @@ Results are cached per machine and shape in the user cache directory ($EDGEMOE_C
 With a VRAM tier on a torch device, a third path is calibrated for experts held in RAM: "device",
 copy the packed arrays to the device (measured seconds per byte) and dequantize + multiply there;
 its cost is t = a + b*S plus the copy of the expert's bytes (Fiddler's CPU-vs-GPU rule). Experts
-already resident on the device compute there. No GPU was available to this project: the device path
-is exercised with the CPU as a stand-in device only.
+already resident on the device compute there; a layer's device experts share one copy of their rows
+there and one back (StoreExperts), so the per-expert fit, which pays both, is an upper bound. Tested
+with the CPU as a stand-in device, and on a CUDA GPU (docs/benchmarks.md, "On a GPU").
 """
 
 from __future__ import annotations
@@ -157,8 +158,8 @@ def calibrate(shape: tuple[int, int], widths, repeats: int = 5, tokens=CALIBRATI
                 lambda: swiglu(x, *(kernels.dequantize(q, gemm_dtype) for q in qts.values())), repeats))
             if device:
                 on_device = to_device(qts, torch.device(device))
-                measured["device"].append(fastest_time(
-                    lambda: _synced(swiglu_on_device(x, expert_meta(qts), on_device)), repeats))
+                measured["device"].append(fastest_time(   # the input copied there, the result back
+                    lambda: swiglu_on_device(x.to(device), expert_meta(qts), on_device).cpu(), repeats))
         for p in paths:
             fits[p][bits] = _fit(tokens, measured[p])
         if device:

@@ -49,14 +49,12 @@ class QuantizedExpert:
         self.nbytes = resident.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.on_device(x.shape[0]):
+            return self.compute_on_device(x.to(self.where_on_device(), torch.float32)).to(x.device, x.dtype)
         if self.activation is not None:
             return self._activation(x)
         r = self.resident
-        if r.device is not None:   # resident on the device: compute there
-            return swiglu_on_device(x, r.entry.tensors, r.device_tensors)
         path = self.choose(r.bits, x.shape[0], r.nbytes)
-        if path == "device":   # copy this RAM expert's packed bytes over and compute there (Fiddler)
-            return swiglu_on_device(x, r.entry.tensors, to_device(r.tensors, self.device))
         if path in FUSED:
             t = r.tensors
             y = FUSED[path](x.float().contiguous().numpy(), t["gate"], t["up"], t["down"])
@@ -64,18 +62,30 @@ class QuantizedExpert:
         w = {role: kernels.dequantize(qt, self.gemm_dtype) for role, qt in r.tensors.items()}
         return swiglu(x.float(), w["gate"], w["up"], w["down"]).to(x.dtype)
 
-    def _activation(self, x: torch.Tensor) -> torch.Tensor:
-        """A non-SwiGLU expert: its Activation over the path's matmuls. "fused-int" / "fused-float"
-        run the per-matrix kernels (qmatmul_int / qmatmul), "dequant" and "device" torch on the
-        dequantized weights (on the device, with the activation, for "device")."""
+    def on_device(self, tokens: int) -> bool:
+        """Whether this many tokens compute on the device: the expert is resident there, or the path
+        chosen for this RAM expert is "device" (copy its packed bytes over: Fiddler)."""
         r = self.resident
-        on_device = r.device_tensors if r.device is not None else None
-        path = "device" if on_device is not None else self.choose(r.bits, x.shape[0], r.nbytes)
-        if path == "device":
-            on_device = on_device if on_device is not None else to_device(r.tensors, self.device)
-            w = weights_on_device(r.entry.tensors, on_device)
-            device = next(iter(w.values())).device
-            return self.activation(x.to(device, torch.float32), dense_matmul(w)).to(x.device, x.dtype)
+        return r.device is not None or self.choose(r.bits, tokens, r.nbytes) == "device"
+
+    def where_on_device(self) -> torch.device:
+        return self.resident.device if self.resident.device is not None else self.device
+
+    def compute_on_device(self, x: torch.Tensor) -> torch.Tensor:
+        """The expert on x [S, D] float32, already on the device; the result stays there (queued work:
+        nothing here waits for the device)."""
+        r = self.resident
+        arrays = r.device_tensors if r.device is not None else to_device(r.tensors, self.device)
+        if self.activation is None:
+            return swiglu_on_device(x, r.entry.tensors, arrays)
+        return self.activation(x, dense_matmul(weights_on_device(r.entry.tensors, arrays)))
+
+    def _activation(self, x: torch.Tensor) -> torch.Tensor:
+        """A non-SwiGLU expert on the host: its Activation over the path's matmuls. "fused-int" /
+        "fused-float" run the per-matrix kernels (qmatmul_int / qmatmul), "dequant" torch on the
+        dequantized weights."""
+        r = self.resident
+        path = self.choose(r.bits, x.shape[0], r.nbytes)
         if path in PER_MATRIX:
             def matmul(h: torch.Tensor, role: str) -> torch.Tensor:
                 return torch.from_numpy(PER_MATRIX[path](h.contiguous().numpy(), r.tensors[role]))
@@ -246,18 +256,21 @@ class StoreExperts(ExpertProvider):
                        experts: list[tuple[int, ResidentExpert]], starts: np.ndarray, y: np.ndarray) -> None:
         """y's rows of the pairs of the experts (i, batches.experts[i] as resident); pair_x [P, D]:
         each pair's token."""
-        fused, layouts = [], []
+        fused, layouts, on_device = [], [], []
         for i, resident in experts:
             activation = self.activations(layer, batches.experts[i])
             count = int(starts[i + 1] - starts[i])
+            expert = QuantizedExpert(resident, self.choose, self.store.device, activation, self.gemm_dtype)
             # "fused-int" SwiGLU on the host: the layer kernel gives that path's bits
-            if (activation is None and resident.device is None
-                    and self.choose(resident.bits, count, resident.nbytes) == "fused-int"):
+            if activation is None and resident.device is None and self.choose(resident.bits, count, resident.nbytes) == "fused-int":
                 fused.append(i)
                 layouts.append(resident.layout)
+            elif expert.on_device(count):
+                on_device.append((i, expert))
             else:
-                expert = QuantizedExpert(resident, self.choose, self.store.device, activation, self.gemm_dtype)
                 y[starts[i]:starts[i + 1]] = expert(x[batches.tokens[i]]).numpy()
+        if on_device:
+            _compute_on_device(pair_x, on_device, starts, y)
         if len(fused) == len(starts) - 1:   # the whole layer (the usual case): every pair, in order
             y[:] = swiglu_experts_int(pair_x, np.array(layouts), starts)
         elif fused:
@@ -282,6 +295,21 @@ class StoreExperts(ExpertProvider):
                                                   torch.cat([w for _, _, w in kept]))
         scale = total / remaining
         return ExpertBatches.from_lists([e for e, _, _ in kept], [t for _, t, _ in kept], [w * scale[t] for _, t, w in kept])
+
+
+def _compute_on_device(pair_x: np.ndarray, experts: list[tuple[int, QuantizedExpert]], starts: np.ndarray,
+                       y: np.ndarray) -> None:
+    """y's rows of the pairs of a layer's experts that compute on the device: their rows copied over
+    at once, every expert's work queued, and one copy back, which waits for all of it (one wait a
+    layer, not one an expert: on a GPU each wait costs a round trip). The same bits as one call each."""
+    rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i, _ in experts])
+    x = torch.from_numpy(pair_x[rows]).to(experts[0][1].where_on_device())
+    outputs, at = [], 0
+    for i, expert in experts:
+        count = int(starts[i + 1] - starts[i])
+        outputs.append(expert.compute_on_device(x[at:at + count]))
+        at += count
+    y[rows] = torch.cat(outputs).cpu().numpy()
 
 
 def _weighted_sum(x: torch.Tensor, batches: ExpertBatches, y: np.ndarray) -> torch.Tensor:

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -19,6 +20,15 @@ def _load_tool(name: str):
 
 
 make_tiny = _load_tool("make_tiny_model")
+
+# The VRAM tier's device: the CPU stands in for a GPU everywhere, and where torch sees a CUDA GPU the same
+# tests run on it too (tools/bench_device.py runs them on a GPU machine).
+VRAM_DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=VRAM_DEVICES)
+def vram_device(request) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="session")

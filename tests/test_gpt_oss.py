@@ -102,7 +102,7 @@ def dequantized_reference(path, bits):
 
 
 @pytest.mark.parametrize("source", ["float", "mxfp4"])
-def test_store_runs_on_every_compute_path(checkpoints, tmp_path, source):
+def test_store_runs_on_every_compute_path(checkpoints, tmp_path, source, vram_device):
     convert(checkpoints[source], tmp_path / "s", bits=8)
     reference = dequantized_reference(checkpoints[source], 8)
     ids = torch.tensor(reference.tokenizer.encode(TEXT))
@@ -110,10 +110,10 @@ def test_store_runs_on_every_compute_path(checkpoints, tmp_path, source):
     for compute in ("fused-float", "dequant"):
         with edgemoe.load(tmp_path / "s", compute=compute, ram=20_000) as model:
             assert (model.logits(ids) - expected).abs().max() <= 1e-4, compute
-    with edgemoe.load(tmp_path / "s", ram=0, vram="1GB", device="cpu") as model:       # resident on the device
+    with edgemoe.load(tmp_path / "s", ram=0, vram="1GB", device=vram_device) as model:       # resident on the device
         assert (model.logits(ids) - expected).abs().max() <= 1e-4
         assert set(model.store.resident().values()) == {"vram"}
-    with edgemoe.load(tmp_path / "s", compute="device", ram="1GB", vram=1, device="cpu") as model:  # copied over
+    with edgemoe.load(tmp_path / "s", compute="device", ram="1GB", vram=1, device=vram_device) as model:  # copied over
         assert (model.logits(ids) - expected).abs().max() <= 1e-4
     with edgemoe.load(tmp_path / "s", compute="fused-int") as model:
         got = model.logits(ids)

@@ -119,16 +119,16 @@ def test_device_path_wins_for_many_tokens_when_the_copy_is_cheap():
     assert LatencyModel.from_json(model.to_json()) == model
 
 
-def test_real_calibration_with_a_stand_in_device():
-    model = latency.calibrate((32, 64), [4], repeats=1, tokens=(1, 8), device="cpu")
+def test_real_calibration_of_the_device_path(vram_device):
+    model = latency.calibrate((32, 64), [4], repeats=1, tokens=(1, 8), device=vram_device)
     assert set(model.fits) == {*latency.PATHS, "device"} and model.copy_seconds_per_byte > 0
     assert model.choose(4, 8, nbytes=1000) in model.fits
 
 
-def test_device_compute_on_a_cpu_stand_in_gives_the_same_logits(tiny_model, tmp_path):
+def test_device_compute_gives_the_same_logits(tiny_model, tmp_path, vram_device):
     convert(tiny_model("qwen2_moe"), tmp_path / "s", bits=4)
     fused = edgemoe.load(tmp_path / "s", compute="fused-float")
-    on_device = edgemoe.load(tmp_path / "s", compute="device", ram="1GB", vram=1, device="cpu")
+    on_device = edgemoe.load(tmp_path / "s", compute="device", ram="1GB", vram=1, device=vram_device)
     ids = torch.tensor(fused.tokenizer.encode("All the world's a stage, and all the men"))
     assert (on_device.logits(ids) - fused.logits(ids)).abs().max() <= 1e-4
     assert on_device.store.resident() and set(on_device.store.resident().values()) == {"ram"}

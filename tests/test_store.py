@@ -86,12 +86,12 @@ def greedy(model, n=12):
     return generate_batch(model, prompts, GenerationOptions(max_new_tokens=n, stop_token_ids=[]))
 
 
-def test_greedy_output_is_the_same_whatever_the_budgets_and_policies(store):
+def test_greedy_output_is_the_same_whatever_the_budgets_and_policies(store, vram_device):
     entry_bytes = max(e.length for e in read_manifest(store).experts.values())
     expected = greedy(edgemoe.load(store))
     settings = [dict(ram=0), dict(ram=entry_bytes), dict(ram=3 * entry_bytes, policy="frequency-distance"),
-                dict(ram=5 * entry_bytes, policy="lru"), dict(ram=2 * entry_bytes, vram=2 * entry_bytes, device="cpu"),
-                dict(ram=0, vram=4 * entry_bytes, device="cpu", policy="frequency-distance")]
+                dict(ram=5 * entry_bytes, policy="lru"), dict(ram=2 * entry_bytes, vram=2 * entry_bytes, device=vram_device),
+                dict(ram=0, vram=4 * entry_bytes, device=vram_device, policy="frequency-distance")]
     for options in settings:
         model = edgemoe.load(store, **options)
         assert greedy(model) == expected, options
@@ -122,15 +122,31 @@ def test_a_model_owns_its_store_and_is_freed_when_closed_without_the_garbage_col
         edgemoe.load(checkpoint, store=edgemoe.StoreOptions(ram="1GiB", name=cli_flag))
 
 
-def test_vram_tier_on_a_cpu_stand_in_matches_ram_logits(store):
+def test_vram_tier_matches_ram_logits(store, vram_device):
     ids = tokens(edgemoe.load(store))
     ram_logits = edgemoe.load(store, compute="fused-float").logits(ids)
-    model = edgemoe.load(store, ram=0, vram="1GB", device="cpu")
+    model = edgemoe.load(store, ram=0, vram="1GB", device=vram_device)
     assert (model.logits(ids) - ram_logits).abs().max() <= 1e-4
     assert set(model.store.resident().values()) == {"vram"}
 
 
-def test_vram_stand_in_and_ram_agree_on_the_bundled_model(tmp_path):
+@pytest.mark.parametrize("options", [dict(ram=0, vram="1GB"),                       # resident on the device
+                                     dict(ram="1GB", vram=1, compute="device"),     # copied over per use
+                                     dict(ram="1GB", vram="50%")])                  # half of each
+def test_a_layers_device_experts_in_one_round_trip_give_the_bits_of_one_call_each(store, vram_device, options):
+    ids = tokens(edgemoe.load(store))
+    with edgemoe.load(store, device=vram_device, preload="none", **options) as model:
+        for entry in model.store.experts():       # every expert resident: each computes where it stays
+            model.store.get(*entry.key)
+        where = model.store.resident()
+        assert len(where) == len(model.store.manifest.experts)
+        assert "vram" in where.values() or options.get("compute") == "device"
+        batched = model.logits(ids)
+        model.experts.layer_kernel = False        # ExpertProvider.run: one call (and one wait) per expert
+        assert torch.equal(model.logits(ids), batched) and model.store.resident() == where
+
+
+def test_vram_tier_and_ram_agree_on_the_bundled_model(tmp_path, vram_device):
     """The device path sums in another order than the CPU kernels: float32 rounding only. With float32
     dense matrices greedy text is the same; bfloat16 ones round each GEMM's output to bfloat16, which
     turns that rounding into bfloat16 steps of the logits (measured: at most 0.125 at logits of 12-17,
@@ -140,23 +156,23 @@ def test_vram_stand_in_and_ram_agree_on_the_bundled_model(tmp_path):
     convert(bundled_model_path(), store, bits=4)
     # RAM experts on the float kernels: the integer path ("auto" may pick it) rounds activations to int8
     ram = edgemoe.load(store, torch.float32, preload="none", compute="fused-float")
-    vram = edgemoe.load(store, torch.float32, preload="none", ram=0, vram="1GB", device="cpu")
+    vram = edgemoe.load(store, torch.float32, preload="none", ram=0, vram="1GB", device=vram_device)
     for prompt in ("ROMEO:", "JULIET:\nO", "To be, or not"):
         ids = ram.tokenizer.encode(prompt)
         assert (ram.logits(ids) - vram.logits(ids)).abs().max() <= 1e-4
         assert ram.generate(prompt, max_new_tokens=100, temperature=0) == \
             vram.generate(prompt, max_new_tokens=100, temperature=0)
     ram16 = edgemoe.load(store, torch.bfloat16, preload="none", compute="fused-float")
-    vram16 = edgemoe.load(store, torch.bfloat16, preload="none", ram=0, vram="1GB", device="cpu")
+    vram16 = edgemoe.load(store, torch.bfloat16, preload="none", ram=0, vram="1GB", device=vram_device)
     ids = ram16.tokenizer.encode("ROMEO:")
     a, b = ram16.logits(ids), vram16.logits(ids)
     kl = torch.nn.functional.kl_div(b.log_softmax(-1), a.log_softmax(-1), log_target=True, reduction="batchmean")
     assert (a - b).abs().max() <= 0.02 * a.abs().max() and kl <= 1e-4 and torch.equal(a.argmax(-1), b.argmax(-1))
 
 
-def test_tiers_are_exclusive_and_demote_from_vram_to_ram(store):
+def test_tiers_are_exclusive_and_demote_from_vram_to_ram(store, vram_device):
     size = max(e.length for e in read_manifest(store).experts.values())
-    with open_store(store, ram=2 * size, vram=2 * size, device="cpu") as s:
+    with open_store(store, ram=2 * size, vram=2 * size, device=vram_device) as s:
         for e in range(4):
             s.get(0, e)
         where = s.resident()

@@ -144,8 +144,8 @@ def dequantized_reference(path, bits):
 @pytest.mark.parametrize("compute, vram", [("fused-float", None), ("dequant", None),
                                            ("device", "100%"),    # every expert resident on the device
                                            ("device", "10%")])    # most copied over from RAM per use
-def test_store_matches_dequantized_reference(tiny_model, store, compute, vram):
-    options = {"vram": vram, "device": "cpu"} if vram else {}
+def test_store_matches_dequantized_reference(tiny_model, store, compute, vram, vram_device):
+    options = {"vram": vram, "device": vram_device} if vram else {}
     model = edgemoe.load(store, compute=compute, **options)
     reference = dequantized_reference(switch(tiny_model), 4)
     ids = model.tokenizer.encode(PROMPT)

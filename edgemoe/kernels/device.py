@@ -1,6 +1,7 @@
 """Experts computed on a torch device (a GPU; the CPU stands in for it in tests): an expert's packed
 arrays are copied there, dequantized there (edgemoe.quant.dequantize_arrays) and multiplied in
-float32. No GPU was available to this project: this path is tested only with device="cpu".
+float32. Tested with the CPU as a stand-in device everywhere, and on a CUDA GPU where torch sees one
+(tests/conftest.py's vram_device; tools/check_gpu.sh).
 
 meta: role -> {"shape", "bits", "group_size"}, as in the store's manifest (expert_meta builds it).
 Shapes: S tokens, D hidden.
@@ -49,9 +50,8 @@ def weights_on_device(meta: dict[str, dict], on_device: dict[str, dict[str, torc
 
 
 def swiglu_on_device(x: torch.Tensor, meta: dict[str, dict], on_device: dict[str, dict[str, torch.Tensor]]) -> torch.Tensor:
-    """The expert on x [S, D], dequantized and multiplied on the device holding `on_device`;
-    the result comes back to x's device and dtype."""
-    device = next(iter(on_device["gate"].values())).device
-    w = {role: dequantize_on_device(meta[role], t) for role, t in on_device.items()}
-    xd = x.to(device, torch.float32)
-    return F.linear(F.silu(F.linear(xd, w["gate"])) * F.linear(xd, w["up"]), w["down"]).to(x.device, x.dtype)
+    """The expert on x [S, D] float32, on the device holding x and `on_device`, dequantized and
+    multiplied there; the result stays there (a caller collects a layer's experts before the one copy
+    back that waits for them)."""
+    w = weights_on_device(meta, on_device)
+    return F.linear(F.silu(F.linear(x, w["gate"])) * F.linear(x, w["up"]), w["down"])
