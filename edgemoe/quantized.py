@@ -260,12 +260,14 @@ class StoreExperts(ExpertProvider):
         for i, resident in experts:
             activation = self.activations(layer, batches.experts[i])
             count = int(starts[i + 1] - starts[i])
-            expert = QuantizedExpert(resident, self.choose, self.store.device, activation, self.gemm_dtype)
             # "fused-int" SwiGLU on the host: the layer kernel gives that path's bits
-            if activation is None and resident.device is None and self.choose(resident.bits, count, resident.nbytes) == "fused-int":
+            if (activation is None and resident.device is None
+                    and self.choose(resident.bits, count, resident.nbytes) == "fused-int"):
                 fused.append(i)
                 layouts.append(resident.layout)
-            elif expert.on_device(count):
+                continue
+            expert = QuantizedExpert(resident, self.choose, self.store.device, activation, self.gemm_dtype)
+            if expert.on_device(count):
                 on_device.append((i, expert))
             else:
                 y[starts[i]:starts[i + 1]] = expert(x[batches.tokens[i]]).numpy()

@@ -2,7 +2,7 @@
 """The VRAM tier and the device compute path on a real GPU, beside the CPU-only run of the same store.
 
     python tools/bench_device.py STORE [--device cuda] [--threads 2] [--prefill 128] [--tokens 32]
-                                       [--setups ram,vram-all,vram-half,device-compute]
+                                       [--repeats 3] [--setups ram,vram-all,...] [--breakdown] [--json F]
 
 Setups, each loaded fresh from STORE with every expert resident before the timing:
   ram             every expert in RAM (the CPU path: the decode engine where it applies)
@@ -12,11 +12,13 @@ Setups, each loaded fresh from STORE with every expert resident before the timin
   vram-half       half the expert bytes in VRAM, the rest in RAM (each expert computed where it is)
   device-compute  every expert in RAM, copied to the device and computed there per use (compute="device")
 
-Per setup: seconds to load with every expert resident, prefill seconds for a prompt of --prefill tokens, decode milliseconds per token (median of
---repeats timed runs of --tokens greedy steps after 4 warm-up steps), where the experts are resident,
-and the greedy tokens against the "ram" setup's. With --dtype float32 (the default) the prompt's
-last logits are also compared with the "ram" setup's on the float kernels (compute="fused-float"):
-the device path differs from them by float32 summation order only.
+Per setup: seconds to load with every expert resident, prefill seconds for a prompt of --prefill
+tokens, decode milliseconds per token (median of --repeats timed runs of --tokens greedy steps after
+4 warm-up steps), where the experts are resident, and the greedy tokens against the "ram" setup's.
+With --dtype float32 (the default) the prompt's last logits are also compared with RAM experts on
+the float kernels (compute="fused-float"): the device path differs from them by float32 summation
+order only. --breakdown times the parts of one VRAM expert's one-token call. With --device cpu the
+CPU stands in for the GPU (a check of the script, not a measurement of a GPU).
 """
 
 from __future__ import annotations
