@@ -77,10 +77,10 @@ class Tier:
         inserted (not if only protected experts could make room) and the evicted items."""
         evicted = []
         while self.stats.bytes + item.nbytes > self.capacity:
-            candidates = [k for k in self.items if k not in protect]
-            if not candidates:
+            key = self.policy.resident_victim(protect)   # the policy's victim among the unprotected items
+            if key is None:
                 return False, evicted
-            victim = self.pop(self.policy.victim(candidates))
+            victim = self.pop(key)
             self.stats.evictions += 1
             evicted.append(victim)
         self.items[item.key] = item
@@ -98,13 +98,14 @@ class Tier:
         spoken_for = set(protect)
         admitted = []
         for key, nbytes, probability in preloads:
-            victims, room = [], free
+            victims, room, excluded = [], free, set(spoken_for)
             while room < nbytes:
-                pool = [k for k in self.items if k not in spoken_for and k not in victims]
-                if not pool:
+                victim = self.policy.resident_victim(excluded)
+                if victim is None:
                     break
-                victims.append(self.policy.victim(pool))
-                room += self.items[victims[-1]].nbytes
+                victims.append(victim)
+                excluded.add(victim)
+                room += self.items[victim].nbytes
             if room >= nbytes and all(self.policy.admits(probability, v) for v in victims or [None]):
                 admitted.append(key)
                 spoken_for.update(victims)

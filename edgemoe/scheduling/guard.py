@@ -37,7 +37,7 @@ and the lowest level is "no-preload", since LRU eviction is already one the poli
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable
+from typing import Container, Iterable
 
 from .policies import AdaptivePolicy, LRUPolicy
 
@@ -199,6 +199,9 @@ class GuardedPolicy:
 
     def victim(self, candidates: Iterable[Key]) -> Key:
         return (self.lru if self.guard.use_lru else self.primary).victim(candidates)
+
+    def resident_victim(self, pinned: Container[Key]) -> Key | None:
+        return (self.lru if self.guard.use_lru else self.primary).resident_victim(pinned)
 
     def admits(self, probability: float, victim: Key | None) -> bool:
         return self.primary.admits(probability, victim)

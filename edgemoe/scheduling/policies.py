@@ -44,6 +44,14 @@ fits in free room); every policy but "expected-use" admits every preload. Keys a
   two tiers (VRAM and RAM) each tier's ghosts see every request: for the faster tier, an
   approximation of what reaches it.
 
+Finding a victim. `victim(candidates)` defines each policy's choice over a list of keys;
+`resident_victim(pinned)`, what the tiers and ghosts call, makes the same choice among the keys the
+policy was given by insert and not yet by remove, but pinned, without going through all of them:
+every policy's victim order is a per-layer order (its distance term is the same for a layer's keys)
+kept sorted per layer (LayerOrder), so an eviction compares one key per layer, plus, where a
+distance scales a score, the keys whose scaled scores round equal (tests/test_victim_order.py checks
+the two at every eviction of random streams).
+
 Every policy is told its tier's byte capacity once (set_capacity: only "adaptive" uses it, for its
 ghosts) and, at each layer, the experts it needs with their sizes (set_layer's `needed`: key -> bytes,
 or any iterable of keys for the policies that ignore sizes).
@@ -53,28 +61,75 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from typing import Iterable, Mapping
+from typing import Container, Iterable, Mapping
 
 from edgemoe.options import one_of
 
 Key = tuple[int, int]
 
 
+class LayerOrder:
+    """A policy's resident keys by layer, each layer's kept in the policy's order within a layer
+    (`order_key`, sorted again only after something in that layer changed). A policy's victim is the
+    least of each layer's first keys, not of every resident key: a layer's keys share their distance
+    to the running layer, so within a layer the order needs no distance."""
+
+    def __init__(self, order_key):
+        self.order_key = order_key
+        self.keys: dict[int, set[Key]] = {}
+        self._sorted: dict[int, list[Key]] = {}   # the clean layers' keys, in order
+        self.first: dict[int, tuple[Key, tuple]] = {}   # a clean layer's victim, none pinned, and its key
+
+    def add(self, key: Key) -> None:
+        self.keys.setdefault(key[0], set()).add(key)
+        self.changed(key[0])
+
+    def discard(self, key: Key) -> None:
+        layer = self.keys.get(key[0])
+        if layer is not None:
+            layer.discard(key)
+            if not layer:
+                del self.keys[key[0]]
+        self.changed(key[0])
+
+    def changed(self, layer: int) -> None:
+        self._sorted.pop(layer, None)
+        self.first.pop(layer, None)
+
+    def moved(self) -> None:
+        """The running layer moved: every layer's distance changed (not the order within a layer)."""
+        self.first.clear()
+
+    def in_order(self, layer: int) -> list[Key]:
+        order = self._sorted.get(layer)
+        if order is None:
+            order = self._sorted[layer] = sorted(self.keys[layer], key=self.order_key)
+        return order
+
+
 class LRUPolicy:
     name = "lru"
+    # The order within a layer (layer_order_key) is the victim order itself: a layer's first key that is not
+    # pinned is its candidate. Otherwise (a score scaled by the layer's distance) keys whose scaled scores
+    # round equal are compared too.
+    order_is_victim_order = True
 
     def __init__(self, num_layers: int = 1, popularity: dict[Key, float] | None = None, profile=None):
         self._clock = itertools.count()
         self.last_use: dict[Key, int] = {}
+        self.resident = LayerOrder(self.layer_order_key)   # what insert and remove left: a ghost's keys
 
     def touch(self, key: Key) -> None:
         self.last_use[key] = next(self._clock)
+        self.resident.changed(key[0])
 
     def insert(self, key: Key) -> None:
+        self.resident.add(key)
         self.touch(key)
 
     def remove(self, key: Key) -> None:
         self.last_use.pop(key, None)
+        self.resident.discard(key)
 
     def set_capacity(self, capacity: int) -> None:
         pass
@@ -82,8 +137,52 @@ class LRUPolicy:
     def set_layer(self, layer: int, needed: Iterable[Key] = ()) -> None:
         pass
 
+    def victim_key(self, key: Key) -> tuple:
+        """What victim minimises: the first element may depend on the key's layer's distance, the
+        rest breaks ties (the last use, unique among inserted keys, last)."""
+        return (self.last_use.get(key, -1),)
+
+    def layer_order_key(self, key: Key) -> tuple:
+        """The order within one layer: the same as victim_key's, up to rounding of its first element
+        (victim_key's first element never decreases as this one's grows)."""
+        return self.victim_key(key)
+
     def victim(self, candidates: Iterable[Key]) -> Key:
-        return min(candidates, key=lambda k: self.last_use.get(k, -1))
+        return min(candidates, key=self.victim_key)
+
+    def resident_victim(self, pinned: Container[Key]) -> Key | None:
+        """victim() among the resident keys (inserted, not removed) that are not pinned, None if there
+        are none; the same key, found among each layer's first keys (LayerOrder)."""
+        best, best_value = None, None
+        first = self.resident.first
+        for layer in self.resident.keys:
+            if layer not in first:   # a layer's victim with nothing pinned lasts until the layer changes
+                first[layer] = self._layer_victim(layer, ())
+            key, value = first[layer]
+            if key in pinned:
+                key, value = self._layer_victim(layer, pinned)
+            if key is not None and (best is None or value < best_value):
+                best, best_value = key, value
+        return best
+
+    def _layer_victim(self, layer: int, pinned: Container[Key]) -> tuple[Key | None, tuple | None]:
+        best = value = first = None
+        for key in self.resident.in_order(layer):
+            if key in pinned:
+                continue
+            if best is None:
+                best, value, first = key, self.victim_key(key), self.layer_order_key(key)[0]
+                if self.order_is_victim_order:
+                    break
+                continue
+            if self.layer_order_key(key)[0] == first:   # the same score, used later: cannot come first
+                continue
+            candidate = self.victim_key(key)
+            if candidate[0] != value[0]:            # a larger score: so are all that follow
+                break
+            if candidate < value:                   # a larger order key whose score rounded equal
+                best, value = key, candidate
+        return best, value
 
     def admits(self, probability: float, victim: Key | None) -> bool:
         return True
@@ -101,10 +200,11 @@ class LFUPolicy(LRUPolicy):
         self.accesses[key] = self.accesses.get(key, 0) + 1
 
     def insert(self, key: Key) -> None:
+        self.resident.add(key)
         LRUPolicy.touch(self, key)  # residency is not an access: only the model's use counts
 
-    def victim(self, candidates: Iterable[Key]) -> Key:
-        return min(candidates, key=lambda k: (self.accesses.get(k, 0), self.last_use.get(k, -1)))
+    def victim_key(self, key: Key) -> tuple:
+        return self.accesses.get(key, 0), self.last_use.get(key, -1)
 
 
 class FrequencyDistancePolicy(LFUPolicy):
@@ -118,14 +218,22 @@ class FrequencyDistancePolicy(LFUPolicy):
 
     def set_layer(self, layer: int, needed: Iterable[Key] = ()) -> None:
         self.current_layer = layer
+        self.resident.moved()
+
+    order_is_victim_order = False
+
+    def frequency(self, key: Key) -> float:
+        return 1 + self.accesses.get(key, 0) + self.prior.get(key, 0.0)
 
     def score(self, key: Key) -> float:
         distance = (key[0] - self.current_layer) % self.num_layers   # 0 = running now
-        frequency = 1 + self.accesses.get(key, 0) + self.prior.get(key, 0.0)
-        return frequency * (self.num_layers - distance) / self.num_layers
+        return self.frequency(key) * (self.num_layers - distance) / self.num_layers
 
-    def victim(self, candidates: Iterable[Key]) -> Key:
-        return min(candidates, key=lambda k: (self.score(k), self.last_use.get(k, -1)))
+    def victim_key(self, key: Key) -> tuple:
+        return self.score(key), self.last_use.get(key, -1)
+
+    def layer_order_key(self, key: Key) -> tuple:
+        return self.frequency(key), self.last_use.get(key, -1)
 
 
 class ExpectedUsePolicy(LRUPolicy):
@@ -145,6 +253,8 @@ class ExpectedUsePolicy(LRUPolicy):
         self.next_probability: dict[Key, float] = {}
         self._reuse: dict[tuple[int, int, bool], float] = {}
 
+    order_is_victim_order = False
+
     def set_layer(self, layer: int, needed: Iterable[Key] = ()) -> None:
         if self.current is not None and self.position.get(layer, 0) <= self.position.get(self.current, 0):
             self.step += 1
@@ -155,7 +265,12 @@ class ExpectedUsePolicy(LRUPolicy):
         for e in experts:
             self.used_in[(layer, e)] = self.step
         self.history[layer] = tuple(experts)
+        predicted_before = {l for l, _ in self.next_probability}
         self.next_probability = self._predict_next()
+        # estimates moved in the running layer (its uses) and in the predicted layers, old and new
+        for l in {layer} | predicted_before | {l for l, _ in self.next_probability}:
+            self.resident.changed(l)
+        self.resident.moved()
 
     def touch(self, key: Key) -> None:
         super().touch(key)
@@ -193,11 +308,12 @@ class ExpectedUsePolicy(LRUPolicy):
         d = (self.position.get(key[0], 0) - self.position.get(self.current, 0)) % n
         return d or n
 
-    def victim(self, candidates: Iterable[Key]) -> Key:
-        def density(k: Key) -> tuple:
-            d = self.distance(k)
-            return self.estimate(k) / d, -d, self.last_use.get(k, -1)
-        return min(candidates, key=density)
+    def victim_key(self, key: Key) -> tuple:
+        d = self.distance(key)
+        return self.estimate(key) / d, -d, self.last_use.get(key, -1)
+
+    def layer_order_key(self, key: Key) -> tuple:
+        return self.estimate(key), self.last_use.get(key, -1)
 
     def admits(self, probability: float, victim: Key | None) -> bool:
         displaced = self.estimate(victim) if victim is not None else 0.0
@@ -235,10 +351,9 @@ class GhostCache:
         if nbytes > self.capacity:
             return
         while self.bytes + nbytes > self.capacity:
-            candidates = [k for k in self.items if k not in pinned]
-            if not candidates:
+            victim = self.policy.resident_victim(pinned)
+            if victim is None:
                 return
-            victim = self.policy.victim(candidates)
             self.bytes -= self.items.pop(victim)
             self.policy.remove(victim)
         self.items[key] = nbytes
@@ -307,6 +422,9 @@ class AdaptivePolicy:
 
     def victim(self, candidates: Iterable[Key]) -> Key:
         return self.followers[self.leader].victim(candidates)
+
+    def resident_victim(self, pinned: Container[Key]) -> Key | None:
+        return self.followers[self.leader].resident_victim(pinned)
 
     def admits(self, probability: float, victim: Key | None) -> bool:
         judge = self.followers.get("expected-use")
