@@ -6,9 +6,10 @@ Modes:
 - "all-in-ram": every expert read into RAM before timing; the no-I/O bound.
 - "on-demand-lru": the RAM capacity, LRU eviction, no preload and no overlap of reads with compute
   (EdgeMoE's IO-EXP baseline, Mixtral-offloading's scheme).
-- "predictive": the RAM capacity, expected-use eviction with its preload admission (edgemoe/scheduling/policies.py),
-  popularity placement at load, correlation preload from the store's routing profile, and reads
-  overlapped with compute; with `skip_below` / `fallback_below`, also those quality trade-offs.
+- "predictive": the RAM capacity and the store's default scheme (StoreOptions' defaults: adaptive
+  eviction, the preload predictor chosen for the store, the guard), popularity placement at load,
+  the store's routing profile (or the bench's), and reads overlapped with compute; with
+  `skip_below` / `fallback_below`, also those quality trade-offs.
 
 A run: a fresh store (empty RAM tier; `cold` first drops the store's files from the page cache),
 a prompt of L tokens fed in chunks (time to first token: up to the first token chosen), then
@@ -226,9 +227,8 @@ def store_options(mode: str, config: "BenchConfig"):
         return StoreOptions(ram=None, policy="lru", preload="none", place_popular=False, **run)
     if mode == "on-demand-lru":
         return StoreOptions(ram=config.ram, policy="lru", preload="none", place_popular=False, **run)
-    return StoreOptions(ram=config.ram, policy="expected-use", preload="correlation", place_popular=True,
-                        routing_profile=config.routing_profile, skip_below=config.skip_below,
-                        fallback_below=config.fallback_below, **run)
+    return StoreOptions(ram=config.ram, place_popular=True, routing_profile=config.routing_profile,
+                        skip_below=config.skip_below, fallback_below=config.fallback_below, **run)
 
 
 def open_model(store_path: Path, mode: str, config: BenchConfig):
