@@ -78,7 +78,7 @@ def run_setup(store: str, name: str, args) -> dict:
             run.append(token)
         decode_ms.append((time.perf_counter() - start) / args.tokens * 1e3)
         tokens = run
-    record = {"setup": name, "options": {k: v for k, v in options.items()}, "load_s": round(load_s, 2),
+    record = {"setup": name, "options": dict(options), "load_s": round(load_s, 2),
               "prefill_s": round(prefill_s, 3), "decode_ms_per_token": round(statistics.median(decode_ms), 2),
               "decode_ms_runs": [round(t, 2) for t in decode_ms],
               "resident": dict(Counter(model.store.resident().values())), "tokens": tokens,

@@ -166,16 +166,16 @@ class LRUPolicy:
         return best
 
     def _layer_victim(self, layer: int, pinned: Container[Key]) -> tuple[Key | None, tuple | None]:
-        best = value = first = None
+        best = value = best_order = None
         for key in self.resident.in_order(layer):
             if key in pinned:
                 continue
             if best is None:
-                best, value, first = key, self.victim_key(key), self.layer_order_key(key)[0]
+                best, value, best_order = key, self.victim_key(key), self.layer_order_key(key)[0]
                 if self.order_is_victim_order:
                     break
                 continue
-            if self.layer_order_key(key)[0] == first:   # the same score, used later: cannot come first
+            if self.layer_order_key(key)[0] == best_order:   # the same score, used later: cannot come first
                 continue
             candidate = self.victim_key(key)
             if candidate[0] != value[0]:            # a larger score: so are all that follow
