@@ -133,9 +133,11 @@ def test_vram_tier_matches_ram_logits(store, vram_device):
 @pytest.mark.parametrize("options", [dict(ram=0, vram="1GB"),                       # resident on the device
                                      dict(ram="1GB", vram=1, compute="device"),     # copied over per use
                                      dict(ram="1GB", vram="50%")])                  # half of each
-def test_a_layers_device_experts_in_one_round_trip_give_the_bits_of_one_call_each(store, vram_device, options):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])                  # the dense matrices
+def test_a_layers_device_experts_in_one_round_trip_give_the_bits_of_one_call_each(store, vram_device, options,
+                                                                                     dtype):
     ids = tokens(edgemoe.load(store))
-    with edgemoe.load(store, device=vram_device, preload="none", **options) as model:
+    with edgemoe.load(store, dtype, device=vram_device, preload="none", **options) as model:
         for entry in model.store.experts():       # every expert resident: each computes where it stays
             model.store.get(*entry.key)
         where = model.store.resident()
