@@ -122,6 +122,32 @@ def test_the_chosen_mix_holds_on_the_whole_calibration_text(eight_experts, monke
     assert 0 < result.moved_down < len(search.keys) and result.loss_bound <= budget
 
 
+def test_the_count_moved_back_is_searched_not_walked(eight_experts, monkeypatch):
+    """Where the mix chosen on half the windows does not hold on all, the count at the floor is
+    searched down from K (gallop, then bisect): the same count a walk of one expert at a time finds
+    when the loss grows with the count, in about 2 log2(K - answer) evaluations, not K - answer."""
+    import math
+
+    search = BudgetSearch(*eight_experts, importance="exact")
+    order = sorted(search.keys)
+    counts = []
+
+    def loss_of_count(widths, start_layer=0, windows=None):
+        down = sum(bits == 2 for bits in widths.values())
+        counts.append(down)
+        return float(down), float(down) + 0.25
+
+    monkeypatch.setattr(search, "loss", loss_of_count)
+    for holds_up_to in range(len(order) + 1):
+        budget = holds_up_to + 0.5
+        for k in range(holds_up_to, len(order) + 1):
+            counts.clear()
+            widths, count, loss, bound = search._holding_on_all_windows(order, k, 2, 4, budget)
+            assert count == holds_up_to and bound <= budget and loss == count
+            assert widths == {key: 2 if i < count else 4 for i, key in enumerate(order)}
+            assert len(counts) <= 2 + 2 * math.ceil(math.log2(k - count + 1))
+
+
 def test_an_unknown_importance_method_is_named(eight_experts):
     model, calibration = eight_experts
     with pytest.raises(ValueError, match="--importance 'fast'"):

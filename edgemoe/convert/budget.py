@@ -494,13 +494,32 @@ class BudgetSearch:
     def _holding_on_all_windows(self, order: list[Key], k: int, floor: int, ceiling: int, budget: float):
         """(widths, K, loss, bound) of the K least important at the floor on the whole calibration
         text: chosen on half the windows, the mix must hold on all of them too, so that the bound
-        recorded is the one the budget constrains (one expert fewer at the floor until it does)."""
-        while True:
-            widths = {key: (floor if i < k else ceiling) for i, key in enumerate(order)}
-            loss, bound = self.loss(widths)
-            if bound <= budget or k == 0:
-                return widths, k, loss, bound
-            k -= 1
+        recorded is the one the budget constrains. Where K does not hold, fewer experts go down: the
+        count is searched by galloping down from K (K-1, K-2, K-4, ...) and bisecting the last gap,
+        so a mix that holds only far below K costs a few evaluations (each a full pass), not one per
+        expert; where the loss falls as K falls, this finds the K a walk of one expert at a time would
+        (K = 0, the uniform ceiling, holds: the ceiling was chosen by its bound on all windows)."""
+        def evaluate(count):
+            widths = {key: (floor if i < count else ceiling) for i, key in enumerate(order)}
+            return (widths, count, *self.loss(widths))
+
+        chosen = evaluate(k)
+        if chosen[3] <= budget or k == 0:
+            return chosen
+        failing, held, step = k, None, 1
+        while held is None:
+            candidate = evaluate(max(0, k - step))
+            if candidate[3] <= budget or candidate[1] == 0:
+                held = candidate
+            else:
+                failing, step = candidate[1], step * 2
+        while failing - held[1] > 1:
+            candidate = evaluate((held[1] + failing) // 2)
+            if candidate[3] <= budget:
+                held = candidate
+            else:
+                failing = candidate[1]
+        return held
 
     def _refine_boundary(self, order: list[Key], k: int, floor: int, ceiling: int, budget: float, ranking,
                          choosing) -> tuple[list[Key], int]:
