@@ -48,6 +48,15 @@ def expert_activations(spec: ModelSpec, dense: dict[str, torch.Tensor]) -> Calla
     return lambda layer, expert: partial(function, **spec.expert_kind.arguments(dense, layer, expert))
 
 
+def layer_kernel_arguments(activation: Activation) -> dict | None:
+    """The arguments (biases, alpha, limit) of a GPT-OSS expert's Activation (expert_activations), the
+    one kind besides SwiGLU that the layer kernel computes (edgemoe.kernels.ops.gpt_oss_layout); None
+    for any other kind."""
+    if isinstance(activation, partial) and activation.func is gpt_oss_expert:
+        return activation.keywords
+    return None
+
+
 def dense_matmul(weights: dict[str, torch.Tensor]) -> Matmul:
     """An Activation's matmul over full-precision weights (role -> [R, C], on the input's device)."""
     return lambda h, role: linear(h, weights[role])

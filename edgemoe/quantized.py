@@ -7,7 +7,9 @@ same with float32 activations (swiglu_expert), "dequant", dequantize once (numba
 matmuls, or, with a VRAM tier, "device": copy the packed bytes to the device and compute there. An
 expert other than SwiGLU (ModelSpec.expert_activation: GPT-OSS's, Switch's ungated relu;
 edgemoe/kernels/activations.py) has no fused kernel: on "fused-int" / "fused-float" it runs the
-per-matrix kernels (qmatmul_int / qmatmul) with its activation and biases between them. `compute="auto"` picks the cheapest by this machine's measured
+per-matrix kernels (qmatmul_int / qmatmul) with its activation and biases between them, except that
+StoreExperts computes a layer's GPT-OSS experts on "fused-int" in the layer kernel, as SwiGLU's
+(its gated unit in numba: the last bits of the sigmoid differ from torch's). `compute="auto"` picks the cheapest by this machine's measured
 latency model (edgemoe.latency); the others force one. An expert resident on the device (the VRAM
 tier) is dequantized and multiplied there.
 
@@ -24,11 +26,11 @@ import torch
 
 from edgemoe import kernels
 from edgemoe.kernels.cpu_int import G_BITS
-from edgemoe.kernels.ops import swiglu_experts_int, weighted_sum
+from edgemoe.kernels.ops import gpt_oss_arrays, gpt_oss_layout, swiglu_experts_int, weighted_sum
 from edgemoe.store import ResidentExpert, TieredStore
 from edgemoe.kernels.device import swiglu_on_device, to_device, weights_on_device
 
-from .experts import Activation, ExpertBatches, ExpertProvider, dense_matmul
+from .experts import Activation, ExpertBatches, ExpertProvider, dense_matmul, layer_kernel_arguments
 from .layers import swiglu
 from .options import OptionError
 
@@ -141,6 +143,9 @@ class StoreExperts(ExpertProvider):
         self._weak: set[tuple[int, int]] = set()   # the running layer's weakly chosen experts
         self.layer_kernel = layer_kernel
         self._checked_tables: tuple[np.ndarray, bool] | None = None   # resident_step_layouts' last verdict
+        # (layer, expert) -> GPT-OSS's float32 arrays and its last layout row (from the store's row)
+        self._kernel_arrays: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
+        self._kernel_rows: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         self.gemm_dtype = gemm_dtype
 
     def choose(self, bits: int, tokens: int, nbytes: int = 0) -> str:
@@ -214,18 +219,47 @@ class StoreExperts(ExpertProvider):
         resident_layer_table) and each on "fused-int": their rows of the table, one kernel call, the
         weighted sum, and the requests counted in one call; no object per expert. None otherwise
         (then the general path runs)."""
-        if self._weak or self.store.device is not None or self.activations(layer, batches.experts[0]) is not None:
+        if self._weak or self.store.device is not None:
             return None
         table = self.store.resident_layer_table(layer)
         if table is None:
             return None
-        layouts = table[batches.experts]
+        layouts = self._kernel_layouts(layer, batches.experts, table[batches.experts])
+        if layouts is None:
+            return None
         widths = zip(layouts[:, G_BITS].tolist(), np.diff(batches.starts).tolist())
         if any(self.choose(bits, count) != "fused-int" for bits, count in set(widths)):
             return None
         self.store.get_resident(layer, batches.experts)   # counted as get() counts them
         y = swiglu_experts_int(x.numpy()[batches.pair_tokens.numpy()], layouts, batches.starts)
         return _weighted_sum(x, batches, y)
+
+    def _kernel_layouts(self, layer: int, experts: list[int], rows: np.ndarray) -> np.ndarray | None:
+        """The experts' layout rows (the store's, one per expert) as the layer kernel computes them, or
+        None where an expert is of a kind it does not compute."""
+        if self.activations(layer, experts[0]) is None:     # SwiGLU: one kind for a whole model
+            return rows
+        kernel_rows = [self._kernel_row(layer, e, row) for e, row in zip(experts, rows)]
+        return None if any(row is None for row in kernel_rows) else np.stack(kernel_rows)
+
+    def _kernel_row(self, layer: int, expert: int, row: np.ndarray) -> np.ndarray | None:
+        """One expert's layout row for the layer kernel: the store's row for SwiGLU, with its biases and
+        parameters for GPT-OSS (their arrays kept here while the model lives), None for another kind."""
+        activation = self.activations(layer, expert)
+        if activation is None:
+            return row
+        key = (layer, expert)
+        cached = self._kernel_rows.get(key)
+        if cached is not None and np.array_equal(cached[0], row):
+            return cached[1]
+        arguments = layer_kernel_arguments(activation)
+        if arguments is None:
+            return None
+        if key not in self._kernel_arrays:
+            self._kernel_arrays[key] = gpt_oss_arrays(**arguments)
+        kernel_row = gpt_oss_layout(row, self._kernel_arrays[key])
+        self._kernel_rows[key] = (row.copy(), kernel_row)
+        return kernel_row
 
     def resident_layouts(self, layer: int) -> np.ndarray | None:
         """The layer's experts as the decode engine computes them inside its own kernel (the store's
@@ -258,15 +292,17 @@ class StoreExperts(ExpertProvider):
         each pair's token."""
         fused, layouts, on_device = [], [], []
         for i, resident in experts:
-            activation = self.activations(layer, batches.experts[i])
             count = int(starts[i + 1] - starts[i])
-            # "fused-int" SwiGLU on the host: the layer kernel gives that path's bits
-            if (activation is None and resident.device is None
-                    and self.choose(resident.bits, count, resident.nbytes) == "fused-int"):
+            # "fused-int" on the host (SwiGLU, GPT-OSS): the layer kernel (for SwiGLU, that path's bits)
+            row = (self._kernel_row(layer, batches.experts[i], resident.layout)
+                   if resident.device is None and self.choose(resident.bits, count, resident.nbytes) == "fused-int"
+                   else None)
+            if row is not None:
                 fused.append(i)
-                layouts.append(resident.layout)
+                layouts.append(row)
                 continue
-            expert = QuantizedExpert(resident, self.choose, self.store.device, activation, self.gemm_dtype)
+            expert = QuantizedExpert(resident, self.choose, self.store.device, self.activations(layer, batches.experts[i]),
+                                     self.gemm_dtype)
             if expert.on_device(count):
                 on_device.append((i, expert))
             else:

@@ -11,11 +11,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import edgemoe
+from edgemoe import quantized
 from edgemoe.convert import convert
 from edgemoe.errors import CheckpointError
 from edgemoe.evaluate import evaluate
 from edgemoe.experts import DenseExpert, InMemoryExperts, dense_matmul
-from edgemoe.kernels import dequantize, qmatmul, qmatmul_int
+from edgemoe.kernels import dequantize, int_paths, qmatmul, qmatmul_int
+from edgemoe.kernels.ops import expert_layout, gpt_oss_arrays, gpt_oss_layout, swiglu_experts_int
 from edgemoe.kernels.activations import gpt_oss_expert
 from edgemoe.kernels.reference import gpt_oss_reference
 from edgemoe.mxfp4 import decode_mxfp4
@@ -24,7 +26,7 @@ from edgemoe.spec import ModelSpec
 from edgemoe.store import read_manifest
 from edgemoe.store.format import MANIFEST
 
-from helpers import acts, weights
+from helpers import acts, decode, weights
 
 TEXT = "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer"
 
@@ -56,11 +58,11 @@ def test_mxfp4_refuses_mismatched_blocks_and_scales():
         decode_mxfp4(torch.zeros(2, 3, 16), torch.zeros(2, 3, dtype=torch.uint8))
 
 
-def expert_case(bits, tokens, limit):
+def expert_case(bits, tokens, limit, seed=0):
     dim, inner = 64, 96
-    qts = {"gate": quantize(weights(inner, dim, 1) * 20, bits), "up": quantize(weights(inner, dim, 2) * 20, bits),
-           "down": quantize(weights(dim, inner, 3), bits)}
-    g = torch.Generator().manual_seed(4)
+    qts = {"gate": quantize(weights(inner, dim, seed + 1) * 20, bits),
+           "up": quantize(weights(inner, dim, seed + 2) * 20, bits), "down": quantize(weights(dim, inner, seed + 3), bits)}
+    g = torch.Generator().manual_seed(seed + 4)
     biases = dict(gate_bias=torch.randn(inner, generator=g), up_bias=torch.randn(inner, generator=g),
                   down_bias=torch.randn(dim, generator=g))
     x = acts(tokens, dim)
@@ -85,6 +87,44 @@ def test_gpt_oss_expert_on_each_matmul_matches_its_twin(bits, tokens):
     assert np.abs(dequant - twin).max() <= 1e-5 * scale
     # int8 activations (x and the hidden layer, per group of 32..64): ~1% of the output's scale
     assert np.abs(fused_int - twin).max() <= 3e-2 * scale
+
+
+@pytest.mark.parametrize("path", int_paths())
+@pytest.mark.parametrize("bits", (2, 4, 8))
+def test_a_layers_gpt_oss_experts_in_one_kernel_call_match_the_per_matrix_path(bits, path):
+    """The layer kernel computes GPT-OSS's clamped SwiGLU with biases: each pair close to the expert on
+    qmatmul_int matmuls (which test_gpt_oss_expert_on_each_matmul_matches_its_twin checks against the
+    twin; the sigmoid is numba's here, and a last bit can move an int8 code of the hidden layer by one),
+    the bits of that expert alone in the call, and a SwiGLU expert beside it unchanged."""
+    limit = 1.0
+    cases = [expert_case(bits, 3, limit, seed) for seed in (0, 10)]
+    x = cases[0][2]
+    rows, keep = [], []
+    for qts, biases, _, _ in cases:
+        arrays = gpt_oss_arrays(**biases, alpha=1.702, limit=limit)
+        keep.append(arrays)
+        rows.append(gpt_oss_layout(expert_layout(qts["gate"], qts["up"], qts["down"]), arrays))
+    pairs, starts = np.concatenate([x, x]), np.array([0, 3, 6])
+    together = swiglu_experts_int(pairs, np.stack(rows), starts, path)
+    for a, (qts, biases, _, twin) in enumerate(cases):
+        got = together[starts[a]:starts[a + 1]]
+        alone = swiglu_experts_int(x, rows[a][None], np.array([0, 3]), path)
+        assert np.array_equal(got, alone)
+        per_matrix = gpt_oss_expert(torch.from_numpy(x), lambda h, role: torch.from_numpy(
+            qmatmul_int(h.contiguous().numpy(), qts[role], path=path)), **biases, alpha=1.702, limit=limit).numpy()
+        assert np.abs(got - per_matrix).max() <= 1e-4 * np.abs(twin).max()   # measured ~2e-7
+    swiglu_row = expert_layout(cases[0][0]["gate"], cases[0][0]["up"], cases[0][0]["down"])
+    mixed = swiglu_experts_int(pairs, np.stack([swiglu_row, rows[1]]), starts, path)
+    assert np.array_equal(mixed[:3], swiglu_experts_int(x, swiglu_row[None], np.array([0, 3]), path))
+    assert np.array_equal(mixed[3:], together[3:])
+
+
+def test_a_gpt_oss_layout_refuses_arrays_of_the_wrong_shape():
+    qts, biases, _, _ = expert_case(4, 1, 1.0)
+    row = expert_layout(qts["gate"], qts["up"], qts["down"])
+    arrays = gpt_oss_arrays(**{**biases, "up_bias": biases["up_bias"][:-1]}, alpha=1.702, limit=1.0)
+    with pytest.raises(ValueError, match=r"up bias: expected float32 \[96\]"):
+        gpt_oss_layout(row, arrays)
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +162,35 @@ def test_store_runs_on_every_compute_path(checkpoints, tmp_path, source, vram_de
     with edgemoe.load(tmp_path / "s", compute="fused-float") as model:
         assert model.generate("To be", max_new_tokens=8, stop_token_ids=[]) == \
             reference.generate("To be", max_new_tokens=8, stop_token_ids=[])
+
+
+@pytest.mark.parametrize("ram", [None, "1B"])
+def test_a_gpt_oss_store_computes_a_layers_experts_in_one_kernel_call(checkpoints, tmp_path, ram, monkeypatch):
+    """On "fused-int" a layer's GPT-OSS experts go through one layer-kernel call, every expert
+    resident or a cache of one byte (each expert read as it is needed): the same logits bit for bit
+    either way, and close to one call per expert on the per-matrix kernels (layer_kernel off)."""
+    convert(checkpoints["float"], tmp_path / "s", bits=4)
+    calls = []
+    kernel = quantized.swiglu_experts_int
+    monkeypatch.setattr(quantized, "swiglu_experts_int", lambda *a: calls.append(len(a[1])) or kernel(*a))
+
+    def run(layer_kernel, **options):
+        with edgemoe.load(tmp_path / "s", torch.float32, 1, preload="none", compute="fused-int", **options) as model:
+            model.experts.layer_kernel = layer_kernel
+            ids = model.tokenizer.encode(TEXT)
+            if ram is None:
+                for entry in model.store.experts():
+                    model.store.get(*entry.key)
+            return decode(model, ids), model.logits(ids)
+
+    per_matrix = run(False, **({} if ram is None else {"ram": ram}))
+    assert not calls
+    by_layer = run(True, **({} if ram is None else {"ram": ram}))
+    assert calls and max(calls) > 1
+    everything = run(True)
+    assert torch.equal(by_layer[0], everything[0]) and torch.equal(by_layer[1], everything[1])
+    for got, expected in zip(by_layer, per_matrix):
+        assert (got - expected).abs().max() <= 1e-3 * expected.abs().max()
 
 
 def test_a_4_bit_store_evaluates_close_to_the_checkpoint(checkpoints, tmp_path):

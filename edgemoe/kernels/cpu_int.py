@@ -256,6 +256,17 @@ def silu_mul(gv, uv):
     return gv / (np.float32(1) + np.float32(np.exp(-np.float64(gv)))) * uv
 
 
+@njit_exact
+def gpt_oss_glu(gv, uv, alpha, limit):
+    """GPT-OSS's gated unit on biased gate and up values, in float32 in torch's order
+    (edgemoe/kernels/activations.py): (clamp(up, -limit, limit) + 1) * (g * sigmoid(alpha * g)),
+    g = min(gate, limit); the sigmoid's exp taken in float64 and rounded, as silu_mul's."""
+    g = min(gv, limit)
+    u = min(max(uv, -limit), limit)
+    sig = np.float32(1) / (np.float32(1) + np.float32(np.exp(-np.float64(alpha * g))))
+    return (u + np.float32(1)) * (g * sig)
+
+
 @njit_exact_parallel
 def swiglu_int_kernel(path, bits, g, gate_p, gate_s, gate_z, up_p, up_s, up_z, xq, xs, qs,
                       dbits, dg, down_p, down_s, down_z, hg, hu, h, hq, hs, hqs, out, nblocks):
@@ -283,10 +294,14 @@ def swiglu_int_kernel(path, bits, g, gate_p, gate_s, gate_z, up_p, up_s, up_z, x
 
 # One layer's experts in one call (swiglu_experts_int_kernel). Each expert is a row of an int64
 # layout table: the addresses of its nine arrays (edgemoe/kernels/views.py), then gate's (and up's)
-# width, padded group size and group count, then down's, then the expert's shape (I, D).
+# width, padded group size and group count, then down's, then the expert's shape (I, D), then its
+# kind: SwiGLU, or GPT-OSS's clamped SwiGLU with biases, whose float32 arrays' addresses follow
+# (gate and up biases [I], down bias [D], and (alpha, limit) [2]; 0 for a SwiGLU expert).
 GATE_P, GATE_S, GATE_Z, UP_P, UP_S, UP_Z, DOWN_P, DOWN_S, DOWN_Z = range(9)
 G_BITS, G_GROUP, G_NGROUPS, D_BITS, D_GROUP, D_NGROUPS, INNER, HIDDEN = range(9, 17)
-LAYOUT_COLUMNS = 17
+KIND, GATE_BIAS, UP_BIAS, DOWN_BIAS, PARAMS = range(17, 22)
+LAYOUT_COLUMNS = 22
+KIND_SWIGLU, KIND_GPT_OSS = 0, 1
 
 
 @njit_exact
@@ -310,7 +325,8 @@ def _quantize_pairs(rows, starts, layout, a, group_col, xq, xs, qs):
 def swiglu_experts_int_kernel(path, layout, starts, x, inner, y, nblocks):
     """Every expert of a layer on the integer path in one call: y[p] = expert a's output for pair p,
     for the pairs starts[a] <= p < starts[a + 1] of each expert a. x float32 [P, D]: each pair's
-    token, gathered; y float32 [P, D]. Per pair, bit-identical to swiglu_int_kernel on that token.
+    token, gathered; y float32 [P, D]. Per pair, bit-identical to swiglu_int_kernel on that token
+    (a SwiGLU expert); a GPT-OSS expert (layout column KIND) adds its biases and uses gpt_oss_glu.
     Work is spread over (expert, block of rows) so that many small experts keep every thread busy."""
     swiglu_experts_int(path, layout, starts, x, inner, y, nblocks)
 
@@ -351,9 +367,12 @@ def swiglu_experts_int(path, layout, starts, x, inner, y, nblocks):
         p0, p1 = starts[a], starts[a + 1]
         _rows(path, bits, g, gp, gs, gz, xflat, xcols, xs, qs, p0, p1, r0, r1, hg)
         _rows(path, bits, g, up, us, uz, xflat, xcols, xs, qs, p0, p1, r0, r1, hu)
-        for p in range(p0, p1):
-            for r in range(r0, r1):
-                h[p, r] = silu_mul(hg[p, r], hu[p, r])
+        if layout[a, KIND] == KIND_GPT_OSS:
+            _gpt_oss_hidden(layout, a, inner, hg, hu, p0, p1, r0, r1, h)
+        else:
+            for p in range(p0, p1):
+                for r in range(r0, r1):
+                    h[p, r] = silu_mul(hg[p, r], hu[p, r])
     for a in numba.prange(nexp):
         _quantize_pairs(h, starts, layout, a, D_GROUP, hq, hs, hqs)
     hflat = hq.reshape(hq.size)
@@ -365,6 +384,23 @@ def swiglu_experts_int(path, layout, starts, x, inner, y, nblocks):
         dp, ds, dz = _matrix(layout, a, DOWN_P, dim, ng * (g * bits // 8), ng)
         _rows(path, bits, g, dp, ds, dz, hflat, hcols, hs, hqs, starts[a], starts[a + 1],
               b * size, min(dim, (b + 1) * size), y)
+        if layout[a, KIND] == KIND_GPT_OSS:
+            bias = float32_view(layout[a, DOWN_BIAS], 1, dim)[0]
+            for p in range(starts[a], starts[a + 1]):
+                for r in range(b * size, min(dim, (b + 1) * size)):
+                    y[p, r] = y[p, r] + bias[r]
+
+
+@njit_exact_inline
+def _gpt_oss_hidden(layout, a, inner, hg, hu, p0, p1, r0, r1, h):
+    """h's rows r0..r1 of expert a's pairs p0..p1 from its gate and up outputs, by GPT-OSS's gated
+    unit on them plus the expert's biases (layout columns GATE_BIAS, UP_BIAS, PARAMS)."""
+    gate_bias = float32_view(layout[a, GATE_BIAS], 1, inner)[0]
+    up_bias = float32_view(layout[a, UP_BIAS], 1, inner)[0]
+    params = float32_view(layout[a, PARAMS], 1, 2)[0]
+    for p in range(p0, p1):
+        for r in range(r0, r1):
+            h[p, r] = gpt_oss_glu(hg[p, r] + gate_bias[r], hu[p, r] + up_bias[r], params[0], params[1])
 
 
 @njit_exact

@@ -187,19 +187,43 @@ def expert_layout(gate: QuantizedTensor, up: QuantizedTensor, down: QuantizedTen
     inner, dim = _check_expert(gate, up, down)
     for name, qt in (("gate", gate), ("down", down)):
         _check_int_sums(name, qt)
-    row = np.empty(cpu_int.LAYOUT_COLUMNS, np.int64)
+    row = np.zeros(cpu_int.LAYOUT_COLUMNS, np.int64)    # kind SwiGLU, no biases
     row[:9] = [address(a) for qt in (gate, up, down) for a in (qt.packed, qt.scale, qt.zero)]
-    row[9:] = (gate.bits, gate.group, gate.ngroups, down.bits, down.group, down.ngroups, inner, dim)
+    row[9:cpu_int.KIND] = (gate.bits, gate.group, gate.ngroups, down.bits, down.group, down.ngroups, inner, dim)
     return row
+
+
+def gpt_oss_arrays(gate_bias: torch.Tensor, up_bias: torch.Tensor, down_bias: torch.Tensor, alpha: float,
+                   limit: float) -> tuple[np.ndarray, ...]:
+    """GPT-OSS's expert arguments (edgemoe/kernels/activations.py's gpt_oss_expert) as the float32
+    contiguous arrays a layout row points to: gate bias [I], up bias [I], down bias [D], (alpha, limit)."""
+    arrays = [np.ascontiguousarray(t.detach().float().numpy()) for t in (gate_bias, up_bias, down_bias)]
+    return (*arrays, np.array([alpha, limit], np.float32))
+
+
+def gpt_oss_layout(row: np.ndarray, arrays: tuple[np.ndarray, ...]) -> np.ndarray:
+    """A copy of an expert's layout row (expert_layout) computing GPT-OSS's clamped SwiGLU with biases,
+    arrays from gpt_oss_arrays; valid while they live."""
+    inner, dim = int(row[cpu_int.INNER]), int(row[cpu_int.HIDDEN])
+    gate_bias, up_bias, down_bias, params = arrays
+    for name, a, n in (("gate bias", gate_bias, inner), ("up bias", up_bias, inner), ("down bias", down_bias, dim),
+                       ("(alpha, limit)", params, 2)):
+        if a.dtype != np.float32 or a.shape != (n,) or not a.flags.c_contiguous:
+            raise ValueError(f"{name}: expected float32 [{n}] contiguous, got {a.dtype}{list(a.shape)}")
+    out = row.copy()
+    out[cpu_int.KIND] = cpu_int.KIND_GPT_OSS
+    out[cpu_int.GATE_BIAS:cpu_int.PARAMS + 1] = [address(a) for a in arrays]
+    return out
 
 
 def swiglu_experts_int(x: np.ndarray, layouts: np.ndarray, starts: np.ndarray,
                        path: str | None = None) -> np.ndarray:
     """Several experts of one layer in one kernel call, on the integer path: x float32 [P, D], the
     token of each (token, expert) pair, pairs grouped by expert; layouts int64 [A, LAYOUT_COLUMNS]
-    (expert_layout, one row per expert, all of one shape); starts int64 [A + 1], expert a's pairs
-    being starts[a] <= p < starts[a + 1]. Returns float32 [P, D], each pair's row bit-identical to
-    swiglu_expert_int of its expert on its token. The caller keeps the experts' tensors alive."""
+    (expert_layout, or gpt_oss_layout for a GPT-OSS expert; one row per expert, all of one shape);
+    starts int64 [A + 1], expert a's pairs being starts[a] <= p < starts[a + 1]. Returns float32
+    [P, D], each pair's row bit-identical to swiglu_expert_int of its expert on its token (SwiGLU), or
+    to the expert alone in this call (GPT-OSS). The caller keeps the experts' arrays alive."""
     code = _int_path(path)
     problem = cpu_int.layout_problem(layouts, starts, x.shape[0])
     if problem == 1:
