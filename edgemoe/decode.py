@@ -14,9 +14,10 @@ projections, RMSNorms, rotary and residual are bit-identical; the attention, the
 LayerNorm differ in the last bits, so the results match within float32 rounding (tested per
 architecture in tests/test_decode_engine.py).
 
-With every expert resident in RAM at full width (the store's resident tables), `moe(x, h, logits,
-layouts)` runs a layer's MoE block (computes_moe: softmax router, no routed scaling, no shared
-expert) in one more call, and `step(x, position, cos, sin, cache, layouts)` runs every layer, both
+With every expert resident in RAM at full width (the store's resident tables), `moe(l, x, h, logits,
+layouts)` runs a layer's MoE block (computes_moe: a softmax router, top-k of the softmax or GPT-OSS's
+softmax of the biased top-k; no routed scaling, no shared expert; SwiGLU or GPT-OSS experts) in one
+more call, and `step(x, position, cos, sin, cache, layouts)` runs every layer, both
 blocks each, in one call (computes_token: grouped-query attention and every layer's MoE block
 one that moe() computes). Both give the bits of layer() followed by the model's generic MoE block
 on the integer path (tests/test_resident_step.py); a replayed routing is given to them.
@@ -51,6 +52,11 @@ VECTORS = {cpu_layer.ATTN_NORM: "attn_norm", cpu_layer.ATTN_NORM_BIAS: "attn_nor
            cpu_layer.KV_A_BIAS: "kv_a_bias"}
 
 
+# The routers moe() and step() compute, by (spec.router, spec.norm_topk_prob).
+ROUTERS = {("softmax", False): cpu_layer.SOFTMAX, ("softmax", True): cpu_layer.SOFTMAX_NORMALIZED,
+           ("topk_softmax", False): cpu_layer.TOPK_SOFTMAX, ("topk_softmax", True): cpu_layer.TOPK_SOFTMAX}
+
+
 class DecodeEngine:
     def __init__(self, spec: ModelSpec, layers: list[dict]):
         self.spec = spec
@@ -61,6 +67,7 @@ class DecodeEngine:
         self.scale = np.float32(spec.key_dim ** -0.5 if spec.attention_scale is None else spec.attention_scale)
         self.clip = np.float32(-1 if spec.clip_qkv is None else spec.clip_qkv)
         self.eps = float(spec.rms_norm_eps)   # a float64, as the generic path's norms take it
+        self.router = ROUTERS.get((spec.router, spec.norm_topk_prob))   # None: a router moe() does not compute
         self._computes_token = spec.attention == "gqa" and all(self.computes_moe(l) for l in range(len(self.tables)))
 
     @classmethod
@@ -112,6 +119,7 @@ class DecodeEngine:
             table[column] = self._float32(w.get(name))
         if self.spec.moe_layers[l]:
             table[c.ROUTER] = self._float32(w["router"])
+            table[c.ROUTER_BIAS] = self._float32(w.get("router_bias"))
             table[c.EXPERTS] = w["router"].shape[0]
         window = self.spec.sliding_windows[l]
         table[c.WINDOW] = 0 if window is None else window
@@ -153,7 +161,7 @@ class DecodeEngine:
         weights, experts = self._choice(layers, replayed)
         cpu_layer.decode_token_kernel(_int_path(None), self.stacked_tables, self.dims, self.eps, self.scale, self.clip,
                                       x.numpy()[0], cos.numpy()[0], sin.numpy()[0], kv, like, position, layouts,
-                                      experts.shape[1], self.spec.norm_topk_prob, replayed is not None, hs.numpy(),
+                                      experts.shape[1], self.router, replayed is not None, hs.numpy(),
                                       weights.numpy(), experts.numpy(), cpu.row_blocks())
         return hs, weights, experts
 
@@ -170,23 +178,25 @@ class DecodeEngine:
                 torch.empty(layers, self.spec.top_k, dtype=torch.long))
 
     def computes_moe(self, l: int) -> bool:
-        """Whether moe() can run layer l's MoE block: a routed layer with a softmax router that scales
-        nothing and no shared expert (other MoE blocks run through the model's generic MoE block)."""
+        """Whether moe() can run layer l's MoE block: a routed layer with a softmax router (top-k of the
+        softmax, or GPT-OSS's softmax of the biased top-k) that scales nothing and no shared expert
+        (other MoE blocks run through the model's generic MoE block)."""
         spec = self.spec
-        return (self.tables[l][cpu_layer.ROUTER] != 0 and spec.router == "softmax"
+        return (self.tables[l][cpu_layer.ROUTER] != 0 and self.router is not None
                 and spec.routed_scaling_factor == 1.0 and not spec.shared_expert_hidden)
 
-    def moe(self, x: torch.Tensor, h: torch.Tensor, logits: torch.Tensor, layouts: np.ndarray,
+    def moe(self, l: int, x: torch.Tensor, h: torch.Tensor, logits: torch.Tensor, layouts: np.ndarray,
             replayed: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """A MoE block (computes_moe) for one token whose experts are all resident on the integer
+        """Layer l's MoE block (computes_moe) for one token whose experts are all resident on the integer
         path: x [1, D] += the weighted sum of its chosen experts' outputs on h [1, D], in place; layouts
-        int64 [E, LAYOUT_COLUMNS] (the store's resident layer table); replayed: (weights [1, A],
+        int64 [E, LAYOUT_COLUMNS] (the store's resident layer table, as the layer kernel computes
+        each expert: StoreExperts.resident_layouts); replayed: (weights [1, A],
         experts [1, A]) given, else the router chooses. Returns the (weights [1, A] float32, experts
         [1, A]) it used, as choose() gives them. Bit for bit the generic MoE block's."""
         weights, experts = self._choice(1, replayed)
         cpu_layer.moe_block_kernel(_int_path(None), layouts, h.numpy()[0], logits.numpy()[0], experts.shape[1],
-                                   self.spec.norm_topk_prob, replayed is not None, x.numpy()[0], weights.numpy()[0],
-                                   experts.numpy()[0], cpu.row_blocks())
+                                   self.router, self.tables[l][cpu_layer.ROUTER_BIAS], replayed is not None,
+                                   x.numpy()[0], weights.numpy()[0], experts.numpy()[0], cpu.row_blocks())
         return weights, experts
 
     def choose(self, logits: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,12 +204,16 @@ class DecodeEngine:
         as layers.choose_experts; the softmax router's in one numba call (softmax, top-k and
         renormalisation in torch cost ~10 us a layer, most of it per-op overhead)."""
         spec = self.spec
-        if spec.router != "softmax":
+        if self.router is None:
             return choose_experts(logits, bias, spec)
         weights = torch.empty(1, spec.top_k, dtype=torch.float32)
         experts = torch.empty(1, spec.top_k, dtype=torch.long)
-        cpu_layer.softmax_topk_kernel(logits.numpy()[0], spec.top_k, spec.norm_topk_prob, weights.numpy()[0],
-                                      experts.numpy()[0])
+        if self.router == cpu_layer.TOPK_SOFTMAX:
+            biases = np.zeros(spec.num_experts, np.float32) if bias is None else bias.detach().float().numpy()
+            cpu_layer.topk_softmax_kernel(logits.numpy()[0], biases, spec.top_k, weights.numpy()[0], experts.numpy()[0])
+        else:
+            cpu_layer.softmax_topk_kernel(logits.numpy()[0], spec.top_k, self.router == cpu_layer.SOFTMAX_NORMALIZED,
+                                          weights.numpy()[0], experts.numpy()[0])
         if spec.routed_scaling_factor != 1.0:
             weights = weights * spec.routed_scaling_factor
         return weights, experts

@@ -335,7 +335,7 @@ class MoEModel(StoreOwner):
 
     def _resident_moe(self, l: int):
         """Layer l's expert layouts when the decode engine computes its MoE block (DecodeEngine.moe:
-        every expert resident in RAM, a softmax router), else None."""
+        every expert resident in RAM, a router it computes), else None."""
         if not self.decode_engine.computes_moe(l):
             return None
         return self.experts.resident_layouts(l)
@@ -345,7 +345,7 @@ class MoEModel(StoreOwner):
         """_mlp's MoE block for one token by the decode engine, x updated in place; then what
         _served_resident says."""
         replayed = self.routing_override(l, positions) if self.routing_override is not None else None
-        weights, experts = self.decode_engine.moe(x, h, logits, layouts, replayed)
+        weights, experts = self.decode_engine.moe(l, x, h, logits, layouts, replayed)
         self._served_resident(l, h, weights, experts, positions, segments)
 
     def _rope_scaling(self, positions: torch.Tensor) -> tuple:

@@ -142,7 +142,9 @@ class StoreExperts(ExpertProvider):
         self._kept: ExpertBatches | None = None
         self._weak: set[tuple[int, int]] = set()   # the running layer's weakly chosen experts
         self.layer_kernel = layer_kernel
-        self._checked_tables: tuple[np.ndarray, bool] | None = None   # resident_step_layouts' last verdict
+        # resident_step_layouts' last stacked table and its answer; resident_layouts' per layer
+        self._checked_tables: tuple[np.ndarray, np.ndarray | None] | None = None
+        self._kernel_tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         # (layer, expert) -> GPT-OSS's float32 arrays and its last layout row (from the store's row)
         self._kernel_arrays: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
         self._kernel_rows: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
@@ -234,7 +236,7 @@ class StoreExperts(ExpertProvider):
         y = swiglu_experts_int(x.numpy()[batches.pair_tokens.numpy()], layouts, batches.starts)
         return _weighted_sum(x, batches, y)
 
-    def _kernel_layouts(self, layer: int, experts: list[int], rows: np.ndarray) -> np.ndarray | None:
+    def _kernel_layouts(self, layer: int, experts, rows: np.ndarray) -> np.ndarray | None:
         """The experts' layout rows (the store's, one per expert) as the layer kernel computes them, or
         None where an expert is of a kind it does not compute."""
         if self.activations(layer, experts[0]) is None:     # SwiGLU: one kind for a whole model
@@ -263,24 +265,39 @@ class StoreExperts(ExpertProvider):
 
     def resident_layouts(self, layer: int) -> np.ndarray | None:
         """The layer's experts as the decode engine computes them inside its own kernel (the store's
-        resident_layer_table), when every expert of the store is resident in RAM at full width,
-        SwiGLU, and one token of each width computes on "fused-int"; else None."""
+        resident_layer_table, each row as the layer kernel computes the expert), when every expert of
+        the store is resident in RAM at full width, of a kind the layer kernel computes, and one token
+        of each width computes on "fused-int"; else None."""
         table = self.store.resident_layer_table(layer) if self.layer_kernel else None
-        return table if table is not None and self._engine_computes(table, [layer]) else None
+        if table is None or not self._engine_computes(table, [layer]):
+            return None
+        cached = self._kernel_tables.get(layer)
+        if cached is None or cached[0] is not table:    # once per table the store makes
+            self._kernel_tables[layer] = cached = (table, self._kernel_layouts(layer, range(len(table)), table))
+        return cached[1]
 
     def resident_step_layouts(self) -> np.ndarray | None:
         tables = self.store.resident_tables() if self.layer_kernel else None
         if tables is None:
             return None
         if self._checked_tables is None or self._checked_tables[0] is not tables:   # once per stacked table
-            self._checked_tables = (tables, self._engine_computes(tables, range(tables.shape[0])))
-        return tables if self._checked_tables[1] else None
+            layers = range(tables.shape[0])
+            kernel_tables = None
+            if self._engine_computes(tables, layers):
+                swiglu = all(self.activations(l, 0) is None for l in layers)
+                kernel_tables = tables if swiglu else np.stack(
+                    [self._kernel_layouts(l, range(tables.shape[1]), tables[l]) for l in layers])
+            self._checked_tables = (tables, kernel_tables)
+        return self._checked_tables[1]
 
     def _engine_computes(self, tables: np.ndarray, layers) -> bool:
         """Whether these layers' resident experts (their layout tables) compute in the decode engine's
-        kernel: on the host, SwiGLU, one token of each of their widths on "fused-int"."""
+        kernel: on the host, of a kind the layer kernel computes, one token of each of their widths on
+        "fused-int"."""
         widths = set(tables[..., G_BITS].ravel().tolist())
-        return (self.store.device is None and all(self.activations(l, 0) is None for l in layers)
+        kinds = (self.activations(l, 0) for l in layers)
+        return (self.store.device is None
+                and all(a is None or layer_kernel_arguments(a) is not None for a in kinds)
                 and all(self.choose(bits, 1) == "fused-int" for bits in widths))
 
     def served_resident(self, first_layer: int, chosen: list[list[int]]) -> None:

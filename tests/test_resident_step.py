@@ -72,10 +72,12 @@ def same(a, b):
 @pytest.mark.parametrize("path", int_paths())
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch, overrides", [("qwen3_moe", {"num_experts": 16, "num_experts_per_tok": 8}),
-                                             ("mixtral", {}), ("olmoe", {})])
+                                             ("mixtral", {}), ("olmoe", {}), ("gpt_oss", {"num_experts_per_tok": 2})])
 def test_a_step_in_one_call_gives_the_layer_by_layer_bits(store_of, monkeypatch, path, kv_dtype, arch, overrides):
     """On each integer path this CPU runs (forced), with a float32 and a bfloat16 KV cache, on
-    routers that renormalise the top-k weights (qwen3_moe, mixtral) and one that does not (olmoe)."""
+    routers that renormalise the top-k weights (qwen3_moe, mixtral), one that does not (olmoe), and
+    GPT-OSS's (the biased top-k softmaxed; its experts a clamped SwiGLU with biases; attention sinks
+    and sliding windows)."""
     monkeypatch.setenv(INT_PATH_ENV, path)
     store = store_of(arch, **overrides)
     steps, moe_blocks = counted(monkeypatch, "decode_token_kernel"), counted(monkeypatch, "moe_block_kernel")

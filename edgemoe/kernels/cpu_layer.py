@@ -48,14 +48,17 @@ PACKED, SCALE, ZERO, BITS, GROUP, NGROUPS = range(6)
 MATRIX_COLUMNS = 6
 # Then float32 vectors (0: absent), then integers.
 (ATTN_NORM, ATTN_NORM_BIAS, MLP_NORM, MLP_NORM_BIAS, Q_BIAS, K_BIAS, V_BIAS, Q_NORM, K_NORM, O_BIAS, SINKS,
- ROUTER, Q_A_NORM, Q_A_BIAS, KV_A_NORM, KV_A_BIAS, EXPERTS, WINDOW) = range(30, 48)
-TABLE_COLUMNS = 48
+ ROUTER, Q_A_NORM, Q_A_BIAS, KV_A_NORM, KV_A_BIAS, EXPERTS, WINDOW, ROUTER_BIAS) = range(30, 49)
+TABLE_COLUMNS = 49
 # The model's dimensions (an int64 array). MLA: N / R key dims without / with rotary, Ckv latent rank,
 # Cq query latent rank (0: q straight from x).
 DIM_D, DIM_H, DIM_K, DIM_DK, DIM_DV, DIM_QK_NORM, DIM_NORM, DIM_N, DIM_R, DIM_CKV, DIM_CQ, DIM_INTERLEAVE = range(12)
 DIMS = 12
 QK_NORM_NONE, QK_NORM_HEAD, QK_NORM_PROJ = 0, 1, 2
 NORM_RMS, NORM_LAYER = 0, 1   # the layer norms: RMSNorm, or LayerNorm with a bias (Phi-3.5-MoE)
+# The routers the MoE block computes: softmax then top-k (the weights renormalised or not), or
+# top-k of the logits plus a bias, softmaxed among themselves (GPT-OSS).
+SOFTMAX, SOFTMAX_NORMALIZED, TOPK_SOFTMAX = 0, 1, 2
 
 
 @njit_exact_inline
@@ -352,24 +355,53 @@ def softmax_topk_kernel(logits, top_k, normalize, weights, experts):
             weights[a] = weights[a] / total
 
 
+@njit_exact
+def topk_softmax_kernel(logits, bias, top_k, weights, experts):
+    """GPT-OSS's router for one token: the top_k of logits + bias (float32 [E] each; ties: the lower
+    expert) into experts int64 [A], strongest first, and their softmax among themselves into weights
+    float32 [A] (exp of each less the first, over their sum)."""
+    biased = logits + bias
+    order = np.argsort(-biased, kind="mergesort")
+    top = biased[order[0]]
+    total = np.float32(0)
+    for a in range(top_k):
+        experts[a] = order[a]
+        weights[a] = np.exp(biased[order[a]] - top)
+        total += weights[a]
+    for a in range(top_k):
+        weights[a] = weights[a] / total
+
+
+@njit_exact_inline
+def _route(router, logits, bias, top_k, weights, experts):
+    """The router's choice (SOFTMAX, SOFTMAX_NORMALIZED or TOPK_SOFTMAX) from logits float32 [E];
+    bias: the address of the router's float32 bias [E], 0 for none."""
+    if router == TOPK_SOFTMAX:
+        b = _vector(bias, logits.shape[0]) if bias != 0 else np.zeros(logits.shape[0], np.float32)
+        topk_softmax_kernel(logits, b, top_k, weights, experts)
+    else:
+        softmax_topk_kernel(logits, top_k, router == SOFTMAX_NORMALIZED, weights, experts)
+
+
 @njit_exact_parallel
-def moe_block_kernel(path, layouts, h, logits, top_k, normalize, replayed, x, weights, experts, nblocks):
-    """A one-token MoE block whose experts are all resident, SwiGLU on the integer path, in one call:
-    the softmax router's choice from logits float32 [E] (softmax_topk_kernel: weights float32 [A] and
-    experts int64 [A] out, strongest first; replayed: weights and experts are given, a replayed trace's
-    choice, an expert possibly twice), the chosen experts on h float32 [D] (layouts int64
-    [E, LAYOUT_COLUMNS], row e expert e's: cpu_int.swiglu_experts_int), and their outputs times
+def moe_block_kernel(path, layouts, h, logits, top_k, router, bias, replayed, x, weights, experts, nblocks):
+    """A one-token MoE block whose experts are all resident, on the integer path, in one call: the
+    router's choice from logits float32 [E] (router SOFTMAX, SOFTMAX_NORMALIZED or TOPK_SOFTMAX with
+    bias the address of its float32 bias [E] or 0: weights float32 [A] and experts int64 [A] out,
+    strongest first; replayed: weights and experts are given, a replayed trace's choice, an expert
+    possibly twice), the chosen experts on h float32 [D] (layouts int64 [E, LAYOUT_COLUMNS], row e
+    expert e's, SwiGLU or GPT-OSS's: cpu_int.swiglu_experts_int), and their outputs times
     their weights added up in ascending expert order, then into x float32 [D] in place. The bits of
     the generic MoE block on the same choice (edgemoe.experts.ExpertBatches orders a step's pairs by
     expert; edgemoe.quantized's weighted sum adds them in that order, then the residual), where
     Python around each piece cost a fine-grained layer more than its experts' compute."""
-    _moe_block(path, layouts, h, logits, top_k, normalize, replayed, x, weights, experts, nblocks)
+    _moe_block(path, layouts, h, logits, top_k, router, bias, replayed, x, weights, experts, nblocks)
 
 
 @njit_exact_inline
-def _moe_block(path, layouts, h, logits, top_k, normalize, replayed, x, weights, experts, nblocks):
+def _moe_block(path, layouts, h, logits, top_k, router, bias, replayed, x, weights, experts, nblocks):
     if not replayed:
-        softmax_topk_kernel(logits, top_k, normalize, weights, experts)
+        _route(router, logits, bias, top_k, weights, experts)
     order = np.argsort(experts, kind="mergesort")
     dim = h.shape[0]
     chosen = np.empty((top_k, layouts.shape[1]), np.int64)
@@ -391,7 +423,7 @@ def _moe_block(path, layouts, h, logits, top_k, normalize, replayed, x, weights,
 
 @njit_exact_parallel
 def decode_token_kernel(path, tables, dims, eps, scale, clip, x, cos, sin, kv, kv_like, pos, layouts, top_k,
-                        normalize, replayed, hs, weights, experts, nblocks):
+                        router, replayed, hs, weights, experts, nblocks):
     """One token through every decoder layer in one call, for a model whose layers are all grouped-query
     attention then a MoE block that moe_block_kernel computes: per layer l, attention_block_kernel with
     tables[l] (int64 [L, TABLE_COLUMNS]) and the layer's cache, then moe_block_kernel with layouts[l]
@@ -399,7 +431,8 @@ def decode_token_kernel(path, tables, dims, eps, scale, clip, x, cos, sin, kv, k
     out. kv int64 [L, 3]: each layer's keys and values addresses and its cache capacity, both
     [K, capacity, Dk / Dv] of kv_like's element type (the layer-0 keys array: float32, or int16 bit
     patterns of bfloat16). Out: hs float32 [L, D] (each MoE block's input), weights float32 [L, A]
-    and experts int64 [L, A] (each router's choice, strongest first; replayed: given, not chosen).
+    and experts int64 [L, A] (each router's choice, strongest first, by `router` as in
+    moe_block_kernel with the layer's table's ROUTER_BIAS; replayed: given, not chosen).
     The bits of the two kernels called layer by layer."""
     heads, dk, dv = dims[DIM_K], dims[DIM_DK], dims[DIM_DV]
     logits = np.empty(layouts.shape[1], np.float32)
@@ -408,4 +441,5 @@ def decode_token_kernel(path, tables, dims, eps, scale, clip, x, cos, sin, kv, k
         values = like_view(kv[l, 1], (heads, kv[l, 2], dv), kv_like)
         _attention_block(path, tables[l], dims, eps, scale, clip, x, cos, sin, keys, values, pos, hs[l], logits,
                          nblocks)
-        _moe_block(path, layouts[l], hs[l], logits, top_k, normalize, replayed, x, weights[l], experts[l], nblocks)
+        _moe_block(path, layouts[l], hs[l], logits, top_k, router, tables[l, ROUTER_BIAS], replayed, x, weights[l],
+                   experts[l], nblocks)
