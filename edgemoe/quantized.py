@@ -226,11 +226,12 @@ class StoreExperts(ExpertProvider):
         table = self.store.resident_layer_table(layer)
         if table is None:
             return None
-        layouts = self._kernel_layouts(layer, batches.experts, table[batches.experts])
-        if layouts is None:
-            return None
-        widths = zip(layouts[:, G_BITS].tolist(), np.diff(batches.starts).tolist())
+        rows = table[batches.experts]
+        widths = zip(rows[:, G_BITS].tolist(), np.diff(batches.starts).tolist())
         if any(self.choose(bits, count) != "fused-int" for bits, count in set(widths)):
+            return None
+        layouts = self._kernel_layouts(layer, batches.experts, rows)
+        if layouts is None:
             return None
         self.store.get_resident(layer, batches.experts)   # counted as get() counts them
         y = swiglu_experts_int(x.numpy()[batches.pair_tokens.numpy()], layouts, batches.starts)
@@ -295,10 +296,13 @@ class StoreExperts(ExpertProvider):
         kernel: on the host, of a kind the layer kernel computes, one token of each of their widths on
         "fused-int"."""
         widths = set(tables[..., G_BITS].ravel().tolist())
-        kinds = (self.activations(l, 0) for l in layers)
-        return (self.store.device is None
-                and all(a is None or layer_kernel_arguments(a) is not None for a in kinds)
+        return (self.store.device is None and all(self._in_layer_kernel(l, 0) for l in layers)
                 and all(self.choose(bits, 1) == "fused-int" for bits in widths))
+
+    def _in_layer_kernel(self, layer: int, expert: int) -> bool:
+        """Whether the layer kernel computes this expert's kind (SwiGLU, GPT-OSS's)."""
+        activation = self.activations(layer, expert)
+        return activation is None or layer_kernel_arguments(activation) is not None
 
     def served_resident(self, first_layer: int, chosen: list[list[int]]) -> None:
         self.store.served_resident(first_layer, chosen)
@@ -312,7 +316,8 @@ class StoreExperts(ExpertProvider):
             count = int(starts[i + 1] - starts[i])
             # "fused-int" on the host (SwiGLU, GPT-OSS): the layer kernel (for SwiGLU, that path's bits)
             row = (self._kernel_row(layer, batches.experts[i], resident.layout)
-                   if resident.device is None and self.choose(resident.bits, count, resident.nbytes) == "fused-int"
+                   if (resident.device is None and self._in_layer_kernel(layer, batches.experts[i])
+                       and self.choose(resident.bits, count, resident.nbytes) == "fused-int")
                    else None)
             if row is not None:
                 fused.append(i)
