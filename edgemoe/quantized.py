@@ -145,6 +145,7 @@ class StoreExperts(ExpertProvider):
         # resident_step_layouts' last stacked table and its answer; resident_layouts' per layer
         self._checked_tables: tuple[np.ndarray, np.ndarray | None] | None = None
         self._kernel_tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._kinds: dict[int, str] = {}      # layer -> _kernel_kind's answer
         # (layer, expert) -> GPT-OSS's float32 arrays and its last layout row (from the store's row)
         self._kernel_arrays: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
         self._kernel_rows: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
@@ -240,26 +241,35 @@ class StoreExperts(ExpertProvider):
     def _kernel_layouts(self, layer: int, experts, rows: np.ndarray) -> np.ndarray | None:
         """The experts' layout rows (the store's, one per expert) as the layer kernel computes them, or
         None where an expert is of a kind it does not compute."""
-        if self.activations(layer, experts[0]) is None:     # SwiGLU: one kind for a whole model
-            return rows
-        kernel_rows = [self._kernel_row(layer, e, row) for e, row in zip(experts, rows)]
-        return None if any(row is None for row in kernel_rows) else np.stack(kernel_rows)
+        kind = self._kernel_kind(layer)
+        if kind != "gpt_oss":
+            return rows if kind == "swiglu" else None
+        return np.stack([self._kernel_row(layer, e, row) for e, row in zip(experts, rows)])
+
+    def _kernel_kind(self, layer: int) -> str:
+        """How the layer kernel computes the layer's experts (one kind for a whole model): "swiglu",
+        "gpt_oss" (with its biases), or "none" (another kind: the per-matrix kernels). Asked once per
+        layer: making an expert's Activation indexes its biases, a few torch calls each time."""
+        kind = self._kinds.get(layer)
+        if kind is None:
+            activation = self.activations(layer, 0)
+            kind = ("swiglu" if activation is None
+                    else "gpt_oss" if layer_kernel_arguments(activation) is not None else "none")
+            self._kinds[layer] = kind
+        return kind
 
     def _kernel_row(self, layer: int, expert: int, row: np.ndarray) -> np.ndarray | None:
         """One expert's layout row for the layer kernel: the store's row for SwiGLU, with its biases and
         parameters for GPT-OSS (their arrays kept here while the model lives), None for another kind."""
-        activation = self.activations(layer, expert)
-        if activation is None:
-            return row
+        kind = self._kernel_kind(layer)
+        if kind != "gpt_oss":
+            return row if kind == "swiglu" else None
         key = (layer, expert)
         cached = self._kernel_rows.get(key)
         if cached is not None and np.array_equal(cached[0], row):
             return cached[1]
-        arguments = layer_kernel_arguments(activation)
-        if arguments is None:
-            return None
         if key not in self._kernel_arrays:
-            self._kernel_arrays[key] = gpt_oss_arrays(**arguments)
+            self._kernel_arrays[key] = gpt_oss_arrays(**layer_kernel_arguments(self.activations(layer, expert)))
         kernel_row = gpt_oss_layout(row, self._kernel_arrays[key])
         self._kernel_rows[key] = (row.copy(), kernel_row)
         return kernel_row
@@ -285,7 +295,7 @@ class StoreExperts(ExpertProvider):
             layers = range(tables.shape[0])
             kernel_tables = None
             if self._engine_computes(tables, layers):
-                swiglu = all(self.activations(l, 0) is None for l in layers)
+                swiglu = all(self._kernel_kind(l) == "swiglu" for l in layers)
                 kernel_tables = tables if swiglu else np.stack(
                     [self._kernel_layouts(l, range(tables.shape[1]), tables[l]) for l in layers])
             self._checked_tables = (tables, kernel_tables)
@@ -296,13 +306,8 @@ class StoreExperts(ExpertProvider):
         kernel: on the host, of a kind the layer kernel computes, one token of each of their widths on
         "fused-int"."""
         widths = set(tables[..., G_BITS].ravel().tolist())
-        return (self.store.device is None and all(self._in_layer_kernel(l, 0) for l in layers)
+        return (self.store.device is None and all(self._kernel_kind(l) != "none" for l in layers)
                 and all(self.choose(bits, 1) == "fused-int" for bits in widths))
-
-    def _in_layer_kernel(self, layer: int, expert: int) -> bool:
-        """Whether the layer kernel computes this expert's kind (SwiGLU, GPT-OSS's)."""
-        activation = self.activations(layer, expert)
-        return activation is None or layer_kernel_arguments(activation) is not None
 
     def served_resident(self, first_layer: int, chosen: list[list[int]]) -> None:
         self.store.served_resident(first_layer, chosen)
@@ -316,7 +321,7 @@ class StoreExperts(ExpertProvider):
             count = int(starts[i + 1] - starts[i])
             # "fused-int" on the host (SwiGLU, GPT-OSS): the layer kernel (for SwiGLU, that path's bits)
             row = (self._kernel_row(layer, batches.experts[i], resident.layout)
-                   if (resident.device is None and self._in_layer_kernel(layer, batches.experts[i])
+                   if (resident.device is None and self._kernel_kind(layer) != "none"
                        and self.choose(resident.bits, count, resident.nbytes) == "fused-int")
                    else None)
             if row is not None:

@@ -74,7 +74,8 @@ def count_experts_part(model, counter):
 
 
 @pytest.mark.parametrize("arch, overrides", [("qwen3_moe", {"num_experts": 16, "num_experts_per_tok": 8}),
-                                             ("mixtral", {})])
+                                             ("mixtral", {}),
+                                             ("gpt_oss", {"num_local_experts": 16, "num_experts_per_tok": 2})])
 def test_one_decode_step_stays_within_its_call_counts(tiny_model, tmp_path, numba_dispatches, arch, overrides):
     convert(tiny_model(arch, **overrides), tmp_path / "s", bits=4)
     with edgemoe.load(tmp_path / "s", compute="fused-int", dense_bits=8) as model:   # the commands' default
@@ -111,7 +112,8 @@ def resident_step_counts(tiny_model, path, numba_dispatches, arch, overrides):
 
 
 @pytest.mark.parametrize("arch, overrides", [("qwen3_moe", {"num_experts": 16, "num_experts_per_tok": 8}),
-                                             ("mixtral", {})])
+                                             ("mixtral", {}),
+                                             ("gpt_oss", {"num_local_experts": 16, "num_experts_per_tok": 2})])
 def test_a_step_with_every_expert_resident_is_one_call_for_the_layers(tiny_model, tmp_path, numba_dispatches,
                                                                       arch, overrides):
     """The same counts at two depths: nothing is called per layer."""
