@@ -15,9 +15,9 @@ LayerNorm differ in the last bits, so the results match within float32 rounding 
 architecture in tests/test_decode_engine.py).
 
 With every expert resident in RAM at full width (the store's resident tables), `moe(l, x, h, logits,
-layouts)` runs a layer's MoE block (computes_moe: a softmax router, top-k of the softmax or GPT-OSS's
-softmax of the biased top-k; no routed scaling, no shared expert; SwiGLU or GPT-OSS experts) in one
-more call, and `step(x, position, cos, sin, cache, layouts)` runs every layer, both
+layouts)` runs a layer's MoE block (computes_moe: a softmax router, top-k of the softmax, GPT-OSS's
+softmax of the biased top-k or Phi-3.5-MoE's sparsemixer; no routed scaling, no shared expert;
+SwiGLU or GPT-OSS experts) in one more call, and `step(x, position, cos, sin, cache, layouts)` runs every layer, both
 blocks each, in one call (computes_token: grouped-query attention and every layer's MoE block
 one that moe() computes). Both give the bits of layer() followed by the model's generic MoE block
 on the integer path (tests/test_resident_step.py); a replayed routing is given to them.
@@ -54,7 +54,8 @@ VECTORS = {cpu_layer.ATTN_NORM: "attn_norm", cpu_layer.ATTN_NORM_BIAS: "attn_nor
 
 # The routers moe() and step() compute, by (spec.router, spec.norm_topk_prob).
 ROUTERS = {("softmax", False): cpu_layer.SOFTMAX, ("softmax", True): cpu_layer.SOFTMAX_NORMALIZED,
-           ("topk_softmax", False): cpu_layer.TOPK_SOFTMAX, ("topk_softmax", True): cpu_layer.TOPK_SOFTMAX}
+           ("topk_softmax", False): cpu_layer.TOPK_SOFTMAX, ("topk_softmax", True): cpu_layer.TOPK_SOFTMAX,
+           ("sparsemixer", False): cpu_layer.SPARSEMIXER, ("sparsemixer", True): cpu_layer.SPARSEMIXER}
 
 
 class DecodeEngine:
@@ -68,6 +69,7 @@ class DecodeEngine:
         self.clip = np.float32(-1 if spec.clip_qkv is None else spec.clip_qkv)
         self.eps = float(spec.rms_norm_eps)   # a float64, as the generic path's norms take it
         self.router = ROUTERS.get((spec.router, spec.norm_topk_prob))   # None: a router moe() does not compute
+        self.jitter = float(getattr(spec.routing, "router_jitter_eps", 0.0))   # sparsemixer's
         self._computes_token = spec.attention == "gqa" and all(self.computes_moe(l) for l in range(len(self.tables)))
 
     @classmethod
@@ -161,7 +163,7 @@ class DecodeEngine:
         weights, experts = self._choice(layers, replayed)
         cpu_layer.decode_token_kernel(_int_path(None), self.stacked_tables, self.dims, self.eps, self.scale, self.clip,
                                       x.numpy()[0], cos.numpy()[0], sin.numpy()[0], kv, like, position, layouts,
-                                      experts.shape[1], self.router, replayed is not None, hs.numpy(),
+                                      experts.shape[1], self.router, self.jitter, replayed is not None, hs.numpy(),
                                       weights.numpy(), experts.numpy(), cpu.row_blocks())
         return hs, weights, experts
 
@@ -179,7 +181,8 @@ class DecodeEngine:
 
     def computes_moe(self, l: int) -> bool:
         """Whether moe() can run layer l's MoE block: a routed layer with a softmax router (top-k of the
-        softmax, or GPT-OSS's softmax of the biased top-k) that scales nothing and no shared expert
+        softmax, GPT-OSS's softmax of the biased top-k, or Phi-3.5-MoE's sparsemixer) that scales nothing
+        and no shared expert
         (other MoE blocks run through the model's generic MoE block)."""
         spec = self.spec
         return (self.tables[l][cpu_layer.ROUTER] != 0 and self.router is not None
@@ -195,7 +198,7 @@ class DecodeEngine:
         [1, A]) it used, as choose() gives them. Bit for bit the generic MoE block's."""
         weights, experts = self._choice(1, replayed)
         cpu_layer.moe_block_kernel(_int_path(None), layouts, h.numpy()[0], logits.numpy()[0], experts.shape[1],
-                                   self.router, self.tables[l][cpu_layer.ROUTER_BIAS], replayed is not None,
+                                   self.router, self.tables[l][cpu_layer.ROUTER_BIAS], self.jitter, replayed is not None,
                                    x.numpy()[0], weights.numpy()[0], experts.numpy()[0], cpu.row_blocks())
         return weights, experts
 
@@ -208,7 +211,9 @@ class DecodeEngine:
             return choose_experts(logits, bias, spec)
         weights = torch.empty(1, spec.top_k, dtype=torch.float32)
         experts = torch.empty(1, spec.top_k, dtype=torch.long)
-        if self.router == cpu_layer.TOPK_SOFTMAX:
+        if self.router == cpu_layer.SPARSEMIXER:
+            cpu_layer.sparsemixer_kernel(logits.numpy()[0], self.jitter, weights.numpy()[0], experts.numpy()[0])
+        elif self.router == cpu_layer.TOPK_SOFTMAX:
             biases = np.zeros(spec.num_experts, np.float32) if bias is None else bias.detach().float().numpy()
             cpu_layer.topk_softmax_kernel(logits.numpy()[0], biases, spec.top_k, weights.numpy()[0], experts.numpy()[0])
         else:

@@ -72,12 +72,14 @@ def same(a, b):
 @pytest.mark.parametrize("path", int_paths())
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch, overrides", [("qwen3_moe", {"num_experts": 16, "num_experts_per_tok": 8}),
-                                             ("mixtral", {}), ("olmoe", {}), ("gpt_oss", {"num_experts_per_tok": 2})])
+                                             ("mixtral", {}), ("olmoe", {}), ("gpt_oss", {"num_experts_per_tok": 2}),
+                                             ("phimoe", {"router_jitter_noise": 0.5})])
 def test_a_step_in_one_call_gives_the_layer_by_layer_bits(store_of, monkeypatch, path, kv_dtype, arch, overrides):
     """On each integer path this CPU runs (forced), with a float32 and a bfloat16 KV cache, on
-    routers that renormalise the top-k weights (qwen3_moe, mixtral), one that does not (olmoe), and
+    routers that renormalise the top-k weights (qwen3_moe, mixtral), one that does not (olmoe),
     GPT-OSS's (the biased top-k softmaxed; its experts a clamped SwiGLU with biases; attention sinks
-    and sliding windows)."""
+    and sliding windows) and Phi-3.5-MoE's sparsemixer (LayerNorm, attention biases; a jitter that
+    keeps several candidates in each softmax)."""
     monkeypatch.setenv(INT_PATH_ENV, path)
     store = store_of(arch, **overrides)
     steps, moe_blocks = counted(monkeypatch, "decode_token_kernel"), counted(monkeypatch, "moe_block_kernel")
@@ -178,3 +180,26 @@ def test_a_ram_budget_that_holds_every_expert_is_filled_at_open(store_of, monkey
     with edgemoe.load(path, dense_bits=8, compute="fused-int", ram="100%") as model:
         model.forward(torch.tensor([3]), [Segment(model.new_cache(), 1)])
     assert steps
+
+
+@pytest.mark.parametrize("router", ["sparsemixer", "topk_softmax"])
+def test_the_engines_numba_routers_choose_as_the_model_files_routers(router):
+    """Phi-3.5-MoE's sparsemixer and GPT-OSS's top-k softmax in numba (the engine's) against their torch
+    definitions (models/phimoe.py, models/gpt_oss.py): the same experts, weights within float32 rounding."""
+    from types import SimpleNamespace
+    from edgemoe.models.gpt_oss import TopKSoftmax
+    from edgemoe.models.phimoe import SparseMixer
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        logits = torch.randn(1, 16, generator=g) * (0.1 if trial % 2 else 3)
+        bias = torch.randn(16, generator=g)
+        weights, experts = torch.empty(2), torch.empty(2, dtype=torch.long)
+        if router == "sparsemixer":
+            reference = SparseMixer(router_jitter_eps=0.05).choose(logits, None, SimpleNamespace(top_k=2))
+            cpu_layer.sparsemixer_kernel(logits.numpy()[0], 0.05, weights.numpy(), experts.numpy())
+        else:
+            reference = TopKSoftmax().choose(logits, bias, SimpleNamespace(top_k=2))
+            cpu_layer.topk_softmax_kernel(logits.numpy()[0], bias.numpy(), 2, weights.numpy(), experts.numpy())
+        assert experts.tolist() == reference[1][0].tolist()
+        assert torch.allclose(weights, reference[0][0], rtol=1e-6, atol=0)

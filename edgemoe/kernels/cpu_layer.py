@@ -56,9 +56,9 @@ DIM_D, DIM_H, DIM_K, DIM_DK, DIM_DV, DIM_QK_NORM, DIM_NORM, DIM_N, DIM_R, DIM_CK
 DIMS = 12
 QK_NORM_NONE, QK_NORM_HEAD, QK_NORM_PROJ = 0, 1, 2
 NORM_RMS, NORM_LAYER = 0, 1   # the layer norms: RMSNorm, or LayerNorm with a bias (Phi-3.5-MoE)
-# The routers the MoE block computes: softmax then top-k (the weights renormalised or not), or
-# top-k of the logits plus a bias, softmaxed among themselves (GPT-OSS).
-SOFTMAX, SOFTMAX_NORMALIZED, TOPK_SOFTMAX = 0, 1, 2
+# The routers the MoE block computes: softmax then top-k (the weights renormalised or not), top-k of
+# the logits plus a bias, softmaxed among themselves (GPT-OSS), or sparsemixer (Phi-3.5-MoE).
+SOFTMAX, SOFTMAX_NORMALIZED, TOPK_SOFTMAX, SPARSEMIXER = 0, 1, 2, 3
 
 
 @njit_exact_inline
@@ -372,11 +372,37 @@ def topk_softmax_kernel(logits, bias, top_k, weights, experts):
         weights[a] = weights[a] / total
 
 
+@njit_exact
+def sparsemixer_kernel(logits, jitter, weights, experts):
+    """Phi-3.5-MoE's sparsemixer at inference for one token (models/phimoe.py's SparseMixer): the best
+    expert of logits float32 [E] (ties: the lower), then the best of the rest, into experts int64 [2];
+    each one's weight, into weights float32 [2], is its softmax among the candidates (the first pick
+    excluded from the second) whose relative gap to it, (best - logit) / max(|logit|, best), is at most
+    2 * jitter: 1 / (sum of exp(logit - best) over them)."""
+    limit = np.float32(2 * jitter)
+    taken = -1
+    for a in range(2):
+        chosen, best = -1, np.float32(0)
+        for e in range(logits.shape[0]):
+            if e != taken and (chosen < 0 or logits[e] > best):
+                chosen, best = e, logits[e]
+        total = np.float32(0)
+        for e in range(logits.shape[0]):
+            if e != taken and not (best - logits[e]) / max(abs(logits[e]), best) > limit:
+                total += np.exp(logits[e] - best)
+        experts[a] = chosen
+        weights[a] = np.float32(1) / total
+        taken = chosen
+
+
 @njit_exact_inline
-def _route(router, logits, bias, top_k, weights, experts):
-    """The router's choice (SOFTMAX, SOFTMAX_NORMALIZED or TOPK_SOFTMAX) from logits float32 [E];
-    bias: the address of the router's float32 bias [E], 0 for none."""
-    if router == TOPK_SOFTMAX:
+def _route(router, logits, bias, jitter, top_k, weights, experts):
+    """The router's choice (SOFTMAX, SOFTMAX_NORMALIZED, TOPK_SOFTMAX or SPARSEMIXER) from logits
+    float32 [E]; bias: the address of the router's float32 bias [E], 0 for none; jitter: sparsemixer's
+    router_jitter_eps."""
+    if router == SPARSEMIXER:
+        sparsemixer_kernel(logits, jitter, weights, experts)
+    elif router == TOPK_SOFTMAX:
         b = _vector(bias, logits.shape[0]) if bias != 0 else np.zeros(logits.shape[0], np.float32)
         topk_softmax_kernel(logits, b, top_k, weights, experts)
     else:
@@ -384,10 +410,11 @@ def _route(router, logits, bias, top_k, weights, experts):
 
 
 @njit_exact_parallel
-def moe_block_kernel(path, layouts, h, logits, top_k, router, bias, replayed, x, weights, experts, nblocks):
+def moe_block_kernel(path, layouts, h, logits, top_k, router, bias, jitter, replayed, x, weights, experts, nblocks):
     """A one-token MoE block whose experts are all resident, on the integer path, in one call: the
-    router's choice from logits float32 [E] (router SOFTMAX, SOFTMAX_NORMALIZED or TOPK_SOFTMAX with
-    bias the address of its float32 bias [E] or 0: weights float32 [A] and experts int64 [A] out,
+    router's choice from logits float32 [E] (router SOFTMAX, SOFTMAX_NORMALIZED, TOPK_SOFTMAX with
+    bias the address of its float32 bias [E] or 0, or SPARSEMIXER with its jitter: weights float32 [A]
+    and experts int64 [A] out,
     strongest first; replayed: weights and experts are given, a replayed trace's choice, an expert
     possibly twice), the chosen experts on h float32 [D] (layouts int64 [E, LAYOUT_COLUMNS], row e
     expert e's, SwiGLU or GPT-OSS's: cpu_int.swiglu_experts_int), and their outputs times
@@ -395,13 +422,13 @@ def moe_block_kernel(path, layouts, h, logits, top_k, router, bias, replayed, x,
     the generic MoE block on the same choice (edgemoe.experts.ExpertBatches orders a step's pairs by
     expert; edgemoe.quantized's weighted sum adds them in that order, then the residual), where
     Python around each piece cost a fine-grained layer more than its experts' compute."""
-    _moe_block(path, layouts, h, logits, top_k, router, bias, replayed, x, weights, experts, nblocks)
+    _moe_block(path, layouts, h, logits, top_k, router, bias, jitter, replayed, x, weights, experts, nblocks)
 
 
 @njit_exact_inline
-def _moe_block(path, layouts, h, logits, top_k, router, bias, replayed, x, weights, experts, nblocks):
+def _moe_block(path, layouts, h, logits, top_k, router, bias, jitter, replayed, x, weights, experts, nblocks):
     if not replayed:
-        _route(router, logits, bias, top_k, weights, experts)
+        _route(router, logits, bias, jitter, top_k, weights, experts)
     order = np.argsort(experts, kind="mergesort")
     dim = h.shape[0]
     chosen = np.empty((top_k, layouts.shape[1]), np.int64)
@@ -423,7 +450,7 @@ def _moe_block(path, layouts, h, logits, top_k, router, bias, replayed, x, weigh
 
 @njit_exact_parallel
 def decode_token_kernel(path, tables, dims, eps, scale, clip, x, cos, sin, kv, kv_like, pos, layouts, top_k,
-                        router, replayed, hs, weights, experts, nblocks):
+                        router, jitter, replayed, hs, weights, experts, nblocks):
     """One token through every decoder layer in one call, for a model whose layers are all grouped-query
     attention then a MoE block that moe_block_kernel computes: per layer l, attention_block_kernel with
     tables[l] (int64 [L, TABLE_COLUMNS]) and the layer's cache, then moe_block_kernel with layouts[l]
@@ -432,7 +459,7 @@ def decode_token_kernel(path, tables, dims, eps, scale, clip, x, cos, sin, kv, k
     [K, capacity, Dk / Dv] of kv_like's element type (the layer-0 keys array: float32, or int16 bit
     patterns of bfloat16). Out: hs float32 [L, D] (each MoE block's input), weights float32 [L, A]
     and experts int64 [L, A] (each router's choice, strongest first, by `router` as in
-    moe_block_kernel with the layer's table's ROUTER_BIAS; replayed: given, not chosen).
+    moe_block_kernel with the layer's table's ROUTER_BIAS and jitter; replayed: given, not chosen).
     The bits of the two kernels called layer by layer."""
     heads, dk, dv = dims[DIM_K], dims[DIM_DK], dims[DIM_DV]
     logits = np.empty(layouts.shape[1], np.float32)
@@ -441,5 +468,5 @@ def decode_token_kernel(path, tables, dims, eps, scale, clip, x, cos, sin, kv, k
         values = like_view(kv[l, 1], (heads, kv[l, 2], dv), kv_like)
         _attention_block(path, tables[l], dims, eps, scale, clip, x, cos, sin, keys, values, pos, hs[l], logits,
                          nblocks)
-        _moe_block(path, layouts[l], hs[l], logits, top_k, router, tables[l, ROUTER_BIAS], replayed, x, weights[l],
-                   experts[l], nblocks)
+        _moe_block(path, layouts[l], hs[l], logits, top_k, router, tables[l, ROUTER_BIAS], jitter, replayed, x,
+                   weights[l], experts[l], nblocks)
