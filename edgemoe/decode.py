@@ -17,8 +17,8 @@ architecture in tests/test_decode_engine.py).
 With every expert resident in RAM at full width (the store's resident tables), `moe(l, x, h, logits,
 layouts)` runs a layer's MoE block (computes_moe: a softmax router, top-k of the softmax, GPT-OSS's
 softmax of the biased top-k or Phi-3.5-MoE's sparsemixer; no routed scaling, no shared expert;
-SwiGLU or GPT-OSS experts) in one more call, and `step(x, position, cos, sin, cache, layouts)` runs every layer, both
-blocks each, in one call (computes_token: grouped-query attention and every layer's MoE block
+SwiGLU or GPT-OSS experts) in one more call, and `step(x, position, cos, sin, cache, layouts)` runs
+every layer, both blocks each, in one call (computes_token: grouped-query attention and every layer's MoE block
 one that moe() computes). Both give the bits of layer() followed by the model's generic MoE block
 on the integer path (tests/test_resident_step.py); a replayed routing is given to them.
 
@@ -180,10 +180,9 @@ class DecodeEngine:
                 torch.empty(layers, self.spec.top_k, dtype=torch.long))
 
     def computes_moe(self, l: int) -> bool:
-        """Whether moe() can run layer l's MoE block: a routed layer with a softmax router (top-k of the
-        softmax, GPT-OSS's softmax of the biased top-k, or Phi-3.5-MoE's sparsemixer) that scales nothing
-        and no shared expert
-        (other MoE blocks run through the model's generic MoE block)."""
+        """Whether moe() can run layer l's MoE block: a routed layer with a router in ROUTERS (top-k of
+        the softmax, GPT-OSS's softmax of the biased top-k, Phi-3.5-MoE's sparsemixer) that scales
+        nothing, and no shared expert (other MoE blocks run through the model's generic MoE block)."""
         spec = self.spec
         return (self.tables[l][cpu_layer.ROUTER] != 0 and self.router is not None
                 and spec.routed_scaling_factor == 1.0 and not spec.shared_expert_hidden)
@@ -204,8 +203,8 @@ class DecodeEngine:
 
     def choose(self, logits: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The router's choice from the layer's logits [1, E]: (weights [1, A] float32, experts [1, A]),
-        as layers.choose_experts; the softmax router's in one numba call (softmax, top-k and
-        renormalisation in torch cost ~10 us a layer, most of it per-op overhead)."""
+        as layers.choose_experts; a router in ROUTERS in one numba call, the one moe() and step() make
+        (softmax, top-k and renormalisation in torch cost ~10 us a layer, most of it per-op overhead)."""
         spec = self.spec
         if self.router is None:
             return choose_experts(logits, bias, spec)

@@ -414,9 +414,8 @@ def moe_block_kernel(path, layouts, h, logits, top_k, router, bias, jitter, repl
     """A one-token MoE block whose experts are all resident, on the integer path, in one call: the
     router's choice from logits float32 [E] (router SOFTMAX, SOFTMAX_NORMALIZED, TOPK_SOFTMAX with
     bias the address of its float32 bias [E] or 0, or SPARSEMIXER with its jitter: weights float32 [A]
-    and experts int64 [A] out,
-    strongest first; replayed: weights and experts are given, a replayed trace's choice, an expert
-    possibly twice), the chosen experts on h float32 [D] (layouts int64 [E, LAYOUT_COLUMNS], row e
+    and experts int64 [A] out, strongest first; replayed: weights and experts are given, a replayed
+    trace's choice, an expert possibly twice), the chosen experts on h float32 [D] (layouts int64 [E, LAYOUT_COLUMNS], row e
     expert e's, SwiGLU or GPT-OSS's: cpu_int.swiglu_experts_int), and their outputs times
     their weights added up in ascending expert order, then into x float32 [D] in place. The bits of
     the generic MoE block on the same choice (edgemoe.experts.ExpertBatches orders a step's pairs by
