@@ -52,10 +52,15 @@ VECTORS = {cpu_layer.ATTN_NORM: "attn_norm", cpu_layer.ATTN_NORM_BIAS: "attn_nor
            cpu_layer.KV_A_BIAS: "kv_a_bias"}
 
 
-# The routers moe() and step() compute, by (spec.router, spec.norm_topk_prob).
-ROUTERS = {("softmax", False): cpu_layer.SOFTMAX, ("softmax", True): cpu_layer.SOFTMAX_NORMALIZED,
-           ("topk_softmax", False): cpu_layer.TOPK_SOFTMAX, ("topk_softmax", True): cpu_layer.TOPK_SOFTMAX,
-           ("sparsemixer", False): cpu_layer.SPARSEMIXER, ("sparsemixer", True): cpu_layer.SPARSEMIXER}
+# The routers moe() and step() compute, by spec.router (softmax: renormalised by spec.norm_topk_prob).
+ROUTERS = {"softmax": cpu_layer.SOFTMAX, "topk_softmax": cpu_layer.TOPK_SOFTMAX,
+           "sparsemixer": cpu_layer.SPARSEMIXER}
+
+
+def router_code(spec: ModelSpec) -> int | None:
+    """The kernel's code for the spec's router (cpu_layer.SOFTMAX, ...), None for one it does not compute."""
+    code = ROUTERS.get(spec.router)
+    return cpu_layer.SOFTMAX_NORMALIZED if code == cpu_layer.SOFTMAX and spec.norm_topk_prob else code
 
 
 class DecodeEngine:
@@ -68,7 +73,7 @@ class DecodeEngine:
         self.scale = np.float32(spec.key_dim ** -0.5 if spec.attention_scale is None else spec.attention_scale)
         self.clip = np.float32(-1 if spec.clip_qkv is None else spec.clip_qkv)
         self.eps = float(spec.rms_norm_eps)   # a float64, as the generic path's norms take it
-        self.router = ROUTERS.get((spec.router, spec.norm_topk_prob))   # None: a router moe() does not compute
+        self.router = router_code(spec)   # None: a router moe() does not compute
         self.jitter = float(getattr(spec.routing, "router_jitter_eps", 0.0))   # sparsemixer's
         self._computes_token = spec.attention == "gqa" and all(self.computes_moe(l) for l in range(len(self.tables)))
 

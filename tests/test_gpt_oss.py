@@ -164,8 +164,9 @@ def test_store_runs_on_every_compute_path(checkpoints, tmp_path, source, vram_de
             reference.generate("To be", max_new_tokens=8, stop_token_ids=[])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ram", [None, "1B"])
-def test_a_gpt_oss_store_computes_a_layers_experts_in_one_kernel_call(checkpoints, tmp_path, ram, monkeypatch):
+def test_a_gpt_oss_store_computes_a_layers_experts_in_one_kernel_call(checkpoints, tmp_path, ram, dtype, monkeypatch):
     """On "fused-int" a layer's GPT-OSS experts go through one layer-kernel call, every expert
     resident or a cache of one byte (each expert read as it is needed): the same logits bit for bit
     either way, and close to one call per expert on the per-matrix kernels (layer_kernel off)."""
@@ -175,7 +176,7 @@ def test_a_gpt_oss_store_computes_a_layers_experts_in_one_kernel_call(checkpoint
     monkeypatch.setattr(quantized, "swiglu_experts_int", lambda *a: calls.append(len(a[1])) or kernel(*a))
 
     def run(layer_kernel, **options):
-        with edgemoe.load(tmp_path / "s", torch.float32, 1, preload="none", compute="fused-int", **options) as model:
+        with edgemoe.load(tmp_path / "s", dtype, 1, preload="none", compute="fused-int", **options) as model:
             model.experts.layer_kernel = layer_kernel
             ids = model.tokenizer.encode(TEXT)
             if ram is None:
