@@ -44,15 +44,33 @@ class TorchCalls(TorchFunctionMode):
 
 @pytest.fixture
 def numba_dispatches(monkeypatch):
-    """Counts every call into a numba kernel from Python (the kernels' modules' dispatchers)."""
+    """Counts every call into a numba kernel from Python (the kernels' modules' dispatchers).
+
+    A kernel compiled during a counted call looks its callees up in its module's globals, so the
+    counted call puts the real dispatchers back for its length (kernels never call into Python)."""
     counter = {"calls": 0}
-    for module in (cpu, cpu_int, cpu_layer):
-        for name, kernel in list(vars(module).items()):
-            if isinstance(kernel, numba.core.registry.CPUDispatcher):
-                def counted(*args, _kernel=kernel, **kwargs):
-                    counter["calls"] += 1
-                    return _kernel(*args, **kwargs)
-                monkeypatch.setattr(module, name, counted)
+    kernels = [(module, name, kernel) for module in (cpu, cpu_int, cpu_layer)
+               for name, kernel in list(vars(module).items())
+               if isinstance(kernel, numba.core.registry.CPUDispatcher)]
+    wrappers = []
+
+    def set_all(values):
+        for (module, name, _), value in zip(kernels, values):
+            setattr(module, name, value)
+
+    def counted_call(kernel):
+        def counted(*args, **kwargs):
+            counter["calls"] += 1
+            set_all(kernel for _, _, kernel in kernels)
+            try:
+                return kernel(*args, **kwargs)
+            finally:
+                set_all(wrappers)
+        return counted
+
+    for module, name, kernel in kernels:
+        wrappers.append(counted_call(kernel))
+        monkeypatch.setattr(module, name, wrappers[-1])
     return counter
 
 
