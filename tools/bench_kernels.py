@@ -15,7 +15,8 @@ Measures, in one run:
    runs (the portable one at 1 token only), against qmatmul / swiglu_expert in the same run;
 6. ("layer") one MoE layer's active experts at 1 token, on each integer path, at 1 and 2 threads:
    one swiglu_experts_int call for the layer against one swiglu_expert_int call per expert, on the
-   fine-grained shape (D 1024, I 384, 8 active: bench-qwen3moe) and Mixtral-shaped ones (2 active).
+   fine-grained shape (D 1024, I 384, 8 active: bench-qwen3moe) and Mixtral-shaped ones (2 active);
+   "layer_hot" repeats the layer call on one copy (in cache): the kernel's decoding ceiling.
 
 Weights are "cold": each timed call reads a different copy of the packed weight, from a set of copies
 larger than 2x the last-level cache, so bandwidth means DRAM bandwidth. "hot" rows (1 token only)
@@ -264,7 +265,8 @@ def bench_layer(shape, active, bits, bandwidth, repeats):
                                  [(i,) for i in range(len(sets))])
                 each = rotating(lambda *qts, p=p: [swiglu_expert_int(x, *qts[3 * a:3 * a + 3], path=p)
                                                    for a in range(active)], sets)
-                for name, fn in ((f"layer_{p}", layer), (f"per_expert_{p}", each)):
+                hot = lambda p=p: swiglu_experts_int(pairs, layouts[0], starts, p)   # one copy, in cache
+                for name, fn in ((f"layer_{p}", layer), (f"layer_hot_{p}", hot), (f"per_expert_{p}", each)):
                     t = median_time(fn, repeats)
                     out.append(record(name, bits, 1, shape, nbytes, t, bandwidth, threads=threads,
                                       active=active, series="layer"))

@@ -189,10 +189,15 @@ def _scratch(g, ntok):
     return np.empty(min(CHUNK, g) if ntok > 1 else 0, np.float32)
 
 
+ROW_ALIGN = 16   # a block's rows: a multiple of the integer kernels' largest batch of rows (cpu_int)
+
+
 @njit_serial
 def _block_size(rows, nblocks):
-    """Rows per block so that at most nblocks blocks cover rows (at least one row each)."""
-    return -(-rows // min(rows, nblocks))
+    """Rows per block so that at most nblocks blocks cover rows, rounded up to ROW_ALIGN rows so that
+    the integer kernels' batches fit whole blocks (more rows a block, never more blocks)."""
+    size = -(-rows // min(rows, nblocks))
+    return -(-size // ROW_ALIGN) * ROW_ALIGN
 
 
 @njit_parallel
