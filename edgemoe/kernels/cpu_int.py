@@ -194,38 +194,39 @@ def _row_batch(path, bits, plane):
 
 
 @njit_exact_inline
-def _isums(path, bits, packed, b0, plane, xq, x0, isum):
-    """isum[:batch] = the isums of _row_batch's rows from packed[b0] (ungrouped rows of plane bytes)."""
+def _isums(path, bits, packed, b0, plane, xq, x0, nrows, isum):
+    """isum[:nrows] = the isums of nrows <= _row_batch rows from packed[b0] (ungrouped rows of plane bytes)."""
     if path == VNNI and bits != 2 and plane % UV == U0:
         if bits == 4:
-            vnni_isums4(packed, b0, plane, xq, x0, plane, plane // UV, isum, U0)
+            vnni_isums4(packed, b0, plane, xq, x0, plane, plane // UV, nrows, isum, U0)
         else:
-            vnni_isums8(packed, b0, plane, xq, x0, plane, plane // UV, isum, U0)
+            vnni_isums8(packed, b0, plane, xq, x0, plane, plane // UV, nrows, isum, U0)
     elif bits == 2:
-        avx2_isums2(packed, b0, plane, xq, x0, plane, plane // UB, isum, U0)
+        avx2_isums2(packed, b0, plane, xq, x0, plane, plane // UB, nrows, isum, U0)
     elif bits == 4:
-        avx2_isums4(packed, b0, plane, xq, x0, plane, plane // UB, isum, U0)
+        avx2_isums4(packed, b0, plane, xq, x0, plane, plane // UB, nrows, isum, U0)
     else:
-        avx2_isums8(packed, b0, plane, xq, x0, plane, plane // UB, isum, U0)
+        avx2_isums8(packed, b0, plane, xq, x0, plane, plane // UB, nrows, isum, U0)
 
 
-@njit_exact_inline
+@njit_exact
 def _batched_rows(path, bits, packed, scale, zero, xq, stride, xs, qs, t0, t1, r0, r1, out, plane):
-    """_rows for ungrouped rows (one group of `plane` bytes each), as many whole batches of
-    _row_batch rows from r0 as fit before r1; returns the first row left to do. Each row's float
-    epilogue is _rows' own, operation for operation: the same bits."""
+    """_rows for ungrouped rows (one group of `plane` bytes each) in batches of _row_batch rows, the
+    last one partial; returns the first row left to do (r1, or r0 where no batch applies). Each row's
+    float epilogue is _rows' own, operation for operation: the same bits."""
     batch = np.uint64(_row_batch(path, bits, plane))
     r = np.uint64(r0)
     if batch == U0:
         return r
     isum = np.empty(batch, np.int32)
-    while r + batch <= np.uint64(r1):
+    while r < np.uint64(r1):
+        nrows = min(batch, np.uint64(r1) - r)
         for t in range(np.uint64(t0), np.uint64(t1)):   # the batch's bytes stay in L1 for the next token
-            _isums(path, bits, packed, r * plane, plane, xq, t * stride, isum)
-            for i in range(batch):
+            _isums(path, bits, packed, r * plane, plane, xq, t * stride, nrows, isum)
+            for i in range(nrows):
                 out[t, r + i] = np.float32(0) + (scale[r + i, 0] * xs[t, 0]) * (
                     np.float32(isum[i]) - zero[r + i, 0] * np.float32(qs[t, 0]))
-        r += batch
+        r += nrows
     return r
 
 

@@ -270,60 +270,61 @@ avx2_row2, avx2_row4, avx2_row8 = (_row_intrinsic("avx2", partial(_group_lanes_a
 vnni_row4, vnni_row8 = (_row_intrinsic("avx512vnni", partial(_group_lanes_vnni, b)) for b in (4, 8))
 
 
-# Ungrouped rows in batches: the isums of W consecutive rows (W = a vector's int32 lanes: 16 on VNNI,
-# 8 on AVX2) for one token. Each row's products stay a vector until the batch is done; one transposed
-# tree of shuffles and adds then turns the W vectors into the W rows' sums, 15 shuffle pairs for 16
-# rows instead of a horizontal sum per row (small rows, as fine-grained experts have, paid it per
-# 3-8 blocks). Integer sums are exact, so the isums are the per-row intrinsics' to the bit.
+# Ungrouped rows in batches: the isums of up to W consecutive rows (W = a vector's int32 lanes: 16
+# on VNNI, 8 on AVX2) for one token. Each row's products stay a vector until the batch is done; one
+# transposed tree of shuffles and adds then turns the W vectors into the W rows' sums, 15 shuffle
+# pairs for 16 rows instead of a horizontal sum per row (small rows, as fine-grained experts have,
+# paid it per 3-8 blocks). Integer sums are exact, so the isums are the per-row intrinsics' to the bit.
 
 def _transposed_sums(builder, vectors):
     """W int32xW vectors -> one int32xW vector whose lane r is the sum of vectors[r]'s lanes."""
     width = len(vectors)
     half = width // 2
     while len(vectors) > 1:
-        idx = ir.Constant(I32, 0).type
         first, second = [], []
         for offset in (0, width):
             for chunk in range(0, width, 2 * half):
                 first += [offset + chunk + i for i in range(half)]
                 second += [offset + chunk + half + i for i in range(half)]
-        mask_a = ir.Constant(_vec(idx, width), first)
-        mask_b = ir.Constant(_vec(idx, width), second)
+        mask_a, mask_b = (ir.Constant(_vec(I32, width), m) for m in (first, second))
         vectors = [builder.add(builder.shuffle_vector(a, b, mask_a), builder.shuffle_vector(a, b, mask_b))
                    for a, b in zip(vectors[0::2], vectors[1::2])]
         half //= 2
     return vectors[0]
 
 
-def _isums_body(width, row_sums, builder, pbase, xbase, obase, b0, row_bytes, x0, plane, nblocks, o0):
-    """Stores the isums of `width` rows (row i's plane bytes from packed[b0 + i * row_bytes], one
-    group of `plane` bytes, nblocks whole blocks) into out[o0 : o0 + width]."""
+def _isums_body(width, row_sums, builder, pbase, xbase, obase, b0, row_bytes, x0, plane, nblocks, nrows, o0):
+    """Stores the isums of `nrows` <= width rows (row i's plane bytes from packed[b0 + i * row_bytes],
+    one group of `plane` bytes, nblocks whole blocks) into out[o0 : o0 + width], zero past nrows.
+    The row count is a runtime value: a constant one let LLVM unroll the rows, doubling compile time."""
     vtype = _vec(I32, width)
     rows = cgutils.alloca_once(builder, ir.ArrayType(vtype, width))
-    with cgutils.for_range(builder, ir.Constant(b0.type, width)) as loop:
+    slots = [builder.gep(rows, [ir.Constant(I32, 0), ir.Constant(I32, i)]) for i in range(width)]
+    for slot in slots:
+        builder.store(_splat(I32, width, 0), slot)
+    with cgutils.for_range(builder, nrows) as loop:
         start = builder.add(b0, builder.mul(loop.index, row_bytes))
         slot = builder.gep(rows, [ir.Constant(I32, 0), builder.trunc(loop.index, I32)])
         builder.store(row_sums(builder, pbase, xbase, start, x0, plane, nblocks), slot)
-    vectors = [builder.load(builder.gep(rows, [ir.Constant(I32, 0), ir.Constant(I32, i)])) for i in range(width)]
     target = builder.bitcast(builder.gep(obase, [o0]), vtype.as_pointer())
-    builder.store(_transposed_sums(builder, vectors), target, align=1)
+    builder.store(_transposed_sums(builder, [builder.load(slot) for slot in slots]), target, align=1)
 
 
 def _isums_intrinsic(feature: str, width: int, row_sums):
-    """An intrinsic (packed, b0, row_bytes, xq, x0, plane, nblocks, out, o0) -> None: _isums_body,
-    out an int32 array. Compiled for a CPU without `feature` it raises, as _dot_intrinsic's."""
+    """An intrinsic (packed, b0, row_bytes, xq, x0, plane, nblocks, nrows, out, o0) -> None:
+    _isums_body, out an int32 array. Compiled for a CPU without `feature` it raises, as _dot_intrinsic's."""
     @intrinsic
-    def isums(typingctx, packed, b0, row_bytes, xq, x0, plane, nblocks, out, o0):
-        sig = types.none(packed, b0, row_bytes, xq, x0, plane, nblocks, out, o0)
+    def isums(typingctx, packed, b0, row_bytes, xq, x0, plane, nblocks, nrows, out, o0):
+        sig = types.none(packed, b0, row_bytes, xq, x0, plane, nblocks, nrows, out, o0)
 
         def codegen(context, builder, sig, args):
             if target_has(feature):
-                packed_a, b0_v, rb_v, xq_a, x0_v, plane_v, nb_v, out_a, o0_v = args
+                packed_a, b0_v, rb_v, xq_a, x0_v, plane_v, nb_v, nrows_v, out_a, o0_v = args
 
                 def data(i, value):
                     return cgutils.create_struct_proxy(sig.args[i])(context, builder, value=value).data
-                _isums_body(width, row_sums, builder, data(0, packed_a), data(3, xq_a), data(7, out_a),
-                            b0_v, rb_v, x0_v, plane_v, nb_v, o0_v)
+                _isums_body(width, row_sums, builder, data(0, packed_a), data(3, xq_a), data(8, out_a),
+                            b0_v, rb_v, x0_v, plane_v, nb_v, nrows_v, o0_v)
             else:
                 with builder.if_then(cgutils.true_bit):
                     context.call_conv.return_user_exc(builder, RuntimeError, (f"{feature} code on a CPU without it",))
