@@ -87,14 +87,21 @@ def greedy(model, n=12):
 
 
 def test_greedy_output_is_the_same_whatever_the_budgets_and_policies(store, vram_device):
+    """RAM capacities and policies never change results. An expert in VRAM is dequantized and multiplied
+    in float32, so runs with a VRAM tier are held to the float kernels' results (docs/architecture.md:
+    they differ by summation order only; against the default integer path they differ by the int8
+    rounding of activations, and greedy text may part at a near-tie, as it once did here)."""
     entry_bytes = max(e.length for e in read_manifest(store).experts.values())
     expected = greedy(edgemoe.load(store))
+    expected_float = greedy(edgemoe.load(store, compute="fused-float"))
     settings = [dict(ram=0), dict(ram=entry_bytes), dict(ram=3 * entry_bytes, policy="frequency-distance"),
-                dict(ram=5 * entry_bytes, policy="lru"), dict(ram=2 * entry_bytes, vram=2 * entry_bytes, device=vram_device),
-                dict(ram=0, vram=4 * entry_bytes, device=vram_device, policy="frequency-distance")]
+                dict(ram=5 * entry_bytes, policy="lru"),
+                dict(ram=2 * entry_bytes, vram=2 * entry_bytes, device=vram_device, compute="fused-float"),
+                dict(ram=0, vram=4 * entry_bytes, device=vram_device, policy="frequency-distance",
+                     compute="fused-float")]
     for options in settings:
         model = edgemoe.load(store, **options)
-        assert greedy(model) == expected, options
+        assert greedy(model) == (expected_float if "vram" in options else expected), options
         stats = model.store.stats
         assert stats.ram.peak_bytes <= (options["ram"] or 0) and stats.vram.peak_bytes <= options.get("vram", 0)
 
