@@ -97,7 +97,7 @@ def test_paths_agree_bit_for_bit(bits, cols, group_size):
     """Planes of 232 bytes: three 64-byte VNNI blocks, one 32-byte AVX2 block, 8 bytes on the portable
     loop; lane-rule groups of one, two and several blocks. Ungrouped rows of whole blocks (1024, 384
     and 320 columns: whole 64-byte blocks, or whole 32-byte ones only at INT4's 160 bytes) go in
-    batches of 16 rows (VNNI) or 8 (AVX2): 50 rows leave 2 for the row-by-row loop."""
+    batches of 16 rows (VNNI) or 8 (AVX2), the last of 50 rows partial."""
     qt = quantize(weights(50, cols), bits, group_size)
     x = acts(3, cols)
     results = [qmatmul_int(x, qt, p) for p in PATHS]

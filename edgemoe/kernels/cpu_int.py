@@ -194,19 +194,20 @@ def _row_batch(path, bits, plane):
 
 
 @njit_exact_inline
-def _isums(path, bits, packed, b0, plane, xq, x0, nrows, isum):
-    """isum[:nrows] = the isums of nrows <= _row_batch rows from packed[b0] (ungrouped rows of plane bytes)."""
-    if path == VNNI and bits != 2 and plane % UV == U0:
+def _isums(batch, bits, packed, b0, plane, xq, x0, nrows, isum):
+    """isum[:nrows] = the isums of nrows <= batch ungrouped rows of plane bytes from packed[b0], on the
+    intrinsics of _row_batch's choice (a VNNI batch, else an AVX2 one)."""
+    if batch == VNNI_ROWS:
         if bits == 4:
-            vnni_isums4(packed, b0, plane, xq, x0, plane, plane // UV, nrows, isum, U0)
+            vnni_isums4(packed, b0, xq, x0, plane, plane // UV, nrows, isum)
         else:
-            vnni_isums8(packed, b0, plane, xq, x0, plane, plane // UV, nrows, isum, U0)
+            vnni_isums8(packed, b0, xq, x0, plane, plane // UV, nrows, isum)
     elif bits == 2:
-        avx2_isums2(packed, b0, plane, xq, x0, plane, plane // UB, nrows, isum, U0)
+        avx2_isums2(packed, b0, xq, x0, plane, plane // UB, nrows, isum)
     elif bits == 4:
-        avx2_isums4(packed, b0, plane, xq, x0, plane, plane // UB, nrows, isum, U0)
+        avx2_isums4(packed, b0, xq, x0, plane, plane // UB, nrows, isum)
     else:
-        avx2_isums8(packed, b0, plane, xq, x0, plane, plane // UB, nrows, isum, U0)
+        avx2_isums8(packed, b0, xq, x0, plane, plane // UB, nrows, isum)
 
 
 @njit_exact
@@ -222,7 +223,7 @@ def _batched_rows(path, bits, packed, scale, zero, xq, stride, xs, qs, t0, t1, r
     while r < np.uint64(r1):
         nrows = min(batch, np.uint64(r1) - r)
         for t in range(np.uint64(t0), np.uint64(t1)):   # the batch's bytes stay in L1 for the next token
-            _isums(path, bits, packed, r * plane, plane, xq, t * stride, nrows, isum)
+            _isums(batch, bits, packed, r * plane, plane, xq, t * stride, nrows, isum)
             for i in range(nrows):
                 out[t, r + i] = np.float32(0) + (scale[r + i, 0] * xs[t, 0]) * (
                     np.float32(isum[i]) - zero[r + i, 0] * np.float32(qs[t, 0]))

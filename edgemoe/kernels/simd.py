@@ -293,9 +293,9 @@ def _transposed_sums(builder, vectors):
     return vectors[0]
 
 
-def _isums_body(width, row_sums, builder, pbase, xbase, obase, b0, row_bytes, x0, plane, nblocks, nrows, o0):
-    """Stores the isums of `nrows` <= width rows (row i's plane bytes from packed[b0 + i * row_bytes],
-    one group of `plane` bytes, nblocks whole blocks) into out[o0 : o0 + width], zero past nrows.
+def _isums_body(width, row_sums, builder, pbase, xbase, obase, b0, x0, plane, nblocks, nrows):
+    """Stores the isums of `nrows` <= width ungrouped rows (row i's `plane` bytes from packed[b0 + i *
+    plane], nblocks whole blocks) into out[0 : width], zero past nrows.
     The row count is a runtime value: a constant one let LLVM unroll the rows, doubling compile time."""
     vtype = _vec(I32, width)
     rows = cgutils.alloca_once(builder, ir.ArrayType(vtype, width))
@@ -303,28 +303,28 @@ def _isums_body(width, row_sums, builder, pbase, xbase, obase, b0, row_bytes, x0
     for slot in slots:
         builder.store(_splat(I32, width, 0), slot)
     with cgutils.for_range(builder, nrows) as loop:
-        start = builder.add(b0, builder.mul(loop.index, row_bytes))
+        start = builder.add(b0, builder.mul(loop.index, plane))
         slot = builder.gep(rows, [ir.Constant(I32, 0), builder.trunc(loop.index, I32)])
         builder.store(row_sums(builder, pbase, xbase, start, x0, plane, nblocks), slot)
-    target = builder.bitcast(builder.gep(obase, [o0]), vtype.as_pointer())
+    target = builder.bitcast(obase, vtype.as_pointer())
     builder.store(_transposed_sums(builder, [builder.load(slot) for slot in slots]), target, align=1)
 
 
 def _isums_intrinsic(feature: str, width: int, row_sums):
-    """An intrinsic (packed, b0, row_bytes, xq, x0, plane, nblocks, nrows, out, o0) -> None:
-    _isums_body, out an int32 array. Compiled for a CPU without `feature` it raises, as _dot_intrinsic's."""
+    """An intrinsic (packed, b0, xq, x0, plane, nblocks, nrows, out) -> None: _isums_body, out an
+    int32 array of at least `width` elements. Compiled for a CPU without `feature` it raises, as _dot_intrinsic's."""
     @intrinsic
-    def isums(typingctx, packed, b0, row_bytes, xq, x0, plane, nblocks, nrows, out, o0):
-        sig = types.none(packed, b0, row_bytes, xq, x0, plane, nblocks, nrows, out, o0)
+    def isums(typingctx, packed, b0, xq, x0, plane, nblocks, nrows, out):
+        sig = types.none(packed, b0, xq, x0, plane, nblocks, nrows, out)
 
         def codegen(context, builder, sig, args):
             if target_has(feature):
-                packed_a, b0_v, rb_v, xq_a, x0_v, plane_v, nb_v, nrows_v, out_a, o0_v = args
+                packed_a, b0_v, xq_a, x0_v, plane_v, nb_v, nrows_v, out_a = args
 
                 def data(i, value):
                     return cgutils.create_struct_proxy(sig.args[i])(context, builder, value=value).data
-                _isums_body(width, row_sums, builder, data(0, packed_a), data(3, xq_a), data(8, out_a),
-                            b0_v, rb_v, x0_v, plane_v, nb_v, nrows_v, o0_v)
+                _isums_body(width, row_sums, builder, data(0, packed_a), data(2, xq_a), data(7, out_a),
+                            b0_v, x0_v, plane_v, nb_v, nrows_v)
             else:
                 with builder.if_then(cgutils.true_bit):
                     context.call_conv.return_user_exc(builder, RuntimeError, (f"{feature} code on a CPU without it",))
