@@ -20,7 +20,12 @@ REPO = Path(__file__).resolve().parent.parent
 
 # What the search that loaded the whole model and evaluated window by window (before streaming
 # calibration) chose with convert(..., budget=QualityBudget(BUDGET, "kl", context=48),
-# calib_text=TEXT * 4): the uniform losses, the recorded bound (repr: bit for bit), the widths.
+# calib_text=TEXT * 4): the uniform losses, the bound, the widths. Recorded on an AVX-512 CPU: torch's
+# float32 products sum in an order that depends on the CPU's vector width, so on another CPU the
+# losses move in their last digits (an AVX2-only EPYC: up to 1e-5 relative, on the smallest loss);
+# the widths, the search's decision, must not move. That the streamed evaluation equals the whole
+# one bit for bit, on one machine, is the next test's.
+LOSS_RTOL = 1e-4
 RECORDED = {
     "mixtral": ({"num_hidden_layers": 3, "num_local_experts": 8}, 0.125098,
                 {2: 0.32390728140826414, 4: 0.025693314118015495, 8: 0.0004595956731876569}, 0.1027023024455225,
@@ -36,8 +41,10 @@ def test_the_streamed_search_chooses_what_the_whole_model_search_chose(tiny_mode
     overrides, budget, uniform, bound, widths = RECORDED[arch]
     done = convert(tiny_model(arch, **overrides), tmp_path / "s", budget=QualityBudget(budget, "kl", context=48),
                    calib_text=TEXT * 4)
-    assert done.search.uniform_loss == uniform
-    assert done.search.loss_bound == bound
+    assert done.search.uniform_loss.keys() == uniform.keys()
+    for bits, loss in uniform.items():
+        assert done.search.uniform_loss[bits] == pytest.approx(loss, rel=LOSS_RTOL)
+    assert done.search.loss_bound == pytest.approx(bound, rel=LOSS_RTOL)
     assert done.search.to_json()["widths"] == widths
 
 
