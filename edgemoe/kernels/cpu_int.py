@@ -48,8 +48,8 @@ import numpy as np
 from ._jit import njit_exact, njit_exact_inline, njit_exact_parallel
 from .cpu import _block_size
 from .simd import (AVX2_ROWS, BLOCK, LANES, VNNI_BLOCK, VNNI_ROWS, avx2_dot2, avx2_dot4, avx2_dot8, avx2_isums2,
-                   avx2_isums4, avx2_isums8, avx2_row2, avx2_row4, avx2_row8, vnni_dot2, vnni_dot4, vnni_dot8,
-                   vnni_isums4, vnni_isums8, vnni_row4, vnni_row8)
+                   avx2_isums4, avx2_isums8, avx2_rows2, avx2_rows4, avx2_rows8, vnni_dot2, vnni_dot4,
+                   vnni_dot8, vnni_isums4, vnni_isums8, vnni_rows4, vnni_rows8)
 from .views import float32_view, uint8_view
 
 PORTABLE, AVX2, VNNI = 0, 1, 2
@@ -129,17 +129,34 @@ def _group_dot(path, bits, packed, b0, plane, xq, x0):
 
 
 @njit_exact_inline
-def _row_lanes(path, bits, packed, b0, plane, ngroups, group, xq, x0, scale, xs, lanes, acc):
-    """The lane rule's first sum (module docstring) for one row and token: packed[b0:] and xq[x0:]
-    flat, scale the row's and xs the token's float32 [NG]; lanes int32 [8], acc float32 [8] scratch."""
-    args = (packed, b0, xq, x0, plane, ngroups, group, scale, xs)
+def _rows_lanes(path, bits, packed, b0, plane, ngroups, group, xq, x0, scale, s0, xs, nrows, totals):
+    """The lane rule's first sum (module docstring) for nrows rows and one token into totals[:nrows]:
+    row i's bytes from packed[b0 + i * ngroups * plane] and scales from scale[s0 + i * ngroups] (flat),
+    xq[x0:] the token's activations and xs its float32 [NG]."""
+    args = (packed, b0, xq, x0, plane, ngroups, group, scale, s0, xs, nrows, totals)
     if path == VNNI and bits != 2 and plane % UV == U0:
-        return vnni_row8(*args) if bits == 8 else vnni_row4(*args)
-    if path != PORTABLE:
+        if bits == 8:
+            vnni_rows8(*args)
+        else:
+            vnni_rows4(*args)
+    elif path != PORTABLE:
         if bits == 2:
-            return avx2_row2(*args)
-        return avx2_row4(*args) if bits == 4 else avx2_row8(*args)
-    acc[:] = 0
+            avx2_rows2(*args)
+        elif bits == 4:
+            avx2_rows4(*args)
+        else:
+            avx2_rows8(*args)
+    else:
+        for i in range(nrows):
+            totals[i] = _portable_row_lanes(bits, packed, b0 + i * ngroups * plane, plane, ngroups, group, xq, x0,
+                                            scale[s0 + i * ngroups:], xs)
+
+
+@njit_exact
+def _portable_row_lanes(bits, packed, b0, plane, ngroups, group, xq, x0, scale, xs):
+    """_rows_lanes' sum for one row on plain numba loops (scale: the row's float32 [NG] at its start)."""
+    lanes = np.empty(LANES, np.int32)
+    acc = np.zeros(LANES, np.float32)
     mask = np.uint8((1 << bits) - 1)
     for gi in range(ngroups):
         lanes[:] = 0
@@ -231,19 +248,25 @@ def _batched_rows(path, bits, packed, scale, zero, xq, stride, xs, qs, t0, t1, r
     return r
 
 
+LANE_ROWS = 16   # rows a _rows_lanes call: their bytes (8 KiB of a 1024-column INT4 row) stay in L1 for the next token
+
+
 @njit_exact
 def _lane_rows(path, bits, packed, scale, zero, xq, stride, xs, qs, t0, t1, r0, r1, out, ngroups, group, plane):
     """_rows by the lane rule (grouped matrices whose planes are whole 32-byte blocks)."""
-    lanes = np.empty(LANES, np.int32)
-    acc = np.empty(LANES, np.float32)
-    for r in range(np.uint64(r0), np.uint64(r1)):
+    totals = np.empty(LANE_ROWS, np.float32)
+    flat_scale = scale.reshape(scale.size)
+    for first in range(np.uint64(r0), np.uint64(r1), np.uint64(LANE_ROWS)):
+        nrows = min(np.uint64(LANE_ROWS), np.uint64(r1) - first)
         for t in range(np.uint64(t0), np.uint64(t1)):
-            total = _row_lanes(path, bits, packed, r * ngroups * plane, plane, ngroups, group, xq, t * stride,
-                               scale[r], xs[t], lanes, acc)
-            offset = np.float32(0)
-            for gi in range(ngroups):
-                offset = offset + scale[r, gi] * xs[t, gi] * zero[r, gi] * np.float32(qs[t, gi])
-            out[t, r] = total - offset
+            _rows_lanes(path, bits, packed, first * ngroups * plane, plane, ngroups, group, xq, t * stride,
+                        flat_scale, first * ngroups, xs[t], nrows, totals)
+            for i in range(nrows):
+                r = first + i
+                offset = np.float32(0)
+                for gi in range(ngroups):
+                    offset = offset + scale[r, gi] * xs[t, gi] * zero[r, gi] * np.float32(qs[t, gi])
+                out[t, r] = totals[i] - offset
 
 
 @njit_exact
