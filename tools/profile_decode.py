@@ -5,7 +5,7 @@ Loads STORE with every expert in RAM, prefills a prompt, then times decode steps
 around each kernel entry point (a few hundred calls a token; the timers cost well under 1%).
 
     python tools/profile_decode.py STORE [--prefill 512] [--tokens 32] [--dense-bits 8] [--threads N] [--cpu-time]
-                                         [--per-expert] [--generic] [--by-layer]
+                                         [--per-expert] [--generic] [--by-layer] [--generated-routing]
 
 With every expert resident, the decode engine (edgemoe/decode.py) runs a step's every layer in one
 kernel call ("all layers"), where attention and experts cannot be told apart: --by-layer runs its
@@ -80,12 +80,18 @@ def main() -> None:
     parser.add_argument("--generic", action="store_true", help="without the decode engine (the generic forward)")
     parser.add_argument("--by-layer", action="store_true",
                         help="the engine's calls layer by layer, not one call for every layer (to split its time)")
+    parser.add_argument("--generated-routing", action="store_true",
+                        help="route by a generated Mixtral-like trace, as `edgemoe bench` does by default (a random-"
+                             "weight model's own routers may send every token to the same few experts, in cache)")
     args = parser.parse_args()
     global CLOCK
     CLOCK = time.thread_time if args.cpu_time else time.perf_counter
     quantize = {"dense_bits": args.dense_bits} if args.dense_bits else {}   # (runs on older versions without)
     model = edgemoe.load(args.store, threads=args.threads, **quantize)
     model.experts.layer_kernel = not args.per_expert
+    if args.generated_routing:
+        from edgemoe.bench import generated_routing
+        generated_routing(model.spec, args.prefill + 4 + args.tokens)[0].attach(model)
     if args.generic:
         model.decode_engine = None
     if args.by_layer:
