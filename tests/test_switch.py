@@ -169,8 +169,11 @@ def test_store_integer_path_generates_close_to_reference(tiny_model, store):
 def test_run_command_generates_from_store(tiny_model, store, monkeypatch, capsys):
     reference = dequantized_reference(switch(tiny_model), 4)
     expected = reference.generate(PROMPT, max_new_tokens=12)
+    # The float kernels: by default the latency model, measured at run time, chooses each expert's
+    # path, and the integer one (int8 activations) can part from the float reference at a near-tie
+    # (seen once in a full run on a 2-core machine).
     monkeypatch.setattr("sys.argv", ["edgemoe", "run", str(store), "-p", PROMPT, "-n", "12",
-                                     "--temperature", "0"])
+                                     "--temperature", "0", "--compute", "fused-float"])
     capsys.readouterr()
     from edgemoe.cli import main
     try:
