@@ -260,7 +260,8 @@ def _rows_intrinsic(feature: str, group_lanes):
     packed[b0] and of `group` activations from xq[x0]; scale float32 flat (row i's from s0 + i * ngroups),
     xs float32 [NG] the token's, out float32 [nrows]. A call per block of rows, not per row: a numba
     loop that called a row intrinsic per row, branching between the paths' intrinsics each time, took
-    2.5x as long (a 1024 x 1024 INT4 matrix in groups of 128, AVX2, one thread: 110 us against 44)."""
+    2.5x as long (tools/bench_grouped_rows.py: 1024 x 1024 INT4 in groups of 128, AVX2, one thread, hot,
+    136 us against 54; docs/benchmarks.md)."""
     @intrinsic
     def rows(typingctx, packed, b0, xq, x0, plane, ngroups, group, scale, s0, xs, nrows, out):
         sig = types.none(packed, b0, xq, x0, plane, ngroups, group, scale, s0, xs, nrows, out)
