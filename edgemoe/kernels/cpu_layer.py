@@ -137,6 +137,9 @@ def _rope_heads(v, heads, dim, cos, sin):
             v[base + half + i] = second * cos[half + i] + first[i] * sin[half + i]
 
 
+POSITIONS = 4   # cache positions a pass over the query heads (scores) or the output (values) takes
+
+
 @njit_serial
 def _attend_group(q, keys, values, j0, j1, scale, sinks, has_sink, scores, out):
     """The G query heads of one kv head over its keys/values [j0, j1): for each head g,
@@ -144,35 +147,76 @@ def _attend_group(q, keys, values, j0, j1, scale, sinks, has_sink, scores, out):
     dropped after it. q [G, Dk], out [G, Dv], scores [G, j1 - j0] scratch. Each key and value row is
     read once for the whole group, not once per head: at long contexts a kv head's rows outgrow the
     core's cache (1 MiB of float32 keys and values at 2048 positions of 64 dims), and the heads would
-    each read them from memory again (docs/benchmarks.md measures the difference)."""
-    group = q.shape[0]
-    for j in range(j0, j1):
-        for g in range(group):
+    each read them from memory again (docs/benchmarks.md measures the difference). Positions go
+    POSITIONS at a time: a head's query (scores) and output row (values) are loaded and stored once
+    per POSITIONS positions instead of once per position (tools/bench_attention_block.py)."""
+    _scores(q, keys, j0, j1, scale, scores)
+    _softmax_rows(scores, j1 - j0, sinks, has_sink)
+    _weighted_values(scores, values, j0, j1, out)
+
+
+@njit_serial
+def _scores(q, keys, j0, j1, scale, scores):
+    """scores[g, j - j0] = q[g] . keys[j] * scale."""
+    j = j0
+    while j + POSITIONS <= j1:
+        for g in range(q.shape[0]):
+            s0 = s1 = s2 = s3 = np.float32(0)
+            for d in range(q.shape[1]):
+                qd = q[g, d]
+                s0 += qd * widen(keys[j, d])
+                s1 += qd * widen(keys[j + 1, d])
+                s2 += qd * widen(keys[j + 2, d])
+                s3 += qd * widen(keys[j + 3, d])
+            scores[g, j - j0] = s0 * scale
+            scores[g, j + 1 - j0] = s1 * scale
+            scores[g, j + 2 - j0] = s2 * scale
+            scores[g, j + 3 - j0] = s3 * scale
+        j += POSITIONS
+    for last in range(j, j1):   # the positions past the last whole POSITIONS
+        for g in range(q.shape[0]):
             s = np.float32(0)
             for d in range(q.shape[1]):
-                s += q[g, d] * widen(keys[j, d])
-            scores[g, j - j0] = s * scale
-    totals = np.empty(group, np.float32)
-    for g in range(group):
+                s += q[g, d] * widen(keys[last, d])
+            scores[g, last - j0] = s * scale
+
+
+@njit_serial
+def _softmax_rows(scores, n, sinks, has_sink):
+    """Each row g of scores[:, :n] replaced by its softmax, sinks[g] (if has_sink) taking part."""
+    for g in range(scores.shape[0]):
         top = np.float32(-np.inf)
-        for j in range(j1 - j0):
+        for j in range(n):
             top = max(top, scores[g, j])
         if has_sink:
             top = max(top, sinks[g])
         total = np.float32(0)
-        for j in range(j1 - j0):
+        for j in range(n):
             e = np.exp(scores[g, j] - top)
             scores[g, j] = e
             total += e
         if has_sink:
             total += np.exp(sinks[g] - top)
-        totals[g] = total
+        for j in range(n):
+            scores[g, j] = scores[g, j] / total
+
+
+@njit_serial
+def _weighted_values(p, values, j0, j1, out):
+    """out[g] = sum over j in [j0, j1) of p[g, j - j0] * values[j]."""
     out[:] = 0
-    for j in range(j0, j1):
-        for g in range(group):
-            p = scores[g, j - j0] / totals[g]
+    j = j0
+    while j + POSITIONS <= j1:
+        for g in range(out.shape[0]):
+            p0, p1, p2, p3 = p[g, j - j0], p[g, j + 1 - j0], p[g, j + 2 - j0], p[g, j + 3 - j0]
             for d in range(out.shape[1]):
-                out[g, d] += p * widen(values[j, d])
+                out[g, d] += ((p0 * widen(values[j, d]) + p1 * widen(values[j + 1, d]))
+                              + (p2 * widen(values[j + 2, d]) + p3 * widen(values[j + 3, d])))
+        j += POSITIONS
+    for last in range(j, j1):
+        for g in range(out.shape[0]):
+            for d in range(out.shape[1]):
+                out[g, d] += p[g, last - j0] * widen(values[last, d])
 
 
 @njit_serial
