@@ -37,7 +37,7 @@ import numpy as np
 from ._jit import njit_exact, njit_exact_inline, njit_exact_parallel, njit_serial
 from .cpu import _block_size, rms_norm_kernel
 from .cpu_int import INNER, _quantize_row, _rows, swiglu_experts_int
-from .kv import narrow, widen
+from .kv import _float32_from_bits, narrow, widen
 from .views import float32_view, like_view, uint8_view
 
 # The layer table's columns. First its matrices, MATRIX_COLUMNS each: the addresses of the packed
@@ -181,6 +181,26 @@ def _scores(q, keys, j0, j1, scale, scores):
             scores[g, last - j0] = s * scale
 
 
+@njit_exact_inline
+def exp_nonpositive(x):
+    """exp(x) for float32 x <= 0 within 2.5e-7 relative error (0 below -87.33, where float32's normal
+    range ends), in float32 operations a loop vectorizes: Cephes expf's range reduction and polynomial,
+    2^n from the exponent's bits. numba's np.exp is a scalar libm call per element (no SVML here): a
+    softmax over 2048 scores took 6 us with it and 1.5 with this (one thread)."""
+    if x < np.float32(-87.33):
+        return np.float32(0)
+    n = np.floor(x * np.float32(1.44269504088896341) + np.float32(0.5))
+    r = x - n * np.float32(0.693359375) + n * np.float32(2.12194440e-4)   # x - n ln 2, in two parts
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    p = p * r * r + r + np.float32(1)
+    return p * _float32_from_bits(np.uint32(np.int32(n) + np.int32(127)) << np.uint32(23))
+
+
 @njit_serial
 def _softmax_rows(scores, n, sinks, has_sink):
     """Each row g of scores[:, :n] replaced by its softmax, sinks[g] (if has_sink) taking part."""
@@ -192,11 +212,11 @@ def _softmax_rows(scores, n, sinks, has_sink):
             top = max(top, sinks[g])
         total = np.float32(0)
         for j in range(n):
-            e = np.exp(scores[g, j] - top)
+            e = exp_nonpositive(scores[g, j] - top)
             scores[g, j] = e
             total += e
         if has_sink:
-            total += np.exp(sinks[g] - top)
+            total += exp_nonpositive(sinks[g] - top)
         for j in range(n):
             scores[g, j] = scores[g, j] / total
 
