@@ -137,7 +137,8 @@ def _rope_heads(v, heads, dim, cos, sin):
             v[base + half + i] = second * cos[half + i] + first[i] * sin[half + i]
 
 
-POSITIONS = 4   # cache positions a pass over the query heads (scores) or the output (values) takes
+POSITIONS = 4   # cache positions a pass over the query heads (scores) or the output (values) takes (the
+                # loops below are written out for four)
 
 
 @njit_serial
