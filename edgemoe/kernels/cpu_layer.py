@@ -186,8 +186,8 @@ def _scores(q, keys, j0, j1, scale, scores):
 def exp_nonpositive(x):
     """exp(x) for float32 x <= 0 within 2.5e-7 relative error (0 below -87.33, where float32's normal
     range ends), in float32 operations a loop vectorizes: Cephes expf's range reduction and polynomial,
-    2^n from the exponent's bits. numba's np.exp is a scalar libm call per element (no SVML here): a
-    softmax over 2048 scores took 6 us with it and 1.5 with this (one thread)."""
+    2^n from the exponent's bits. numba's np.exp is a scalar libm call per element where numba has no
+    SVML (the attention block's timings before and after: docs/benchmarks.md)."""
     if x < np.float32(-87.33):
         return np.float32(0)
     n = np.floor(x * np.float32(1.44269504088896341) + np.float32(0.5))
