@@ -68,6 +68,24 @@ def instrument() -> None:
     quantized.weighted_sum = timed("experts", quantized.weighted_sum)
 
 
+def prefilled(store: str, threads: int | None, dense_bits: int | None, prefill: int, steps: int,
+              generated_routing: bool):
+    """(model, cache, next token): STORE loaded with every expert resident, a prompt of `prefill`
+    random tokens prefilled; routed by a generated Mixtral-like trace long enough for `steps` decode
+    steps after it, if generated_routing. tools/profile_threads.py starts the same way."""
+    quantize = {"dense_bits": dense_bits} if dense_bits else {}   # (runs on older versions without)
+    model = edgemoe.load(store, threads=threads, **quantize)
+    if generated_routing:
+        from edgemoe.bench import generated_routing as trace
+        trace(model.spec, prefill + steps)[0].attach(model)
+    for entry in model.store.experts():          # every expert resident before the timing
+        model.store.get(*entry.key)
+    cache = model.new_cache()
+    prompt = torch.randint(0, model.spec.vocab_size, (prefill,), generator=torch.Generator().manual_seed(0))
+    token = int(model.forward(prompt, [Segment(cache, prefill)], last_only=True)[-1].argmax())
+    return model, cache, token
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("store")
@@ -86,21 +104,13 @@ def main() -> None:
     args = parser.parse_args()
     global CLOCK
     CLOCK = time.thread_time if args.cpu_time else time.perf_counter
-    quantize = {"dense_bits": args.dense_bits} if args.dense_bits else {}   # (runs on older versions without)
-    model = edgemoe.load(args.store, threads=args.threads, **quantize)
+    model, cache, token = prefilled(args.store, args.threads, args.dense_bits, args.prefill, 4 + args.tokens,
+                                    args.generated_routing)
     model.experts.layer_kernel = not args.per_expert
-    if args.generated_routing:
-        from edgemoe.bench import generated_routing
-        generated_routing(model.spec, args.prefill + 4 + args.tokens)[0].attach(model)
     if args.generic:
         model.decode_engine = None
     if args.by_layer:
         model.experts.resident_step_layouts = lambda: None
-    for entry in model.store.experts():          # every expert resident before the timing
-        model.store.get(*entry.key)
-    cache = model.new_cache()
-    prompt = torch.randint(0, model.spec.vocab_size, (args.prefill,), generator=torch.Generator().manual_seed(0))
-    token = int(model.forward(prompt, [Segment(cache, args.prefill)], last_only=True)[-1].argmax())
     for _ in range(4):                            # warm every path
         token = int(model.forward(torch.tensor([token]), [Segment(cache, 1)], last_only=True)[-1].argmax())
     instrument()

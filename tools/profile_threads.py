@@ -18,10 +18,9 @@ import time
 
 import torch
 
-import edgemoe
-from edgemoe.bench import generated_routing
 from edgemoe.kernels import cpu_layer, set_threads
 from edgemoe.model import Segment
+from profile_decode import prefilled   # tools/ is the script's directory, first on sys.path
 
 WARM_TOKENS = 10   # first tokens, not counted: each thread count's first calls
 
@@ -34,12 +33,10 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--dense-bits", type=int, default=4)
     args = ap.parse_args()
-    model = edgemoe.load(args.store, threads=max(args.threads), dense_bits=args.dense_bits)
+    model, cache, token = prefilled(args.store, max(args.threads), args.dense_bits, args.prefill,
+                                    WARM_TOKENS + args.tokens, generated_routing=True)
     if model.decode_engine is None:
         raise SystemExit(f"{args.store}: no decode engine for this model (see docs/architecture.md)")
-    generated_routing(model.spec, args.prefill + WARM_TOKENS + args.tokens + 1)[0].attach(model)
-    for entry in model.store.experts():          # every expert resident before the timing
-        model.store.get(*entry.key)
     kernel_seconds = [0.0]
     step = cpu_layer.decode_token_kernel
 
@@ -50,9 +47,6 @@ def main() -> None:
         finally:
             kernel_seconds[0] = time.perf_counter() - start
     cpu_layer.decode_token_kernel = timed_step   # the engine looks the kernel up on the module at each call
-    cache = model.new_cache()
-    prompt = torch.randint(0, model.spec.vocab_size, (args.prefill,), generator=torch.Generator().manual_seed(0))
-    token = int(model.forward(prompt, [Segment(cache, args.prefill)], last_only=True)[-1].argmax())
     times: dict[int, list[tuple[float, float]]] = {n: [] for n in args.threads}
     print(f"decoding {args.tokens} tokens (attach perf now)", flush=True)
     for i in range(WARM_TOKENS + args.tokens):
