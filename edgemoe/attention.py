@@ -54,18 +54,19 @@ def _projections(spec: ModelSpec, w: dict, x: torch.Tensor) -> tuple[torch.Tenso
 
 def mla_qkv(spec: ModelSpec, w: dict, x: torch.Tensor, cos: torch.Tensor,
             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    T, H, N, R = x.shape[0], spec.num_heads, spec.qk_nope_head_dim, spec.qk_rope_head_dim
-    if spec.q_lora_rank:
+    mla = spec.attention
+    T, H, N, R = x.shape[0], spec.num_heads, mla.qk_nope_head_dim, mla.qk_rope_head_dim
+    if mla.q_lora_rank:
         q_latent = rms_norm(linear(x, w["q_a"], w.get("q_a_bias")), w["q_a_norm"], spec.rms_norm_eps)
         q = linear(q_latent, w["q_b"])
     else:
         q = linear(x, w["q"])
     q_nope, q_rope = q.view(T, H, N + R).split([N, R], dim=-1)
-    latent, k_rope = linear(x, w["kv_a"], w.get("kv_a_bias")).split([spec.kv_lora_rank, R], dim=-1)
+    latent, k_rope = linear(x, w["kv_a"], w.get("kv_a_bias")).split([mla.kv_lora_rank, R], dim=-1)
     kv = linear(rms_norm(latent, w["kv_a_norm"], spec.rms_norm_eps), w["kv_b"])      # [T, H*(N+Dv)]
-    k_nope, v = kv.view(T, H, N + spec.v_head_dim).split([N, spec.v_head_dim], dim=-1)
+    k_nope, v = kv.view(T, H, N + mla.v_head_dim).split([N, mla.v_head_dim], dim=-1)
     k_rope = k_rope.view(T, 1, R)
-    if spec.rope_interleave:
+    if spec.rotary.rope_interleave:
         q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
     q = torch.cat((q_nope, apply_rope(q_rope, cos, sin)), dim=-1)
     k = torch.cat((k_nope, apply_rope(k_rope, cos, sin).expand(T, H, R)), dim=-1)

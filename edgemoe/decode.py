@@ -75,16 +75,17 @@ class DecodeEngine:
         self.eps = float(spec.rms_norm_eps)   # a float64, as the generic path's norms take it
         self.router = router_code(spec)   # None: a router moe() does not compute
         self.jitter = float(getattr(spec.routing, "router_jitter_eps", 0.0))   # sparsemixer's
-        self._computes_token = spec.attention == "gqa" and all(self.computes_moe(l) for l in range(len(self.tables)))
+        self._computes_token = spec.attention.kind == "gqa" and all(self.computes_moe(l) for l in range(len(self.tables)))
 
     @classmethod
     def for_model(cls, spec: ModelSpec, layers: list[dict]) -> "DecodeEngine | None":
         """An engine for these decoder layers (MoEModel.layers), or None if they are not its kind."""
-        if spec.attention not in MATRICES or (spec.attention == "gqa" and spec.rope_dim != spec.head_dim):
+        if spec.attention.kind not in MATRICES:
             return None
-        optional = {"q_a"} if not spec.q_lora_rank else set()   # MLA without a query latent
+        no_query_latent = spec.attention.kind == "mla" and not spec.attention.q_lora_rank
+        optional = {"q_a"} if no_query_latent else set()
         for w in layers:
-            for _, names in MATRICES[spec.attention]:
+            for _, names in MATRICES[spec.attention.kind]:
                 present = [name for name in names if name in w]
                 if not (present and isinstance(w[present[0]], QuantizedLinear)) and not optional.issuperset(names):
                     return None
@@ -98,10 +99,11 @@ class DecodeEngine:
                                                                spec.key_dim, spec.value_dim)
         dims[c.DIM_QK_NORM] = {None: c.QK_NORM_NONE, "head": c.QK_NORM_HEAD, "proj": c.QK_NORM_PROJ}[spec.qk_norm]
         dims[c.DIM_NORM] = {"rms": c.NORM_RMS, "layer": c.NORM_LAYER}[spec.norm]
-        if spec.attention == "mla":
+        if spec.attention.kind == "mla":
+            mla = spec.attention
             dims[[c.DIM_N, c.DIM_R, c.DIM_CKV, c.DIM_CQ, c.DIM_INTERLEAVE]] = (
-                spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.kv_lora_rank, spec.q_lora_rank or 0,
-                int(spec.rope_interleave))
+                mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.kv_lora_rank, mla.q_lora_rank or 0,
+                int(spec.rotary.rope_interleave))
         return dims
 
     def _float32(self, t: torch.Tensor | None) -> int:
@@ -115,7 +117,7 @@ class DecodeEngine:
     def _table(self, l: int, w: dict) -> np.ndarray:
         c = cpu_layer
         table = np.zeros(c.TABLE_COLUMNS, np.int64)
-        for slot, names in MATRICES[self.spec.attention]:
+        for slot, names in MATRICES[self.spec.attention.kind]:
             name = next((n for n in names if n in w), None)
             if name is None:   # q_a without a query latent
                 continue
@@ -141,7 +143,7 @@ class DecodeEngine:
         logits = torch.empty(1, int(table[cpu_layer.EXPERTS]), dtype=torch.float32)
         arrays = (x.numpy()[0], cos.numpy()[0], sin.numpy()[0], keys, values, position, h.numpy()[0],
                   logits.numpy()[0], cpu.row_blocks())
-        if self.spec.attention == "mla":
+        if self.spec.attention.kind == "mla":
             cpu_layer.latent_attention_block_kernel(_int_path(None), table, self.dims, self.eps, self.scale, *arrays)
         else:
             cpu_layer.attention_block_kernel(_int_path(None), table, self.dims, self.eps, self.scale, self.clip,

@@ -154,7 +154,7 @@ class MoEModel(StoreOwner):
         self.final_norm_bias = dense.get("norm_bias")
         self.lm_head = dense["embed"] if spec.tie_word_embeddings else dense["lm_head"]
         self.lm_head_bias = dense.get("lm_head_bias")
-        self._qkv = QKV_PROJECTIONS[spec.attention]
+        self._qkv = QKV_PROJECTIONS[spec.attention.kind]
         self.layers = [{key.split(".", 2)[2]: t for key, t in dense.items() if key.startswith(f"layers.{l}.")}
                        for l in range(spec.num_layers)]
         # Observers of each MoE layer's routing: hook(layer, experts [T, A], weights [T, A], positions [T],
@@ -265,8 +265,8 @@ class MoEModel(StoreOwner):
         return torch.cat(rows)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        s = self.spec
-        return rope_tables(positions, s.rope_dim, s.rope_theta, *self._rope_scaling(positions))
+        rotary = self.spec.rotary
+        return rope_tables(positions, self.spec.rope_dim, rotary.rope_theta, *rotary.frequencies(positions))
 
     def _layer(self, l: int, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                segments: Sequence[Segment]) -> torch.Tensor:
@@ -347,14 +347,6 @@ class MoEModel(StoreOwner):
         replayed = self.routing_override(l, positions) if self.routing_override is not None else None
         weights, experts = self.decode_engine.moe(l, x, h, logits, layouts, replayed)
         self._served_resident(l, h, weights, experts, positions, segments)
-
-    def _rope_scaling(self, positions: torch.Tensor) -> tuple:
-        """(inverse frequencies, cos/sin factor) for a step at these positions: LongRoPE's long set
-        once the step reaches past the original context (as Phi-3.5-MoE's own code), else the spec's."""
-        s = self.spec
-        if s.rope_long_after is not None and positions.numel() and int(positions.max()) + 1 > s.rope_long_after:
-            return s.rope_long_inv_freq, s.rope_long_attention_factor
-        return s.rope_inv_freq, s.rope_attention_factor
 
     def embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids [T] -> hidden states [T, D] in the activation dtype."""

@@ -48,6 +48,10 @@ POSITIVE_INTEGERS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "nu
                      "max_position_embeddings", "num_experts", "top_k", "expert_hidden")
 
 
+# ModelSpec's fields that hold a Part (edgemoe/models/common.py), and the Part's class there.
+PARTS = {"routing": "Router", "expert_kind": "ExpertKind", "rotary": "Rotary", "attention": "Attention"}
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Architecture-independent description of a decoder-only MoE transformer."""
@@ -60,7 +64,6 @@ class ModelSpec:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
     max_position_embeddings: int
     num_experts: int
     top_k: int
@@ -74,6 +77,12 @@ class ModelSpec:
     # What each routed expert computes: an ExpertKind (edgemoe/models/common.py) the architecture file
     # declares, holding that kind's parameters (GPT-OSS's clamp, ...); its roles and dense-MLP activation.
     expert_kind: Any
+    # How a step's positions turn queries and keys: a Rotary (edgemoe/models/common.py) of the kind the
+    # architecture file declares (theta's frequencies, YaRN, LongRoPE), holding that kind's parameters.
+    rotary: Any
+    # How a layer makes its queries, keys and values: an Attention (edgemoe/models/common.py) of the kind
+    # the architecture file declares (grouped-query; DeepSeek's multi-head latent attention, its ranks).
+    attention: Any
     dense_hidden: int = 0
     shared_expert_hidden: int = 0         # 0: no shared expert
     qkv_bias: bool = False
@@ -85,20 +94,7 @@ class ModelSpec:
     norm: str = "rms"                     # "rms" (RMSNorm) or "layer" (LayerNorm with bias, Phi-3.5-MoE)
     o_bias: bool = False                  # bias on the attention output projection
     lm_head_bias: bool = False
-    attention: str = "gqa"                # "gqa" or "mla" (DeepSeek's multi-head latent attention)
-    q_lora_rank: int = 0                  # MLA: query latent rank, 0 = a plain q projection
-    kv_lora_rank: int = 0                 # MLA: key/value latent rank
-    qk_nope_head_dim: int = 0             # MLA: per-head query/key dims without rotary embedding
-    qk_rope_head_dim: int = 0             # MLA: per-head query/key dims with rotary embedding
-    v_head_dim: int = 0                   # MLA: per-head value dims
     attention_scale: float | None = None  # softmax scale of q.k; None = 1/sqrt(key dims)
-    rope_interleave: bool = False         # rotary pairs are adjacent dims (2i, 2i+1), not (i, i+Dh/2)
-    rope_inv_freq: tuple[float, ...] | None = None  # scaled rotary frequencies [Dh/2] (YaRN); None: theta's
-    rope_attention_factor: float = 1.0    # multiplies the rotary cos and sin (YaRN, LongRoPE)
-    # LongRoPE: a step reaching past `rope_long_after` positions uses these instead of the two above
-    rope_long_after: int | None = None
-    rope_long_inv_freq: tuple[float, ...] | None = None
-    rope_long_attention_factor: float = 1.0
     routed_scaling_factor: float = 1.0    # multiplies the routed experts' weights
     shared_expert_gated: bool = True      # shared expert behind a sigmoid gate (Qwen2-MoE) or always on
     attention_sinks: bool = False         # a learned per-head logit joins each softmax (GPT-OSS)
@@ -127,10 +123,8 @@ class ModelSpec:
                                   f"{self.expert_activation} experts)")
         if self.encoder_layers:
             self._check_encoder_decoder()
-        choices = {"norm": ("rms", "layer"), "attention": ("gqa", "mla")}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise CheckpointError(f"config: {name}={getattr(self, name)!r} (expected one of {allowed})")
+        if self.norm not in ("rms", "layer"):
+            raise CheckpointError(f"config: norm={self.norm!r} (expected one of ('rms', 'layer'))")
         self.routing.check(self)
 
     def _check_encoder_decoder(self) -> None:
@@ -146,24 +140,24 @@ class ModelSpec:
             raise CheckpointError(f"config: expert_capacity={self.expert_capacity} (expected >= 1)")
 
     def to_dict(self) -> dict[str, Any]:
-        """The manifest's spec: every field under its name; the router and the expert kind as their kinds
-        ("router", "expert_activation") and their parameters."""
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("routing", "expert_kind")}
-        return {**d, **self.routing.spec_fields(), **self.expert_kind.spec_fields()}
+        """The manifest's spec: every field under its name; each part (the router, the expert kind, the
+        rotary embedding, the attention) as its kind under the part's key ("router", "expert_activation",
+        "rope_type", "attention") and its parameters."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in PARTS}
+        for name in PARTS:
+            d.update(getattr(self, name).spec_fields())
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelSpec":
         from .models import part_from_fields   # the kinds are declared by the architecture files
-        from .models.common import ExpertKind, Router
+        from .models import common
 
         d = dict(d)
-        d["routing"] = part_from_fields(d, Router)
-        d["expert_kind"] = part_from_fields(d, ExpertKind)
+        for name, part in PARTS.items():
+            d[name] = part_from_fields(d, getattr(common, part))
         d["moe_layers"] = tuple(d["moe_layers"])
         d["sliding_windows"] = tuple(d["sliding_windows"])
-        for name in ("rope_inv_freq", "rope_long_inv_freq"):
-            if d.get(name) is not None:
-                d[name] = tuple(d[name])
         return cls(**d)
 
     @property
@@ -179,16 +173,16 @@ class ModelSpec:
     @property
     def key_dim(self) -> int:
         """Dims per head of queries and keys (and of the KV cache's keys)."""
-        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+        return self.attention.key_dim(self)
 
     @property
     def value_dim(self) -> int:
-        return self.v_head_dim if self.attention == "mla" else self.head_dim
+        return self.attention.value_dim(self)
 
     @property
     def rope_dim(self) -> int:
         """Dims per head that the rotary embedding turns (MLA: only the rope part)."""
-        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+        return self.attention.rope_dim(self)
 
     @property
     def is_encoder_decoder(self) -> bool:
@@ -213,8 +207,7 @@ class ModelSpec:
             p = f"layers.{l}."
             shapes.update({p + "attn_norm": (D,), p + "mlp_norm": (D,)})
             norms += [p + "attn_norm", p + "mlp_norm"]
-            attention = self._mla_shapes() if self.attention == "mla" else self._gqa_shapes()
-            shapes.update({p + role: shape for role, shape in attention.items()})
+            shapes.update({p + role: shape for role, shape in self.attention.shapes(self).items()})
             if self.o_bias:
                 shapes[p + "o_bias"] = (D,)
             if self.attention_sinks:
@@ -243,34 +236,6 @@ class ModelSpec:
                 shapes[p + "router"] = (self.num_experts, D)
             else:
                 shapes.update({p + "mlp.up": (self.dense_hidden, D), p + "mlp.down": (D, self.dense_hidden)})
-        return shapes
-
-    def _gqa_shapes(self) -> dict[str, tuple[int, ...]]:
-        D, Dh = self.hidden_size, self.head_dim
-        q_out, kv_out = self.num_heads * Dh, self.num_kv_heads * Dh
-        shapes = {"q": (q_out, D), "k": (kv_out, D), "v": (kv_out, D), "o": (D, q_out)}
-        if self.qkv_bias:
-            shapes.update({"q_bias": (q_out,), "k_bias": (kv_out,), "v_bias": (kv_out,)})
-        if self.qk_norm == "head":
-            shapes.update({"q_norm": (Dh,), "k_norm": (Dh,)})
-        elif self.qk_norm == "proj":
-            shapes.update({"q_norm": (q_out,), "k_norm": (kv_out,)})
-        return shapes
-
-    def _mla_shapes(self) -> dict[str, tuple[int, ...]]:
-        D, H, Cq, Ckv = self.hidden_size, self.num_heads, self.q_lora_rank, self.kv_lora_rank
-        R, Dv = self.qk_rope_head_dim, self.v_head_dim
-        q_out = H * self.key_dim
-        shapes = {"kv_a": (Ckv + R, D), "kv_a_norm": (Ckv,), "kv_b": (H * (self.qk_nope_head_dim + Dv), Ckv),
-                  "o": (D, H * Dv)}
-        if Cq:
-            shapes.update({"q_a": (Cq, D), "q_a_norm": (Cq,), "q_b": (q_out, Cq)})
-        else:
-            shapes["q"] = (q_out, D)
-        if self.qkv_bias:
-            shapes["kv_a_bias"] = (Ckv + R,)
-            if Cq:
-                shapes["q_a_bias"] = (Cq,)
         return shapes
 
     def _mlp_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:

@@ -173,6 +173,50 @@ def test_each_expert_kind_is_its_name_roles_and_parameters_in_the_manifest(tiny_
     assert set(edgemoe.models.KINDS["expert_activation"]) == {"swiglu", "gpt_oss", "relu"}
 
 
+# One checkpoint per rotary kind; and the rotary fields a manifest written before "rope_type" held for
+# every model, with their defaults then.
+ROTARY_KINDS = {"default": ("mixtral", {}),
+                "yarn": ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                                             "original_max_position_embeddings": 64}}),
+                "longrope": ("phimoe", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4,
+                                                            "short_factor": [1.5] * 8, "long_factor": [3.0] * 8,
+                                                            "short_mscale": 1.1, "long_mscale": 1.3,
+                                                            "original_max_position_embeddings": 32}})}
+EARLIER_ROTARY_KEYS = {"rope_inv_freq": None, "rope_attention_factor": 1.0, "rope_long_after": None,
+                       "rope_long_inv_freq": None, "rope_long_attention_factor": 1.0}
+
+
+@pytest.mark.parametrize("kind", ROTARY_KINDS)
+def test_each_rotary_kind_is_its_name_and_parameters_in_the_manifest_and_reads_as_written_before(tiny_model, kind):
+    assert set(ROTARY_KINDS) == set(edgemoe.models.KINDS["rope_type"])
+    arch, overrides = ROTARY_KINDS[kind]
+    spec = edgemoe.models.parse_spec(json.loads((tiny_model(arch, **overrides) / "config.json").read_text()))
+    written = json.loads(json.dumps(spec.to_dict()))
+    assert written["rope_type"] == kind == spec.rotary.kind and "rotary" not in written
+    assert ModelSpec.from_dict(written) == spec
+    before = {**EARLIER_ROTARY_KEYS, **{k: v for k, v in written.items() if k != "rope_type"}}
+    assert ModelSpec.from_dict(before) == spec
+
+
+# The attention kinds, and the MLA fields a manifest written before the kinds were declared held for every
+# model (beside "attention": its kind), 0 where unused.
+ATTENTION_KINDS = {"gqa": ("mixtral", {}), "mla": ("deepseek_v3", {})}
+EARLIER_ATTENTION_KEYS = {"q_lora_rank": 0, "kv_lora_rank": 0, "qk_nope_head_dim": 0, "qk_rope_head_dim": 0,
+                          "v_head_dim": 0}
+
+
+@pytest.mark.parametrize("kind", ATTENTION_KINDS)
+def test_each_attention_kind_is_its_name_and_parameters_in_the_manifest_and_reads_as_written_before(tiny_model, kind):
+    assert set(ATTENTION_KINDS) == set(edgemoe.models.KINDS["attention"])
+    arch, overrides = ATTENTION_KINDS[kind]
+    spec = edgemoe.models.parse_spec(json.loads((tiny_model(arch, **overrides) / "config.json").read_text()))
+    written = json.loads(json.dumps(spec.to_dict()))
+    assert written["attention"] == kind == spec.attention.kind
+    assert set(EARLIER_ATTENTION_KEYS) & set(written) == (set(EARLIER_ATTENTION_KEYS) if kind == "mla" else set())
+    assert ModelSpec.from_dict(written) == spec
+    assert ModelSpec.from_dict({**EARLIER_ATTENTION_KEYS, **written}) == spec
+
+
 @pytest.mark.parametrize("kind", ["softmax", "sigmoid_group", "sparsemixer", "topk_softmax"])
 def test_a_store_written_before_the_kinds_moved_loads_as_it_did(tiny_model, tmp_path, kind):
     """A manifest that lists every router kind's and expert kind's parameters (as every store written

@@ -33,13 +33,13 @@ def parse_spec(config: dict, where: str = "config.json") -> ModelSpec:
 
 
 def part_from_fields(d: dict, part: type[Part]) -> Part:
-    """The `part` (Router, ExpertKind) a manifest's spec names (part.key: kind, absent in manifests
-    written before that key existed: part.default; the kind's parameters beside it), taking the keys
-    of every kind of `part` out of `d`: manifests written before the kinds were declared by their
-    architecture files list every kind's parameters, at their defaults where unused. The
-    architecture files above have registered their kinds."""
+    """The `part` (Router, ExpertKind, Rotary, Attention) a manifest's spec names (part.key: kind,
+    absent in manifests written before that key existed: part.kind_before_key; the kind's parameters
+    beside it), taking the keys of every kind of `part` out of `d`: manifests written before the kinds
+    were declared by their architecture files list every kind's parameters, at their defaults where
+    unused. The architecture files above have registered their kinds."""
     kinds = KINDS[part.key]
-    kind = d.pop(part.key, part.default)
+    kind = d.pop(part.key) if part.key in d else part.kind_before_key(d)
     if kind not in kinds:
         raise CheckpointError(f"{part.key}={kind!r}: expected one of {', '.join(kinds)}")
     params = {f.name: d[f.name] for f in fields(kinds[kind]) if f.name in d}

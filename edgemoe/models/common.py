@@ -1,8 +1,10 @@
 """Pieces shared by the architecture files: the common attention/norm part of a config and its names,
 and the parts of a model an architecture file may declare its own kind of: its router (Router,
-ModelSpec.routing) and what its experts compute (ExpertKind, ModelSpec.expert_kind). Here: their
-base classes, the registry of kinds (edgemoe.models.part_from_fields rebuilds one from a store
-manifest), and the kinds most architectures use: softmax top-k routing and SwiGLU experts.
+ModelSpec.routing), what its experts compute (ExpertKind, ModelSpec.expert_kind), how positions
+rotate queries and keys (Rotary, ModelSpec.rotary) and how a layer makes them (Attention,
+ModelSpec.attention). Here: their base classes, the registry of kinds (edgemoe.models.part_from_fields
+rebuilds one from a store manifest), and the kinds most architectures use: softmax top-k routing,
+SwiGLU experts, theta's rotary frequencies, grouped-query attention.
 
 Shapes: T tokens, E experts, A experts chosen per token, D hidden, I expert hidden.
 """
@@ -30,6 +32,11 @@ class Part:
 
     def spec_fields(self) -> dict:
         return {self.key: self.kind, **{f.name: getattr(self, f.name) for f in fields(self)}}
+
+    @classmethod
+    def kind_before_key(cls, spec: dict) -> str:
+        """The kind of a manifest's spec written before `key` existed."""
+        return cls.default
 
 
 KINDS: dict[str, dict[str, type[Part]]] = {}   # Part.key -> kind -> class; filled by @register
@@ -109,6 +116,67 @@ class SwiGLU(ExpertKind):
     kind = "swiglu"
 
 
+@register
+@dataclass(frozen=True)
+class Rotary(Part):
+    """How a step's positions turn queries and keys: ModelSpec.rotary. This kind, theta's frequencies,
+    is every architecture's unless its file declares a scaled kind (YaRN, LongRoPE) as a subclass.
+    Its rotated dims are ModelSpec.rope_dim (R) per head."""
+
+    key = "rope_type"
+    default = "default"
+    kind = "default"
+    rope_theta: float = 10000.0
+    rope_interleave: bool = False   # the rotated pairs are adjacent dims (2i, 2i+1), not (i, i + R/2)
+
+    @classmethod
+    def kind_before_key(cls, spec: dict) -> str:
+        """Manifests written before "rope_type" hold every kind's fields, None where unused."""
+        if spec.get("rope_long_after") is not None:
+            return "longrope"
+        return "yarn" if spec.get("rope_inv_freq") is not None else cls.default
+
+    def frequencies(self, positions: torch.Tensor) -> tuple[tuple[float, ...] | None, float]:
+        """(inverse frequencies [R/2], None for theta's own; the factor on cos and sin) of a step at
+        `positions` [T]."""
+        return None, 1.0
+
+
+@register
+@dataclass(frozen=True)
+class Attention(Part):
+    """How a layer makes its queries, keys and values: ModelSpec.attention, computed by
+    edgemoe/attention.py's QKV_PROJECTIONS[kind]. This kind, grouped-query attention (q, k, v, o of
+    head_dim per head, num_kv_heads key/value heads), is every architecture's unless its file declares
+    another as a subclass (DeepSeek's multi-head latent attention)."""
+
+    key = "attention"
+    default = "gqa"
+    kind = "gqa"
+
+    def key_dim(self, spec) -> int:
+        return spec.head_dim
+
+    def value_dim(self, spec) -> int:
+        return spec.head_dim
+
+    def rope_dim(self, spec) -> int:
+        return spec.head_dim
+
+    def shapes(self, spec) -> dict[str, tuple[int, ...]]:
+        """A layer's attention roles (canonical names without "layers.{l}.", edgemoe/spec.py) and shapes."""
+        D, Dh = spec.hidden_size, spec.head_dim
+        q_out, kv_out = spec.num_heads * Dh, spec.num_kv_heads * Dh
+        shapes = {"q": (q_out, D), "k": (kv_out, D), "v": (kv_out, D), "o": (D, q_out)}
+        if spec.qkv_bias:
+            shapes.update({"q_bias": (q_out,), "k_bias": (kv_out,), "v_bias": (kv_out,)})
+        if spec.qk_norm == "head":
+            shapes.update({"q_norm": (Dh,), "k_norm": (Dh,)})
+        elif spec.qk_norm == "proj":
+            shapes.update({"q_norm": (q_out,), "k_norm": (kv_out,)})
+        return shapes
+
+
 def qwen_style_routing(config: dict) -> dict:
     """ModelSpec fields of the routing Qwen2/3-MoE and OLMoE share: softmax top-k over num_experts (or
     num_local_experts), renormalised only where norm_topk_prob says so, SwiGLU experts."""
@@ -132,7 +200,8 @@ def attention_fields(config: dict, rope_types: tuple[str, ...] = ("default",)) -
         num_kv_heads=config_int(config, "num_key_value_heads", default=heads),
         head_dim=config_int(config, "head_dim", default=hidden // heads),
         rms_norm_eps=config_float(config, "rms_norm_eps", default=1e-6, above=0),
-        rope_theta=rope_theta(config, rope_types),
+        rotary=Rotary(rope_theta=rope_theta(config, rope_types)),
+        attention=Attention(),
         max_position_embeddings=config_int(config, "max_position_embeddings", default=4096),
         tie_word_embeddings=config_bool(config, "tie_word_embeddings", default=False),
         hidden_act=config_str(config, "hidden_act", default="silu"),

@@ -12,17 +12,59 @@ A layer is MoE when l >= first_k_dense_replace and l % moe_layer_freq == 0 (Deep
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..errors import CheckpointError
-from .common import Router, SoftmaxTopK, SwiGLU, attention_fields, llama_style_names, qwen_style_mlp_names, register
+from .common import (Attention, Router, SoftmaxTopK, SwiGLU, attention_fields, llama_style_names,
+                     qwen_style_mlp_names, register)
 from ..spec import ModelSpec, TensorNames, config_bool, config_float, config_int, config_str, rope_parameters
 from .yarn import yarn_fields
 
 MODEL_TYPE = "deepseek_v2"
 TOPK_METHODS = ("greedy", "group_limited_greedy")
+
+
+@register
+@dataclass(frozen=True)
+class LatentAttention(Attention):
+    """Multi-head latent attention (edgemoe/attention.py mla_qkv; canonical roles in edgemoe/spec.py):
+    keys and values expanded per head from a latent of kv_lora_rank dims, queries from one of
+    q_lora_rank dims (0: a plain q projection); per head, qk_nope_head_dim query/key dims without
+    rotary embedding and qk_rope_head_dim with, v_head_dim value dims."""
+
+    kind = "mla"
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    def key_dim(self, spec):
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def value_dim(self, spec):
+        return self.v_head_dim
+
+    def rope_dim(self, spec):
+        return self.qk_rope_head_dim
+
+    def shapes(self, spec):
+        D, H, Cq, Ckv = spec.hidden_size, spec.num_heads, self.q_lora_rank, self.kv_lora_rank
+        R, Dv = self.qk_rope_head_dim, self.v_head_dim
+        q_out = H * self.key_dim(spec)
+        shapes = {"kv_a": (Ckv + R, D), "kv_a_norm": (Ckv,), "kv_b": (H * (self.qk_nope_head_dim + Dv), Ckv),
+                  "o": (D, H * Dv)}
+        if Cq:
+            shapes.update({"q_a": (Cq, D), "q_a_norm": (Cq,), "q_b": (q_out, Cq)})
+        else:
+            shapes["q"] = (q_out, D)
+        if spec.qkv_bias:
+            shapes["kv_a_bias"] = (Ckv + R,)
+            if Cq:
+                shapes["q_a_bias"] = (Cq,)
+        return shapes
 
 
 @dataclass(frozen=True)
@@ -86,8 +128,9 @@ def moe_layer_flags(config: dict, num_layers: int) -> tuple[bool, ...]:
     return tuple(l >= first_dense and l % freq == 0 for l in range(num_layers))
 
 
-def mla_fields(config: dict) -> dict:
-    """The ModelSpec fields of multi-head latent attention (and of the DeepSeek family's common parts)."""
+def mla_fields(config: dict, rope_interleave: bool) -> dict:
+    """The ModelSpec fields of multi-head latent attention (and of the DeepSeek family's common parts),
+    the rotated pairs adjacent dims or not."""
     fields = attention_fields(config, rope_types=("default", "yarn"))
     if config_bool(config, "mlp_bias", default=False):
         raise CheckpointError("mlp_bias=true is not supported")
@@ -96,20 +139,18 @@ def mla_fields(config: dict) -> dict:
     num_layers = fields["num_layers"]
     # Every head has its own key and value (expanded from the latent): K = H, whatever
     # num_key_value_heads says; head_dim is the key's (nope + rope) dims.
-    fields.update(num_kv_heads=fields["num_heads"], head_dim=nope + rope)
+    fields.update(num_kv_heads=fields["num_heads"], head_dim=nope + rope,
+                  attention=LatentAttention(q_lora_rank=config_int(config, "q_lora_rank", default=0, minimum=0),
+                                            kv_lora_rank=config_int(config, "kv_lora_rank"), qk_nope_head_dim=nope,
+                                            qk_rope_head_dim=rope, v_head_dim=config_int(config, "v_head_dim")))
     params = rope_parameters(config)
     if params["rope_type"] == "yarn":
-        fields.update(yarn_fields(config, params, rope_dim=rope, key_dim=nope + rope, base=fields["rope_theta"]))
+        fields.update(yarn_fields(config, params, rope_dim=rope, key_dim=nope + rope, base=fields["rotary"].rope_theta))
+    fields["rotary"] = replace(fields["rotary"], rope_interleave=rope_interleave)
     shared = config_int(config, "n_shared_experts", default=0, minimum=0)
     expert_hidden = config_int(config, "moe_intermediate_size")
     return dict(
-        attention="mla",
         expert_kind=SwiGLU(),
-        q_lora_rank=config_int(config, "q_lora_rank", default=0, minimum=0),
-        kv_lora_rank=config_int(config, "kv_lora_rank"),
-        qk_nope_head_dim=nope,
-        qk_rope_head_dim=rope,
-        v_head_dim=config_int(config, "v_head_dim"),
         qkv_bias=config_bool(config, "attention_bias", default=False),
         o_bias=config_bool(config, "attention_bias", default=False),
         num_experts=config_int(config, "n_routed_experts", "num_experts", "num_local_experts"),
@@ -141,8 +182,7 @@ def parse_config(config: dict) -> ModelSpec:
         model_type=MODEL_TYPE,
         norm_topk_prob=False,
         routing=routing,
-        rope_interleave=True,   # V2 rotates adjacent pairs (complex multiplication)
-        **mla_fields(config),
+        **mla_fields(config, rope_interleave=True),   # V2 rotates adjacent pairs (complex multiplication)
     )
 
 
@@ -154,13 +194,13 @@ def mla_names(spec: ModelSpec, names: dict[str, str]) -> None:
             names.pop(dst + role)
         roles = {"kv_a": "kv_a_proj_with_mqa.weight", "kv_a_norm": "kv_a_layernorm.weight",
                  "kv_b": "kv_b_proj.weight", "o": "o_proj.weight"}
-        if spec.q_lora_rank:
+        if spec.attention.q_lora_rank:
             roles.update(q_a="q_a_proj.weight", q_a_norm="q_a_layernorm.weight", q_b="q_b_proj.weight")
         else:
             roles["q"] = "q_proj.weight"
         if spec.qkv_bias:
             roles.update(kv_a_bias="kv_a_proj_with_mqa.bias", o_bias="o_proj.bias")
-            if spec.q_lora_rank:
+            if spec.attention.q_lora_rank:
                 roles["q_a_bias"] = "q_a_proj.bias"
         names.update({dst + role: src + name for role, name in roles.items()})
 

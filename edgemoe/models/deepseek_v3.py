@@ -57,9 +57,8 @@ def parse_config(config: dict) -> ModelSpec:
         norm_topk_prob=config_bool(config, "norm_topk_prob", default=True),
         routing=SigmoidGroup(n_group=config_int(config, "n_group", default=1),
                              topk_group=config_int(config, "topk_group", default=1)),
-        rope_interleave=config_bool(config, "rope_interleave", default=True),
         skipped_layers=config_int(config, "num_nextn_predict_layers", "num_mtp_layers", default=0, minimum=0),
-        **mla_fields(config),
+        **mla_fields(config, rope_interleave=config_bool(config, "rope_interleave", default=True)),
     )
 
 

@@ -89,7 +89,7 @@ def parse_config(config: dict) -> ModelSpec:
     params = rope_parameters(config)
     if params["rope_type"] == "yarn":
         head_dim = fields["head_dim"]
-        fields.update(yarn_fields(config, params, rope_dim=head_dim, key_dim=head_dim, base=fields["rope_theta"]))
+        fields.update(yarn_fields(config, params, rope_dim=head_dim, key_dim=head_dim, base=fields["rotary"].rope_theta))
     num_layers = fields["num_layers"]
     bias = config_bool(config, "attention_bias", default=True)
     return ModelSpec(

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .common import Router, SwiGLU, attention_fields, register
+from .common import Rotary, Router, SwiGLU, attention_fields, register
 from .mixtral import tensor_names as mixtral_names
 from ..errors import CheckpointError
 from ..spec import ModelSpec, TensorNames, config_bool, config_float, config_int, config_list, rope_parameters
@@ -49,10 +49,34 @@ class SparseMixer(Router):
         return weights.gather(-1, index), index
 
 
+@register
+@dataclass(frozen=True)
+class LongRope(Rotary):
+    """LongRoPE: theta's frequencies divided by per-frequency factors, cos and sin times a factor, from
+    the short set until a step reaches past `rope_long_after` positions, from the long set then (as
+    Phi-3.5-MoE's own code does)."""
+
+    kind = "longrope"
+    rope_inv_freq: tuple[float, ...] = ()        # [R/2], the short set
+    rope_attention_factor: float = 1.0
+    rope_long_after: int = 0
+    rope_long_inv_freq: tuple[float, ...] = ()
+    rope_long_attention_factor: float = 1.0
+
+    def __post_init__(self):
+        for name in ("rope_inv_freq", "rope_long_inv_freq"):   # a manifest's lists
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+
+    def frequencies(self, positions):
+        if positions.numel() and int(positions.max()) + 1 > self.rope_long_after:
+            return self.rope_long_inv_freq, self.rope_long_attention_factor
+        return self.rope_inv_freq, self.rope_attention_factor
+
+
 def parse_config(config: dict) -> ModelSpec:
     fields = attention_fields(config, rope_types=("default", "longrope"))
     if rope_parameters(config)["rope_type"] == "longrope":
-        fields.update(longrope_fields(config, fields["head_dim"], fields["rope_theta"]))
+        fields["rotary"] = long_rope(config, fields["head_dim"], fields["rotary"].rope_theta)
     num_layers = fields["num_layers"]
     bias = config_bool(config, "attention_bias", default=False)
     fields["rms_norm_eps"] = config_float(config, "rms_norm_eps", default=1e-5, above=0)  # the LayerNorms' eps
@@ -91,10 +115,9 @@ def tensor_names(spec: ModelSpec) -> TensorNames:
     return names
 
 
-def longrope_fields(config: dict, head_dim: int, base: float) -> dict:
-    """ModelSpec fields of LongRoPE as Phi-3.5-MoE configures it (rope_scaling type "longrope" with
-    short_factor / long_factor per rotary frequency and short_mscale / long_mscale): frequencies
-    theta's divided by the factors, cos/sin times the mscale; the long set once a step reaches past
+def long_rope(config: dict, head_dim: int, base: float) -> LongRope:
+    """LongRoPE as Phi-3.5-MoE configures it: rope_scaling type "longrope" with short_factor /
+    long_factor per rotary frequency, short_mscale / long_mscale, and the long set past
     original_max_position_embeddings."""
     params = rope_parameters(config)
     where = f"{params['field']}"
@@ -113,5 +136,6 @@ def longrope_fields(config: dict, head_dim: int, base: float) -> dict:
         inv_freq = 1.0 / (torch.tensor(factors, dtype=torch.float32) * base ** shape)
         mscale = config_float(params, f"{kind}_mscale", default=None, above=0, section=where)
         sets[kind] = (tuple(inv_freq.tolist()), mscale or default_mscale)
-    return dict(rope_inv_freq=sets["short"][0], rope_attention_factor=sets["short"][1], rope_long_after=original,
-                rope_long_inv_freq=sets["long"][0], rope_long_attention_factor=sets["long"][1])
+    return LongRope(rope_theta=base, rope_inv_freq=sets["short"][0], rope_attention_factor=sets["short"][1],
+                    rope_long_after=original, rope_long_inv_freq=sets["long"][0],
+                    rope_long_attention_factor=sets["long"][1])

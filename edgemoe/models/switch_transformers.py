@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .common import ExpertKind, SoftmaxTopK, register
+from .common import Attention, ExpertKind, Rotary, SoftmaxTopK, register
 from ..errors import CheckpointError
 from ..spec import ExpertNames, ModelSpec, TensorNames, config_bool, config_float, config_int, config_str
 
@@ -67,7 +67,8 @@ def parse_config(config: dict) -> ModelSpec:
         num_kv_heads=heads,
         head_dim=config_int(config, "d_kv"),
         rms_norm_eps=config_float(config, "layer_norm_epsilon", default=1e-6, above=0),
-        rope_theta=10000.0,            # unused: positions enter through the relative-position bias
+        rotary=Rotary(),               # unused: positions enter through the relative-position bias
+        attention=Attention(),         # T5's q, k, v, o (edgemoe/seq2seq.py computes them)
         max_position_embeddings=CONTEXT_LENGTH,
         num_experts=config_int(config, "num_experts"),
         top_k=1,

@@ -12,10 +12,28 @@ Shapes: R rotary dims per head.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from ..spec import config_bool, config_float, config_int
+from .common import Rotary, register
+
+
+@register
+@dataclass(frozen=True)
+class Yarn(Rotary):
+    """Rotary frequencies blended as above, cos and sin times the attention factor."""
+
+    kind = "yarn"
+    rope_inv_freq: tuple[float, ...] = ()   # [R/2]
+    rope_attention_factor: float = 1.0
+
+    def __post_init__(self):
+        object.__setattr__(self, "rope_inv_freq", tuple(self.rope_inv_freq))   # a manifest's list
+
+    def frequencies(self, positions):
+        return self.rope_inv_freq, self.rope_attention_factor
 
 
 def mscale(factor: float, scale: float = 1.0) -> float:
@@ -43,7 +61,7 @@ def yarn_inv_freq(dim: int, base: float, factor: float, context: int, beta_fast:
 
 
 def yarn_fields(config: dict, params: dict, rope_dim: int, key_dim: int, base: float) -> dict:
-    """ModelSpec fields (rope_inv_freq, rope_attention_factor, attention_scale) of a "yarn" config."""
+    """ModelSpec fields (rotary, attention_scale) of a "yarn" config."""
     where = params["field"]
     context = (config_int(config, "original_max_position_embeddings", default=None)
                or config_int(params, "original_max_position_embeddings", default=None, section=where)
@@ -62,5 +80,5 @@ def yarn_fields(config: dict, params: dict, rope_dim: int, key_dim: int, base: f
     softmax_scale = key_dim ** -0.5
     if scale_all:
         softmax_scale *= mscale(factor, scale_all) ** 2
-    return dict(rope_inv_freq=tuple(inv_freq.tolist()), rope_attention_factor=float(attention_factor),
-                attention_scale=softmax_scale)
+    rotary = Yarn(rope_theta=base, rope_inv_freq=tuple(inv_freq.tolist()), rope_attention_factor=float(attention_factor))
+    return dict(rotary=rotary, attention_scale=softmax_scale)
