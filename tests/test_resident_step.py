@@ -9,6 +9,7 @@ import torch
 
 import edgemoe
 from edgemoe.convert import convert
+from edgemoe.decode import DecodeEngine
 from edgemoe.kernels import cpu_layer, int_paths
 from edgemoe.kernels.ops import INT_PATH_ENV
 from edgemoe.model import Segment
@@ -26,11 +27,18 @@ def store_of(tiny_model, tmp_path):
     return make
 
 
-def counted(monkeypatch, name):
-    """Counts calls of a cpu_layer kernel (the engine reaches it through the module)."""
+def counted(monkeypatch, method):
+    """Counts calls of a DecodeEngine method, each one kernel call: step (decode_token_kernel) or moe
+    (moe_block_kernel). The kernels themselves stay unpatched: decode_token_kernel calls
+    moe_block_kernel, and numba compiles what the module's name holds."""
     calls = []
-    kernel = getattr(cpu_layer, name)
-    monkeypatch.setattr(cpu_layer, name, lambda *a: calls.append(1) or kernel(*a))
+    original = getattr(DecodeEngine, method)
+
+    def call(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(DecodeEngine, method, call)
     return calls
 
 
@@ -82,7 +90,7 @@ def test_a_step_in_one_call_gives_the_layer_by_layer_bits(store_of, monkeypatch,
     keeps several candidates in each softmax)."""
     monkeypatch.setenv(INT_PATH_ENV, path)
     store = store_of(arch, **overrides)
-    steps, moe_blocks = counted(monkeypatch, "decode_token_kernel"), counted(monkeypatch, "moe_block_kernel")
+    steps, moe_blocks = counted(monkeypatch, "step"), counted(monkeypatch, "moe")
     whole = decode(store, "step", monkeypatch, kv_dtype=kv_dtype)
     assert len(steps) == len(STEPS) and not moe_blocks
     by_layer = decode(store, "layer", monkeypatch, kv_dtype=kv_dtype)
@@ -103,7 +111,7 @@ def test_a_bfloat16_checkpoint_gives_the_layer_by_layer_bits(store_of, monkeypat
     monkeypatch.setenv(INT_PATH_ENV, path)
     store = store_of("qwen3_moe", num_experts=16, num_experts_per_tok=8, dtype="bfloat16")
     options = dict(dtype=torch.bfloat16)
-    steps = counted(monkeypatch, "decode_token_kernel")
+    steps = counted(monkeypatch, "step")
     whole = decode(store, "step", monkeypatch, **options)
     assert len(steps) == len(STEPS)
     same(whole, decode(store, "generic", monkeypatch, **options))
@@ -141,7 +149,7 @@ def test_replayed_routing_runs_in_the_engine_with_the_generic_bits(store_of, mon
     """The bench routes a random-weight model by a replayed trace: the engine takes its choice instead
     of the router's, an expert chosen twice included (computed twice, added in pair order, counted once)."""
     store = store_of("mixtral")
-    calls = counted(monkeypatch, "decode_token_kernel" if way == "step" else "moe_block_kernel")
+    calls = counted(monkeypatch, "step" if way == "step" else "moe")
     ours = decode(store, way, monkeypatch, routing=replayed)
     layers = len(ours[2]) // (2 * len(STEPS))   # the hooks saw two records a layer and step
     assert len(calls) == len(STEPS) * (1 if way == "step" else layers)
@@ -151,7 +159,7 @@ def test_replayed_routing_runs_in_the_engine_with_the_generic_bits(store_of, mon
 def test_where_a_step_cannot_run_whole_it_runs_layer_by_layer(store_of, monkeypatch):
     """A shared expert (qwen2_moe) is not the engine's MoE block; a store still reading experts has no
     resident tables: each runs without the one call."""
-    steps = counted(monkeypatch, "decode_token_kernel")
+    steps = counted(monkeypatch, "step")
     with edgemoe.load(store_of("qwen2_moe"), dense_bits=8, compute="fused-int") as model:
         for entry in model.store.experts():
             model.store.get(*entry.key)
@@ -176,7 +184,7 @@ def test_a_ram_budget_that_holds_every_expert_is_filled_at_open(store_of, monkey
         assert store.stats.misses == 0 and store.stats.ram.hits == 0   # placement is no request
     with open_store(path, ram="100%", place_popular=False) as store, open_store(path) as unlimited:
         assert store.cache.count() == 0 and unlimited.cache.count() == 0
-    steps = counted(monkeypatch, "decode_token_kernel")
+    steps = counted(monkeypatch, "step")
     with edgemoe.load(path, dense_bits=8, compute="fused-int", ram="100%") as model:
         model.forward(torch.tensor([3]), [Segment(model.new_cache(), 1)])
     assert steps

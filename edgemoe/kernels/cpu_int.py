@@ -411,7 +411,7 @@ def _quantize_pairs(rows, starts, layout, a, group_col, xq, xs, qs):
         _quantize_row(rows[p], g, xq[p], xs[p, :ng], qs[p, :ng])
 
 
-@njit_exact_parallel
+@njit_exact
 def swiglu_experts_int_kernel(path, layout, starts, x, inner, y, nblocks):
     """Every expert of a layer on the integer path in one call: y[p] = expert a's output for pair p,
     for the pairs starts[a] <= p < starts[a + 1] of each expert a. x float32 [P, D]: each pair's
@@ -421,10 +421,10 @@ def swiglu_experts_int_kernel(path, layout, starts, x, inner, y, nblocks):
     swiglu_experts_int(path, layout, starts, x, inner, y, nblocks)
 
 
-@njit_exact_inline
+@njit_exact_parallel
 def swiglu_experts_int(path, layout, starts, x, inner, y, nblocks):
-    """swiglu_experts_int_kernel's body, inlined into the kernels that call it (its parallel loops
-    become theirs: edgemoe/kernels/cpu_layer.py's MoE block)."""
+    """swiglu_experts_int_kernel's body, compiled once for the kernels that call it (edgemoe/kernels/
+    cpu_layer.py's MoE block too): inlined, numba compiled it again inside each of them."""
     nexp = layout.shape[0]
     npairs, dim = x.shape
     xcols, hcols, xng, hng = np.int64(0), np.int64(0), np.int64(0), np.int64(0)   # the widest expert's

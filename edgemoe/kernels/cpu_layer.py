@@ -13,7 +13,10 @@ One call does, for a token's hidden state x [D] (the residual stream, updated in
 from x or through its latent (q_a, RMSNorm, q_b), keys and values expanded per head from kv_a's
 normed latent by kv_b, the rope parts rotated (after DeepSeek's deinterleave where the model
 has it), then the same attention and tail. The phases are inlined functions (numba inlines their
-prange loops into the kernel's parallel regions). This is where the generic forward makes ~40 torch ops and kernel calls, each with its Python around it.
+prange loops into the kernel's parallel regions); the blocks that several kernels call
+(_attention_block, _moe_block, cpu_int.swiglu_experts_int) are compiled functions of their own, so
+that each is compiled once. This is where the generic forward makes ~40 torch ops and kernel calls,
+each with its Python around it.
 The projections, RMSNorms, biases, clip, rotary and residual give the generic path's bits (the same
 integer kernel rows, _rows; the same norm loop; elementwise float32 ops in torch's order, compiled
 without fastmath). The attention's dot products and softmax, the router's products and LayerNorm
@@ -372,7 +375,7 @@ def _attention_tail(path, table, dims, eps, scale, x, q, k, v, keys, values, pos
             _dot_rows(router, h, logits, b * size, min(experts, (b + 1) * size))
 
 
-@njit_exact_parallel
+@njit_exact
 def attention_block_kernel(path, table, dims, eps, scale, clip, x, cos, sin, keys, values, pos, h, logits,
                            nblocks):
     """Grouped-query attention. x float32 [D] (updated: x + attention), keys / values [K, L, Dk / Dv]
@@ -382,8 +385,10 @@ def attention_block_kernel(path, table, dims, eps, scale, clip, x, cos, sin, key
     _attention_block(path, table, dims, eps, scale, clip, x, cos, sin, keys, values, pos, h, logits, nblocks)
 
 
-@njit_exact_inline
+@njit_exact_parallel
 def _attention_block(path, table, dims, eps, scale, clip, x, cos, sin, keys, values, pos, h, logits, nblocks):
+    """attention_block_kernel's body, compiled once for the kernels that call it (decode_token_kernel
+    too): inlined, numba compiled it again inside each of them."""
     normed = np.empty(dims[DIM_D], np.float32)
     _norm(dims[DIM_NORM], x, table, ATTN_NORM, ATTN_NORM_BIAS, eps, normed)
     q, k, v = _gqa_qkv(path, table, dims, eps, clip, normed, cos, sin, nblocks)
@@ -474,7 +479,7 @@ def _route(router, logits, bias, jitter, top_k, weights, experts):
         softmax_topk_kernel(logits, top_k, router == SOFTMAX_NORMALIZED, weights, experts)
 
 
-@njit_exact_parallel
+@njit_exact
 def moe_block_kernel(path, layouts, h, logits, top_k, router, bias, jitter, replayed, x, weights, experts, nblocks):
     """A one-token MoE block whose experts are all resident, on the integer path, in one call: the
     router's choice from logits float32 [E] (router SOFTMAX, SOFTMAX_NORMALIZED, TOPK_SOFTMAX with
@@ -489,8 +494,9 @@ def moe_block_kernel(path, layouts, h, logits, top_k, router, bias, jitter, repl
     _moe_block(path, layouts, h, logits, top_k, router, bias, jitter, replayed, x, weights, experts, nblocks)
 
 
-@njit_exact_inline
+@njit_exact_parallel
 def _moe_block(path, layouts, h, logits, top_k, router, bias, jitter, replayed, x, weights, experts, nblocks):
+    """moe_block_kernel's body, compiled once for the kernels that call it, as _attention_block."""
     if not replayed:
         _route(router, logits, bias, jitter, top_k, weights, experts)
     order = np.argsort(experts, kind="mergesort")
@@ -512,7 +518,7 @@ def _moe_block(path, layouts, h, logits, top_k, router, bias, jitter, replayed, 
         x[c] = x[c] + out[c]
 
 
-@njit_exact_parallel
+@njit_exact
 def decode_token_kernel(path, tables, dims, eps, scale, clip, x, cos, sin, kv, kv_like, pos, layouts, top_k,
                         router, jitter, replayed, hs, weights, experts, nblocks):
     """One token through every decoder layer in one call, for a model whose layers are all grouped-query
