@@ -257,7 +257,9 @@ def _project(path, table, m, v, rows, nblocks):
     """v float32 [C] @ matrix m's (table[m:m + MATRIX_COLUMNS]) W^T on the integer path -> float32 [R]:
     v quantized to int8 on the matrix's groups, rows in parallel blocks (qmatmul_int_kernel's bits)."""
     bits, g, ng = table[m + BITS], table[m + GROUP], table[m + NGROUPS]
-    xq = np.zeros(ng * g, np.int8)
+    xq = np.empty(ng * g, np.int8)
+    for c in range(ng * g):   # a loop: np.zeros would be a parallel region of its own (see _moe_block)
+        xq[c] = 0
     xs = np.empty((1, ng), np.float32)
     qs = np.empty((1, ng), np.int64)
     _quantize_row(v, g, xq, xs[0], qs[0])
@@ -352,7 +354,7 @@ def _attention_tail(path, table, dims, eps, scale, x, q, k, v, keys, values, pos
     window = table[WINDOW]
     j0 = max(0, pos + 1 - window) if window > 0 else 0
     has_sink = table[SINKS] != 0
-    sinks = _vector(table[SINKS], heads) if has_sink else np.zeros(heads, np.float32)
+    sinks = _vector(table[SINKS], heads) if has_sink else np.empty(heads, np.float32)   # not read: no sinks
     attended = np.empty(heads * dv, np.float32)
     group = heads // kv_heads
     by_head = q.reshape(heads, dk)
@@ -500,16 +502,25 @@ def _moe_block(path, layouts, h, logits, top_k, router, bias, jitter, replayed, 
     if not replayed:
         _route(router, logits, bias, jitter, top_k, weights, experts)
     order = np.argsort(experts, kind="mergesort")
-    dim = h.shape[0]
-    chosen = np.empty((top_k, layouts.shape[1]), np.int64)
+    dim, columns = h.shape[0], layouts.shape[1]
+    # Written as loops: in a parallel function numba makes each array expression (a slice copied,
+    # np.zeros) a parallel region of its own, 2 * top_k + 1 a layer here (docs/benchmarks.md).
+    chosen = np.empty((top_k, columns), np.int64)
     rows = np.empty((top_k, dim), np.float32)
+    starts = np.empty(top_k + 1, np.int64)
     for a in range(top_k):
-        chosen[a, :] = layouts[experts[order[a]], :]
-        rows[a, :] = h
-    starts = np.arange(top_k + 1)
+        expert = experts[order[a]]
+        for c in range(columns):
+            chosen[a, c] = layouts[expert, c]
+        for c in range(dim):
+            rows[a, c] = h[c]
+        starts[a] = a
+    starts[top_k] = top_k
     y = np.empty((top_k, dim), np.float32)
     swiglu_experts_int(path, chosen, starts, rows, layouts[0, INNER], y, nblocks)
-    out = np.zeros(dim, np.float32)
+    out = np.empty(dim, np.float32)
+    for c in range(dim):
+        out[c] = 0
     for a in range(top_k):
         w = weights[order[a]]
         for c in range(dim):

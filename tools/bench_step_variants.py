@@ -1,0 +1,142 @@
+"""The decode engine's one-call step as it is, against variants of it built beside it, alternated
+token by token in one process (so that the drift between processes stays out of the ratios):
+
+- inlined: the attention block, the MoE block and the experts' layer kernel inlined into the step
+  (numba then compiles each again inside it), as the step was compiled before they became
+  functions of their own;
+- array-expressions: the MoE block's copies and zeroing, and the projections' zeroed activation
+  codes, as array expressions (`rows[a, :] = h`, `np.zeros`), as they were written before: in a
+  parallel function numba makes each such expression a parallel region of its own.
+
+    python tools/bench_step_variants.py STORE [--variants inlined array-expressions] [--prefill 512]
+                                              [--tokens 300] [--threads 2]
+
+STORE: a store whose model the step kernel runs (grouped-query attention, softmax-routed MoE layers),
+every expert made resident; dense matrices at 4 bits; greedy decoding of a random prompt. Prints
+each variant's first step (its compile, on an empty cache) and median token time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import types
+
+import numba
+import torch
+
+import edgemoe
+from edgemoe.kernels import cpu_int, cpu_layer
+from edgemoe.kernels._jit import EXACT, EXACT_INLINE
+from edgemoe.model import Segment
+
+PARALLEL = dict(EXACT, parallel=True)
+
+# The two functions as they were written with array expressions (cpu_layer's names in scope).
+ARRAY_EXPRESSIONS = '''
+def _moe_block(path, layouts, h, logits, top_k, router, bias, jitter, replayed, x, weights, experts, nblocks):
+    if not replayed:
+        _route(router, logits, bias, jitter, top_k, weights, experts)
+    order = np.argsort(experts, kind="mergesort")
+    dim = h.shape[0]
+    chosen = np.empty((top_k, layouts.shape[1]), np.int64)
+    rows = np.empty((top_k, dim), np.float32)
+    for a in range(top_k):
+        chosen[a, :] = layouts[experts[order[a]], :]
+        rows[a, :] = h
+    starts = np.arange(top_k + 1)
+    y = np.empty((top_k, dim), np.float32)
+    swiglu_experts_int(path, chosen, starts, rows, layouts[0, INNER], y, nblocks)
+    out = np.zeros(dim, np.float32)
+    for a in range(top_k):
+        w = weights[order[a]]
+        for c in range(dim):
+            out[c] = out[c] + y[a, c] * w
+    for c in range(dim):
+        x[c] = x[c] + out[c]
+
+
+def _project(path, table, m, v, rows, nblocks):
+    bits, g, ng = table[m + BITS], table[m + GROUP], table[m + NGROUPS]
+    xq = np.zeros(ng * g, np.int8)
+    xs = np.empty((1, ng), np.float32)
+    qs = np.empty((1, ng), np.int64)
+    _quantize_row(v, g, xq, xs[0], qs[0])
+    packed = uint8_view(table[m + PACKED], rows * ng * (g * bits // 8))
+    scale = float32_view(table[m + SCALE], rows, ng)
+    zero = float32_view(table[m + ZERO], rows, ng)
+    out = np.empty((1, rows), np.float32)
+    size = _block_size(rows, nblocks)
+    for b in numba.prange(-(-rows // size)):
+        _rows(path, bits, g, packed, scale, zero, xq, ng * g, xs, qs, 0, 1, b * size, min(rows, (b + 1) * size), out)
+    return out[0]
+'''
+
+
+def rebuilt(fn, options: dict, **globals_replaced):
+    """fn's Python function jitted with `options`, its module globals replaced where named."""
+    py = fn.py_func
+    namespace = dict(py.__globals__, **globals_replaced)
+    return numba.njit(**dict(options, cache=False))(types.FunctionType(py.__code__, namespace, py.__name__,
+                                                                       py.__defaults__, py.__closure__))
+
+
+def inlined_step():
+    experts = rebuilt(cpu_int.swiglu_experts_int, EXACT_INLINE)
+    moe = rebuilt(cpu_layer._moe_block, EXACT_INLINE, swiglu_experts_int=experts)
+    attention = rebuilt(cpu_layer._attention_block, EXACT_INLINE)
+    return rebuilt(cpu_layer.decode_token_kernel, PARALLEL, _attention_block=attention, _moe_block=moe)
+
+
+def array_expressions_step():
+    namespace = dict(vars(cpu_layer))
+    exec(ARRAY_EXPRESSIONS, namespace)
+    project = numba.njit(**dict(EXACT_INLINE, cache=False))(namespace["_project"])
+    moe = numba.njit(**dict(PARALLEL, cache=False))(namespace["_moe_block"])
+    qkv = rebuilt(cpu_layer._gqa_qkv, EXACT_INLINE, _project=project)
+    tail = rebuilt(cpu_layer._attention_tail, EXACT_INLINE, _project=project)
+    attention = rebuilt(cpu_layer._attention_block, PARALLEL, _gqa_qkv=qkv, _attention_tail=tail)
+    return rebuilt(cpu_layer.decode_token_kernel, EXACT, _attention_block=attention, _moe_block=moe)
+
+
+VARIANTS = {"inlined": inlined_step, "array-expressions": array_expressions_step}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("store")
+    ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--tokens", type=int, default=300)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    kernels = {"as is": cpu_layer.decode_token_kernel, **{name: VARIANTS[name]() for name in args.variants}}
+    times: dict[str, list[float]] = {name: [] for name in kernels}
+    with edgemoe.load(args.store, dense_bits=4, preload="none", threads=args.threads) as model:
+        for entry in model.store.experts():
+            model.store.get(*entry.key)
+        cache = model.new_cache()
+        prompt = torch.randint(0, model.spec.vocab_size, (args.prefill,), generator=torch.Generator().manual_seed(0))
+        token = int(model.forward(prompt, [Segment(cache, args.prefill)])[-1].argmax())
+
+        def step(kernel) -> float:
+            nonlocal token
+            cpu_layer.decode_token_kernel = kernel   # the engine looks the kernel up on the module at each call
+            start = time.perf_counter()
+            token = int(model.forward(torch.tensor([token]), [Segment(cache, 1)])[-1].argmax())
+            return time.perf_counter() - start
+
+        for name, kernel in kernels.items():
+            print(f"{name}: first step {step(kernel):.1f} s (compiles on an empty cache)")
+        for i in range(args.tokens):
+            name = list(kernels)[i % len(kernels)]
+            times[name].append(step(kernels[name]))
+    base = statistics.median(times["as is"])
+    for name, t in times.items():
+        print(f"{name}: median token {statistics.median(t) * 1e3:.2f} ms over {len(t)} tokens, "
+              f"{statistics.median(t) / base:.3f}x as is")
+
+
+if __name__ == "__main__":
+    main()
