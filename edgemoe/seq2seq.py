@@ -14,7 +14,7 @@ for its self-attention.
 
 Feed-forward: a dense ungated relu MLP, or (spec.moe_layers) top-1 routing: the router's float32
 softmax picks the argmax expert and scales its output by that probability. As transformers does in
-eval mode too, an expert takes at most spec.expert_capacity tokens of a pass (the encoder's over the
+eval mode too, an expert takes at most spec.stacks.expert_capacity tokens of a pass (the encoder's over the
 prompt, a decoder step's): later tokens routed to a full expert get no MoE output (their residual
 passes). A one-token decoder step never reaches the capacity.
 
@@ -118,8 +118,9 @@ class Seq2SeqModel(StoreOwner):
         self.enc_norm, self.final_norm = dense["enc_norm"], dense["norm"]
         self.layers = [{key.split(".", 2)[2]: t for key, t in dense.items() if key.startswith(f"layers.{l}.")}
                        for l in range(spec.num_layers)]
-        self.encoder_range = range(spec.encoder_layers)
-        self.decoder_range = range(spec.encoder_layers, spec.num_layers)
+        self.stacks = spec.stacks   # the encoder-decoder's parameters (models/switch_transformers.py)
+        self.encoder_range = range(self.stacks.encoder_layers)
+        self.decoder_range = range(self.stacks.encoder_layers, spec.num_layers)
         # The hooks of MoEModel (see there): routing observers and the MoE-input look-ahead.
         self.routing_hooks: list = []
         self.moe_input_hooks: list = []
@@ -137,7 +138,7 @@ class Seq2SeqModel(StoreOwner):
         x = self.enc_embed[tokens].to(self.dtype)
         positions = torch.arange(tokens.numel())
         bias = position_bias(self.layers[0]["rel_bias"], positions, tokens.numel(), True,
-                             self.spec.relative_attention_max_distance)
+                             self.stacks.relative_attention_max_distance)
         for l in self.encoder_range:
             w = self.layers[l]
             t0 = time.perf_counter()
@@ -166,8 +167,8 @@ class Seq2SeqModel(StoreOwner):
         start = time.perf_counter()
         cache, s = state.cache, self.spec
         positions = torch.arange(cache.length, cache.length + tokens.numel())
-        bias = position_bias(self.layers[s.encoder_layers]["rel_bias"], positions, cache.length + tokens.numel(),
-                             False, s.relative_attention_max_distance)
+        bias = position_bias(self.layers[self.stacks.encoder_layers]["rel_bias"], positions,
+                             cache.length + tokens.numel(), False, self.stacks.relative_attention_max_distance)
         x = self.embed[tokens].to(self.dtype)
         for j, l in enumerate(self.decoder_range):
             w = self.layers[l]
@@ -218,7 +219,7 @@ class Seq2SeqModel(StoreOwner):
     def open_sequence(self, prompt_ids: Sequence[int]) -> tuple[DecoderState, list[int]]:
         """A new sequence's decoding state (the encoder's output over the prompt, read once) and the
         tokens it feeds first (the decoder's start token)."""
-        return self.start(self.encode(prompt_ids)), [self.spec.decoder_start_token_id]
+        return self.start(self.encode(prompt_ids)), [self.stacks.decoder_start_token_id]
 
     def next_logits(self, runs: Sequence[Sequence[int]], states: Sequence[DecoderState]) -> torch.Tensor:
         """Each state's decoder continued by its run of tokens; the float32 logits [len(runs), V] of each
@@ -268,7 +269,7 @@ class Seq2SeqModel(StoreOwner):
     def _within_capacity(self, weights: torch.Tensor, experts: torch.Tensor) -> ExpertBatches:
         """The pass's routing [T, 1] grouped by expert, without the tokens past an expert's capacity
         (each expert keeps its first expert_capacity tokens in order)."""
-        capacity = self.spec.expert_capacity
+        capacity = self.stacks.expert_capacity
         if capacity is None or experts.shape[0] <= capacity:
             return ExpertBatches.from_routing(weights, experts)
         one_hot = torch.nn.functional.one_hot(experts[:, 0], self.spec.num_experts)     # [T, E]

@@ -25,7 +25,7 @@ Experts (I expert hidden): (layer, expert) -> gate [I, D], up [I, D], down [D, I
     layers.{l}.expert_gate_up_bias [E, 2I] (gate biases at even indices, up at odd, as GPT-OSS stores them)
     layers.{l}.expert_down_bias [E, D]
 
-Encoder-decoder models (encoder_layers > 0, Switch Transformers; B relative-position buckets): layers
+Encoder-decoder models (stacks.encoder_layers > 0, Switch Transformers; B relative-position buckets): layers
 0..encoder_layers-1 are the encoder stack, the rest the decoder stack, so (layer, expert) keys of both stacks
 share one space. Roles: embed [V, D] (the decoder's, and the encoder's when tied)  enc_norm [D] (encoder's
 final norm)  norm [D] (decoder's)  lm_head [V, D] and enc_embed [V, D] (the encoder's): both absent when tied
@@ -49,7 +49,8 @@ POSITIVE_INTEGERS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "nu
 
 
 # ModelSpec's fields that hold a Part (edgemoe/models/common.py), and the Part's class there.
-PARTS = {"routing": "Router", "expert_kind": "ExpertKind", "rotary": "Rotary", "attention": "Attention"}
+PARTS = {"routing": "Router", "expert_kind": "ExpertKind", "rotary": "Rotary", "attention": "Attention",
+         "stacks": "Stacks"}
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,9 @@ class ModelSpec:
     # How a layer makes its queries, keys and values: an Attention (edgemoe/models/common.py) of the kind
     # the architecture file declares (grouped-query; DeepSeek's multi-head latent attention, its ranks).
     attention: Any
+    # The layer stacks: a Stacks (edgemoe/models/common.py), one decoder stack, or an encoder then a
+    # decoder (Switch Transformers: its file's kind, with the first encoder_layers of num_layers).
+    stacks: Any
     dense_hidden: int = 0
     shared_expert_hidden: int = 0         # 0: no shared expert
     qkv_bias: bool = False
@@ -100,12 +104,6 @@ class ModelSpec:
     attention_sinks: bool = False         # a learned per-head logit joins each softmax (GPT-OSS)
     skipped_layers: int = 0               # checkpoint layers after the decoder's that generation does not
                                           # use (DeepSeek-V3's multi-token prediction): their tensors are skipped
-    # Encoder-decoder (Switch Transformers): the first encoder_layers of num_layers are the encoder's.
-    encoder_layers: int = 0               # 0: decoder-only
-    relative_attention_buckets: int = 0   # T5 relative-position buckets and the distance the last one starts at
-    relative_attention_max_distance: int = 0
-    decoder_start_token_id: int | None = None
-    expert_capacity: int | None = None    # tokens per expert and sequence in one pass; those beyond are dropped
 
     def __post_init__(self):
         for name in POSITIVE_INTEGERS:
@@ -121,28 +119,15 @@ class ModelSpec:
             raise CheckpointError(f"config: hidden_act={self.hidden_act!r} (only "
                                   f"{self.expert_kind.hidden_act!r} is supported with "
                                   f"{self.expert_activation} experts)")
-        if self.encoder_layers:
-            self._check_encoder_decoder()
+        self.stacks.check(self)
         if self.norm not in ("rms", "layer"):
             raise CheckpointError(f"config: norm={self.norm!r} (expected one of ('rms', 'layer'))")
         self.routing.check(self)
 
-    def _check_encoder_decoder(self) -> None:
-        if not 0 < self.encoder_layers < self.num_layers:
-            raise CheckpointError(f"config: {self.encoder_layers} encoder layers of {self.num_layers} leave no decoder")
-        if self.relative_attention_buckets < 2 or self.relative_attention_max_distance < 1:
-            raise CheckpointError(f"config: relative_attention_num_buckets={self.relative_attention_buckets}, "
-                                  f"relative_attention_max_distance={self.relative_attention_max_distance}")
-        if self.decoder_start_token_id is None or not 0 <= self.decoder_start_token_id < self.vocab_size:
-            raise CheckpointError(f"config: decoder_start_token_id={self.decoder_start_token_id!r} "
-                                  f"outside [0, {self.vocab_size})")
-        if self.expert_capacity is not None and self.expert_capacity < 1:
-            raise CheckpointError(f"config: expert_capacity={self.expert_capacity} (expected >= 1)")
-
     def to_dict(self) -> dict[str, Any]:
         """The manifest's spec: every field under its name; each part (the router, the expert kind, the
-        rotary embedding, the attention) as its kind under the part's key ("router", "expert_activation",
-        "rope_type", "attention") and its parameters."""
+        rotary embedding, the attention, the stacks) as its kind under the part's key ("router",
+        "expert_activation", "rope_type", "attention", "stacks") and its parameters."""
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in PARTS}
         for name in PARTS:
             d.update(getattr(self, name).spec_fields())
@@ -186,7 +171,7 @@ class ModelSpec:
 
     @property
     def is_encoder_decoder(self) -> bool:
-        return self.encoder_layers > 0
+        return self.stacks.encoder_layers > 0
 
     @property
     def expert_roles(self) -> tuple[str, ...]:
@@ -195,7 +180,7 @@ class ModelSpec:
     def dense_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every canonical dense role this model has, with its shape."""
         if self.is_encoder_decoder:
-            return self._encoder_decoder_shapes()
+            return self.stacks.dense_shapes(self)
         D, V = self.hidden_size, self.vocab_size
         shapes: dict[str, tuple[int, ...]] = {"embed": (V, D), "norm": (D,)}
         if not self.tie_word_embeddings:
@@ -215,27 +200,6 @@ class ModelSpec:
             shapes.update({p + role: shape for role, shape in self._mlp_shapes(l).items()})
         if self.norm == "layer":
             shapes.update({name + "_bias": (D,) for name in norms})
-        return shapes
-
-    def _encoder_decoder_shapes(self) -> dict[str, tuple[int, ...]]:
-        D, V, inner = self.hidden_size, self.vocab_size, self.num_heads * self.head_dim
-        shapes: dict[str, tuple[int, ...]] = {"embed": (V, D), "enc_norm": (D,), "norm": (D,)}
-        if not self.tie_word_embeddings:
-            shapes.update(lm_head=(V, D), enc_embed=(V, D))
-        attention = {"q": (inner, D), "k": (inner, D), "v": (inner, D), "o": (D, inner)}
-        for l in range(self.num_layers):
-            p = f"layers.{l}."
-            shapes.update({p + "attn_norm": (D,), p + "mlp_norm": (D,)})
-            shapes.update({p + role: shape for role, shape in attention.items()})
-            if l in (0, self.encoder_layers):
-                shapes[p + "rel_bias"] = (self.relative_attention_buckets, self.num_heads)
-            if l >= self.encoder_layers:
-                shapes[p + "cross_norm"] = (D,)
-                shapes.update({p + "cross." + role: shape for role, shape in attention.items()})
-            if self.moe_layers[l]:
-                shapes[p + "router"] = (self.num_experts, D)
-            else:
-                shapes.update({p + "mlp.up": (self.dense_hidden, D), p + "mlp.down": (D, self.dense_hidden)})
         return shapes
 
     def _mlp_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:

@@ -152,7 +152,7 @@ def _trace_window(model, tokens: torch.Tensor, window: int, lookahead: list | No
         return recorder.records
     if tokens.numel() < 2:
         return []
-    pair = text_to_text(tokens, model.spec.decoder_start_token_id)
+    pair = text_to_text(tokens, model.spec.stacks.decoder_start_token_id)
     with _recorders(model, f"{window}/encoder", lookahead) as encoder:
         source = model.encode(pair.source)
     with _recorders(model, f"{window}/decoder", lookahead) as decoder:

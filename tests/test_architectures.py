@@ -217,6 +217,24 @@ def test_each_attention_kind_is_its_name_and_parameters_in_the_manifest_and_read
     assert ModelSpec.from_dict({**EARLIER_ATTENTION_KEYS, **written}) == spec
 
 
+# The stacks' kinds, and the encoder-decoder fields a manifest written before "stacks" held for every model.
+STACKS_KINDS = {"decoder": "mixtral", "encoder_decoder": "switch_transformers"}
+EARLIER_STACKS_KEYS = {"encoder_layers": 0, "relative_attention_buckets": 0, "relative_attention_max_distance": 0,
+                       "decoder_start_token_id": None, "expert_capacity": None}
+
+
+@pytest.mark.parametrize("kind", STACKS_KINDS)
+def test_each_stacks_kind_is_its_name_and_parameters_in_the_manifest_and_reads_as_written_before(tiny_model, kind):
+    assert set(STACKS_KINDS) == set(edgemoe.models.KINDS["stacks"])
+    spec = edgemoe.models.parse_spec(json.loads((tiny_model(STACKS_KINDS[kind]) / "config.json").read_text()))
+    written = json.loads(json.dumps(spec.to_dict()))
+    assert written["stacks"] == kind == spec.stacks.kind and spec.is_encoder_decoder == (kind == "encoder_decoder")
+    assert set(EARLIER_STACKS_KEYS) & set(written) == (set(EARLIER_STACKS_KEYS) if spec.is_encoder_decoder else set())
+    assert ModelSpec.from_dict(written) == spec
+    before = {**EARLIER_STACKS_KEYS, **{k: v for k, v in written.items() if k != "stacks"}}
+    assert ModelSpec.from_dict(before) == spec
+
+
 @pytest.mark.parametrize("kind", ["softmax", "sigmoid_group", "sparsemixer", "topk_softmax"])
 def test_a_store_written_before_the_kinds_moved_loads_as_it_did(tiny_model, tmp_path, kind):
     """A manifest that lists every router kind's and expert kind's parameters (as every store written

@@ -86,7 +86,8 @@ def test_capacity_drops_tokens_like_transformers(tiny_model):
     path = switch(tiny_model, expert_capacity=2)
     model = edgemoe.load(path)
     ids = model.tokenizer.encode(PROMPT)
-    unlimited = Seq2SeqModel(replace(model.spec, expert_capacity=None), model_dense(model), model.experts)
+    spec = replace(model.spec, stacks=replace(model.spec.stacks, expert_capacity=None))
+    unlimited = Seq2SeqModel(spec, model_dense(model), model.experts)
     assert (model.encode(ids) - unlimited.encode(ids)).abs().max() > 1e-2
 
 
@@ -103,7 +104,7 @@ def test_greedy_generation_equals_transformers_generate(tiny_model, config):
     hf, model = hf_model(path), edgemoe.load(path)
     ids = model.tokenizer.encode(PROMPT)
     expected = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0].tolist()
-    assert expected[0] == model.spec.decoder_start_token_id
+    assert expected[0] == model.spec.stacks.decoder_start_token_id
     ours = list(stream_tokens(model, ids, GenerationOptions(max_new_tokens=24)))
     eos = model.generation_config["eos_token_id"]
     assert ours == [t for t in expected[1:] if t != eos]
@@ -208,8 +209,8 @@ def test_calibration_text_profiles_both_stacks_apart(tiny_model, tmp_path, monke
     spec = model.spec
     profile = load_routing_profile(tmp_path / "s")
     assert profile.moe_layers == spec.moe_layer_ids
-    encoder_moe = [l for l in spec.moe_layer_ids if l < spec.encoder_layers]
-    decoder_moe = [l for l in spec.moe_layer_ids if l >= spec.encoder_layers]
+    encoder_moe = [l for l in spec.moe_layer_ids if l < spec.stacks.encoder_layers]
+    decoder_moe = [l for l in spec.moe_layer_ids if l >= spec.stacks.encoder_layers]
     assert len(encoder_moe) >= 2 and decoder_moe
     # Independently: each window's two passes through the store's model, routing seen by a plain hook.
     ids = torch.tensor(model.tokenizer.encode(text, add_special_tokens=False))
@@ -221,7 +222,7 @@ def test_calibration_text_profiles_both_stacks_apart(tiny_model, tmp_path, monke
     for start in range(0, ids.numel(), context):
         window = ids[start:start + context]
         half = window.numel() // 2
-        model.logits(window[:half], [spec.decoder_start_token_id, *window[half:-1].tolist()])
+        model.logits(window[:half], [spec.stacks.decoder_start_token_id, *window[half:-1].tolist()])
         encoder_tokens += half
     assert profile.counts == expected
     assert profile.given_prev[decoder_moe[0]] == {}      # nothing before it in its own stack
@@ -285,7 +286,7 @@ def test_budget_search_widths_and_loss_match_transformers(tiny_model, tmp_path, 
     assert done.heldout_loss is not None and record["heldout_loss"] == done.heldout_loss
     tokenizer = edgemoe.load(path).tokenizer
     # transformers shifts the labels right from its config's start token, as edgemoe's decoder input.
-    assert hf_model(path).config.decoder_start_token_id == manifest.spec.decoder_start_token_id
+    assert hf_model(path).config.decoder_start_token_id == manifest.spec.stacks.decoder_start_token_id
     calibration = tokenizer.encode(BUDGET_TEXT, add_special_tokens=False)
     assert record["calibration_loss"] == pytest.approx(hf_relative_ppl(path, widths, calibration, context),
                                                        rel=1e-3, abs=1e-6)
@@ -390,8 +391,7 @@ def test_store_written_before_expert_kinds_reads_as_swiglu(tiny_model, tmp_path)
         ids = model.tokenizer.encode(PROMPT)
         expected = model.logits(ids)
     manifest = json.loads((out / MANIFEST).read_text())
-    added = {"expert_activation", "encoder_layers", "relative_attention_buckets",
-             "relative_attention_max_distance", "decoder_start_token_id", "expert_capacity"}
+    added = {"expert_activation", "stacks"}   # a decoder-only spec holds no encoder-decoder parameters
     assert added <= set(manifest["spec"]) and manifest["version"] == 1
     manifest["spec"] = {k: v for k, v in manifest["spec"].items() if k not in added}
     (out / MANIFEST).write_text(json.dumps(manifest))
@@ -404,8 +404,8 @@ def test_store_written_before_expert_kinds_reads_as_swiglu(tiny_model, tmp_path)
 def test_no_preloader_predicts_from_the_encoder_into_the_decoder(store):
     with edgemoe.load(store, preload="lookahead", ram="20%") as model:
         spec = model.spec
-        first_decoder_moe = min(l for l in spec.moe_layer_ids if l >= spec.encoder_layers)
-        last_encoder_moe = max(l for l in spec.moe_layer_ids if l < spec.encoder_layers)
+        first_decoder_moe = min(l for l in spec.moe_layer_ids if l >= spec.stacks.encoder_layers)
+        last_encoder_moe = max(l for l in spec.moe_layer_ids if l < spec.stacks.encoder_layers)
         assert first_decoder_moe not in model.preloader.next_moe.values()
         assert last_encoder_moe not in model.preloader.next_moe        # its next MoE layer is the decoder's
         assert model.preloader.next_moe                                # within each stack it predicts

@@ -167,7 +167,7 @@ class Calibration:
         if not self.windows:
             raise ValueError("calibration text: fewer than 2 tokens")
         spec = reference if isinstance(reference, ModelSpec) else reference.spec
-        self.pairs = ([text_to_text(w, spec.decoder_start_token_id) for w in self.windows]
+        self.pairs = ([text_to_text(w, spec.stacks.decoder_start_token_id) for w in self.windows]
                       if spec.is_encoder_decoder else None)
         self.targets = [p.target for p in self.pairs] if self.pairs else [w[1:] for w in self.windows]
         self.sizes = [t.numel() for t in self.targets]

@@ -1,10 +1,11 @@
 """Pieces shared by the architecture files: the common attention/norm part of a config and its names,
 and the parts of a model an architecture file may declare its own kind of: its router (Router,
 ModelSpec.routing), what its experts compute (ExpertKind, ModelSpec.expert_kind), how positions
-rotate queries and keys (Rotary, ModelSpec.rotary) and how a layer makes them (Attention,
-ModelSpec.attention). Here: their base classes, the registry of kinds (edgemoe.models.part_from_fields
-rebuilds one from a store manifest), and the kinds most architectures use: softmax top-k routing,
-SwiGLU experts, theta's rotary frequencies, grouped-query attention.
+rotate queries and keys (Rotary, ModelSpec.rotary), how a layer makes them (Attention,
+ModelSpec.attention) and its layer stacks (Stacks, ModelSpec.stacks). Here: their base classes, the
+registry of kinds (edgemoe.models.part_from_fields rebuilds one from a store manifest), and the kinds
+most architectures use: softmax top-k routing, SwiGLU experts, theta's rotary frequencies,
+grouped-query attention, one decoder stack.
 
 Shapes: T tokens, E experts, A experts chosen per token, D hidden, I expert hidden.
 """
@@ -177,6 +178,27 @@ class Attention(Part):
         return shapes
 
 
+@register
+@dataclass(frozen=True)
+class Stacks(Part):
+    """The model's layer stacks: ModelSpec.stacks. This kind, one decoder stack (edgemoe.model.MoEModel
+    runs it), is every architecture's but Switch Transformers', whose file declares an encoder then a
+    decoder (edgemoe.seq2seq.Seq2SeqModel runs it)."""
+
+    key = "stacks"
+    default = "decoder"
+    kind = "decoder"
+    encoder_layers: ClassVar[int] = 0   # the first layers of num_layers that are the encoder's
+
+    @classmethod
+    def kind_before_key(cls, spec: dict) -> str:
+        """Manifests written before "stacks" hold the encoder-decoder's fields, encoder_layers 0 where unused."""
+        return "encoder_decoder" if spec.get("encoder_layers") else cls.default
+
+    def check(self, spec) -> None:
+        """Refuse a spec these stacks cannot hold, with a CheckpointError naming the config field."""
+
+
 def qwen_style_routing(config: dict) -> dict:
     """ModelSpec fields of the routing Qwen2/3-MoE and OLMoE share: softmax top-k over num_experts (or
     num_local_experts), renormalised only where norm_topk_prob says so, SwiGLU experts."""
@@ -202,6 +224,7 @@ def attention_fields(config: dict, rope_types: tuple[str, ...] = ("default",)) -
         rms_norm_eps=config_float(config, "rms_norm_eps", default=1e-6, above=0),
         rotary=Rotary(rope_theta=rope_theta(config, rope_types)),
         attention=Attention(),
+        stacks=Stacks(),
         max_position_embeddings=config_int(config, "max_position_embeddings", default=4096),
         tie_word_embeddings=config_bool(config, "tie_word_embeddings", default=False),
         hidden_act=config_str(config, "hidden_act", default="silu"),

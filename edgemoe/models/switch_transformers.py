@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .common import Attention, ExpertKind, Rotary, SoftmaxTopK, register
+from .common import Attention, ExpertKind, Rotary, SoftmaxTopK, Stacks, register
 from ..errors import CheckpointError
 from ..spec import ExpertNames, ModelSpec, TensorNames, config_bool, config_float, config_int, config_str
 
@@ -27,6 +27,56 @@ MODEL_TYPE = "switch_transformers"
 # T5 has no position embeddings; the context is bounded only by memory. This is the length the released
 # models were trained on (the T5 / Switch papers' 512 input tokens), used as edgemoe's context limit.
 CONTEXT_LENGTH = 512
+
+
+@register
+@dataclass(frozen=True)
+class EncoderDecoder(Stacks):
+    """T5's stacks: the first encoder_layers of num_layers are the encoder's, the rest the decoder's,
+    whose first token is decoder_start_token_id; each stack's first layer holds the relative-position
+    bias of its B buckets, the last of which starts at relative_attention_max_distance; an expert takes
+    at most expert_capacity tokens of a pass (None: no limit), those beyond pass it by."""
+
+    kind = "encoder_decoder"
+    encoder_layers: int = 0
+    relative_attention_buckets: int = 0
+    relative_attention_max_distance: int = 0
+    decoder_start_token_id: int | None = None
+    expert_capacity: int | None = None
+
+    def check(self, spec) -> None:
+        if not 0 < self.encoder_layers < spec.num_layers:
+            raise CheckpointError(f"config: {self.encoder_layers} encoder layers of {spec.num_layers} leave no decoder")
+        if self.relative_attention_buckets < 2 or self.relative_attention_max_distance < 1:
+            raise CheckpointError(f"config: relative_attention_num_buckets={self.relative_attention_buckets}, "
+                                  f"relative_attention_max_distance={self.relative_attention_max_distance}")
+        if self.decoder_start_token_id is None or not 0 <= self.decoder_start_token_id < spec.vocab_size:
+            raise CheckpointError(f"config: decoder_start_token_id={self.decoder_start_token_id!r} "
+                                  f"outside [0, {spec.vocab_size})")
+        if self.expert_capacity is not None and self.expert_capacity < 1:
+            raise CheckpointError(f"config: expert_capacity={self.expert_capacity} (expected >= 1)")
+
+    def dense_shapes(self, spec) -> dict[str, tuple[int, ...]]:
+        """Every canonical dense role of the model (edgemoe/spec.py, encoder-decoder models) with its shape."""
+        D, V, inner = spec.hidden_size, spec.vocab_size, spec.num_heads * spec.head_dim
+        shapes: dict[str, tuple[int, ...]] = {"embed": (V, D), "enc_norm": (D,), "norm": (D,)}
+        if not spec.tie_word_embeddings:
+            shapes.update(lm_head=(V, D), enc_embed=(V, D))
+        attention = {"q": (inner, D), "k": (inner, D), "v": (inner, D), "o": (D, inner)}
+        for l in range(spec.num_layers):
+            p = f"layers.{l}."
+            shapes.update({p + "attn_norm": (D,), p + "mlp_norm": (D,)})
+            shapes.update({p + role: shape for role, shape in attention.items()})
+            if l in (0, self.encoder_layers):
+                shapes[p + "rel_bias"] = (self.relative_attention_buckets, spec.num_heads)
+            if l >= self.encoder_layers:
+                shapes[p + "cross_norm"] = (D,)
+                shapes.update({p + "cross." + role: shape for role, shape in attention.items()})
+            if spec.moe_layers[l]:
+                shapes[p + "router"] = (spec.num_experts, D)
+            else:
+                shapes.update({p + "mlp.up": (spec.dense_hidden, D), p + "mlp.down": (D, spec.dense_hidden)})
+        return shapes
 
 
 @register
@@ -82,11 +132,12 @@ def parse_config(config: dict) -> ModelSpec:
         hidden_act="relu",
         attention_scale=1.0,           # T5 does not scale q.k
         expert_kind=ReluExperts(),
-        encoder_layers=encoder,
-        relative_attention_buckets=config_int(config, "relative_attention_num_buckets", default=32),
-        relative_attention_max_distance=config_int(config, "relative_attention_max_distance", default=128),
-        decoder_start_token_id=config_int(config, "decoder_start_token_id", "pad_token_id", minimum=0),
-        expert_capacity=config_int(config, "expert_capacity", default=None),
+        stacks=EncoderDecoder(
+            encoder_layers=encoder,
+            relative_attention_buckets=config_int(config, "relative_attention_num_buckets", default=32),
+            relative_attention_max_distance=config_int(config, "relative_attention_max_distance", default=128),
+            decoder_start_token_id=config_int(config, "decoder_start_token_id", "pad_token_id", minimum=0),
+            expert_capacity=config_int(config, "expert_capacity", default=None)),
     )
 
 
@@ -125,6 +176,7 @@ def tensor_names(spec: ModelSpec) -> TensorNames:
         names.update(embed="decoder.embed_tokens.weight", enc_embed="encoder.embed_tokens.weight",
                      lm_head="lm_head.weight")
         ignored = ("shared.weight",)   # the model's input-embedding handle; each stack uses its own
-    experts = _stack_names(spec, "encoder", 0, spec.encoder_layers, names)
-    experts.update(_stack_names(spec, "decoder", spec.encoder_layers, spec.num_layers - spec.encoder_layers, names))
+    encoder = spec.stacks.encoder_layers
+    experts = _stack_names(spec, "encoder", 0, encoder, names)
+    experts.update(_stack_names(spec, "decoder", encoder, spec.num_layers - encoder, names))
     return TensorNames(names, experts, ignored_suffixes=ignored)

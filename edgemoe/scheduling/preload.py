@@ -60,7 +60,7 @@ def stack_starts(spec) -> set[int]:
     there, as in the routing profile (edgemoe.tracing), and no predictor predicts across: the
     encoder's tokens are not the decoder's."""
     moe = spec.moe_layer_ids
-    firsts = (0, spec.encoder_layers) if spec.is_encoder_decoder else (0,)
+    firsts = (0, spec.stacks.encoder_layers) if spec.is_encoder_decoder else (0,)
     return {min(l for l in moe if l >= first) for first in firsts if moe[-1] >= first}
 
 
