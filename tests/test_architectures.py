@@ -4,6 +4,7 @@ refuse (one error naming config.json and the field)."""
 
 import json
 import shutil
+from dataclasses import fields
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import edgemoe
 from edgemoe.errors import CheckpointError
 from edgemoe.layers import route_by_spec
 from edgemoe.models import deepseek_v2
-from edgemoe.spec import ModelSpec
+from edgemoe.spec import PARTS, ModelSpec
 
 D = 32
 
@@ -173,65 +174,42 @@ def test_each_expert_kind_is_its_name_roles_and_parameters_in_the_manifest(tiny_
     assert set(edgemoe.models.KINDS["expert_activation"]) == {"swiglu", "gpt_oss", "relu"}
 
 
-# One checkpoint per rotary kind; and the rotary fields a manifest written before "rope_type" held for
-# every model, with their defaults then.
-ROTARY_KINDS = {"default": ("mixtral", {}),
-                "yarn": ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
-                                                             "original_max_position_embeddings": 64}}),
-                "longrope": ("phimoe", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4,
-                                                            "short_factor": [1.5] * 8, "long_factor": [3.0] * 8,
-                                                            "short_mscale": 1.1, "long_mscale": 1.3,
-                                                            "original_max_position_embeddings": 32}})}
-EARLIER_ROTARY_KEYS = {"rope_inv_freq": None, "rope_attention_factor": 1.0, "rope_long_after": None,
-                       "rope_long_inv_freq": None, "rope_long_attention_factor": 1.0}
+# The parts whose kinds their architecture files declare beside the router and the expert kind: per
+# manifest key, one checkpoint per kind, and the fields a manifest written before these parts held for
+# every model (their defaults then where a model had no use for them), without the key ("attention"
+# was written already).
+PART_KINDS = {
+    "rope_type": {"default": ("mixtral", {}),
+                  "yarn": ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                                               "original_max_position_embeddings": 64}}),
+                  "longrope": ("phimoe", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4,
+                                                              "short_factor": [1.5] * 8, "long_factor": [3.0] * 8,
+                                                              "short_mscale": 1.1, "long_mscale": 1.3,
+                                                              "original_max_position_embeddings": 32}})},
+    "attention": {"gqa": ("mixtral", {}), "mla": ("deepseek_v3", {})},
+    "stacks": {"decoder": ("mixtral", {}), "encoder_decoder": ("switch_transformers", {})},
+}
+EARLIER_PART_KEYS = {
+    "rope_type": {"rope_inv_freq": None, "rope_attention_factor": 1.0, "rope_long_after": None,
+                  "rope_long_inv_freq": None, "rope_long_attention_factor": 1.0},
+    "attention": {"q_lora_rank": 0, "kv_lora_rank": 0, "qk_nope_head_dim": 0, "qk_rope_head_dim": 0, "v_head_dim": 0},
+    "stacks": {"encoder_layers": 0, "relative_attention_buckets": 0, "relative_attention_max_distance": 0,
+               "decoder_start_token_id": None, "expert_capacity": None},
+}
 
 
-@pytest.mark.parametrize("kind", ROTARY_KINDS)
-def test_each_rotary_kind_is_its_name_and_parameters_in_the_manifest_and_reads_as_written_before(tiny_model, kind):
-    assert set(ROTARY_KINDS) == set(edgemoe.models.KINDS["rope_type"])
-    arch, overrides = ROTARY_KINDS[kind]
+@pytest.mark.parametrize("key, kind", [(key, kind) for key, kinds in PART_KINDS.items() for kind in kinds])
+def test_each_part_kind_is_its_name_and_parameters_in_the_manifest_and_reads_as_written_before(tiny_model, key, kind):
+    assert set(PART_KINDS[key]) == set(edgemoe.models.KINDS[key])
+    arch, overrides = PART_KINDS[key][kind]
     spec = edgemoe.models.parse_spec(json.loads((tiny_model(arch, **overrides) / "config.json").read_text()))
+    part = next(getattr(spec, name) for name in PARTS if getattr(spec, name).key == key)
     written = json.loads(json.dumps(spec.to_dict()))
-    assert written["rope_type"] == kind == spec.rotary.kind and "rotary" not in written
+    assert written[key] == kind == part.kind
+    earlier = EARLIER_PART_KEYS[key]
+    assert set(earlier) & set(written) == set(earlier) & {f.name for f in fields(part)}   # only its kind's
     assert ModelSpec.from_dict(written) == spec
-    before = {**EARLIER_ROTARY_KEYS, **{k: v for k, v in written.items() if k != "rope_type"}}
-    assert ModelSpec.from_dict(before) == spec
-
-
-# The attention kinds, and the MLA fields a manifest written before the kinds were declared held for every
-# model (beside "attention": its kind), 0 where unused.
-ATTENTION_KINDS = {"gqa": ("mixtral", {}), "mla": ("deepseek_v3", {})}
-EARLIER_ATTENTION_KEYS = {"q_lora_rank": 0, "kv_lora_rank": 0, "qk_nope_head_dim": 0, "qk_rope_head_dim": 0,
-                          "v_head_dim": 0}
-
-
-@pytest.mark.parametrize("kind", ATTENTION_KINDS)
-def test_each_attention_kind_is_its_name_and_parameters_in_the_manifest_and_reads_as_written_before(tiny_model, kind):
-    assert set(ATTENTION_KINDS) == set(edgemoe.models.KINDS["attention"])
-    arch, overrides = ATTENTION_KINDS[kind]
-    spec = edgemoe.models.parse_spec(json.loads((tiny_model(arch, **overrides) / "config.json").read_text()))
-    written = json.loads(json.dumps(spec.to_dict()))
-    assert written["attention"] == kind == spec.attention.kind
-    assert set(EARLIER_ATTENTION_KEYS) & set(written) == (set(EARLIER_ATTENTION_KEYS) if kind == "mla" else set())
-    assert ModelSpec.from_dict(written) == spec
-    assert ModelSpec.from_dict({**EARLIER_ATTENTION_KEYS, **written}) == spec
-
-
-# The stacks' kinds, and the encoder-decoder fields a manifest written before "stacks" held for every model.
-STACKS_KINDS = {"decoder": "mixtral", "encoder_decoder": "switch_transformers"}
-EARLIER_STACKS_KEYS = {"encoder_layers": 0, "relative_attention_buckets": 0, "relative_attention_max_distance": 0,
-                       "decoder_start_token_id": None, "expert_capacity": None}
-
-
-@pytest.mark.parametrize("kind", STACKS_KINDS)
-def test_each_stacks_kind_is_its_name_and_parameters_in_the_manifest_and_reads_as_written_before(tiny_model, kind):
-    assert set(STACKS_KINDS) == set(edgemoe.models.KINDS["stacks"])
-    spec = edgemoe.models.parse_spec(json.loads((tiny_model(STACKS_KINDS[kind]) / "config.json").read_text()))
-    written = json.loads(json.dumps(spec.to_dict()))
-    assert written["stacks"] == kind == spec.stacks.kind and spec.is_encoder_decoder == (kind == "encoder_decoder")
-    assert set(EARLIER_STACKS_KEYS) & set(written) == (set(EARLIER_STACKS_KEYS) if spec.is_encoder_decoder else set())
-    assert ModelSpec.from_dict(written) == spec
-    before = {**EARLIER_STACKS_KEYS, **{k: v for k, v in written.items() if k != "stacks"}}
+    before = {**earlier, **{k: v for k, v in written.items() if k != key or key == "attention"}}
     assert ModelSpec.from_dict(before) == spec
 
 
