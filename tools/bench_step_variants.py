@@ -4,9 +4,10 @@ token by token in one process (so that the drift between processes stays out of 
 - inlined: the attention block, the MoE block and the experts' layer kernel inlined into the step
   (numba then compiles each again inside it), as the step was compiled before they became
   functions of their own;
-- array-expressions: the MoE block's copies and zeroing, and the projections' zeroed activation
-  codes, as array expressions (`rows[a, :] = h`, `np.zeros`), as they were written before: in a
-  parallel function numba makes each such expression a parallel region of its own.
+- array-expressions: the MoE block's copies and zeroing, and the zeroed activation codes of the
+  projections and of the experts' layer kernel, as array expressions (`rows[a, :] = h`,
+  `np.zeros`), as they were written before: in a parallel function numba makes each such expression
+  a parallel region of its own.
 
     python tools/bench_step_variants.py STORE [--variants inlined array-expressions] [--prefill 512]
                                               [--tokens 300] [--threads 2]
@@ -24,6 +25,7 @@ import time
 import types
 
 import numba
+import numpy as np
 import torch
 
 import edgemoe
@@ -33,7 +35,7 @@ from edgemoe.model import Segment
 
 PARALLEL = dict(EXACT, parallel=True)
 
-# The two functions as they were written with array expressions (cpu_layer's names in scope).
+# The MoE block as it was written with array expressions (cpu_layer's names in scope).
 ARRAY_EXPRESSIONS = '''
 def _moe_block(path, layouts, h, logits, top_k, router, bias, jitter, replayed, x, weights, experts, nblocks):
     if not replayed:
@@ -56,21 +58,6 @@ def _moe_block(path, layouts, h, logits, top_k, router, bias, jitter, replayed, 
     for c in range(dim):
         x[c] = x[c] + out[c]
 
-
-def _project(path, table, m, v, rows, nblocks):
-    bits, g, ng = table[m + BITS], table[m + GROUP], table[m + NGROUPS]
-    xq = np.zeros(ng * g, np.int8)
-    xs = np.empty((1, ng), np.float32)
-    qs = np.empty((1, ng), np.int64)
-    _quantize_row(v, g, xq, xs[0], qs[0])
-    packed = uint8_view(table[m + PACKED], rows * ng * (g * bits // 8))
-    scale = float32_view(table[m + SCALE], rows, ng)
-    zero = float32_view(table[m + ZERO], rows, ng)
-    out = np.empty((1, rows), np.float32)
-    size = _block_size(rows, nblocks)
-    for b in numba.prange(-(-rows // size)):
-        _rows(path, bits, g, packed, scale, zero, xq, ng * g, xs, qs, 0, 1, b * size, min(rows, (b + 1) * size), out)
-    return out[0]
 '''
 
 
@@ -89,11 +76,17 @@ def inlined_step():
     return rebuilt(cpu_layer.decode_token_kernel, PARALLEL, _attention_block=attention, _moe_block=moe)
 
 
+@numba.njit(**dict(EXACT_INLINE, cache=False))
+def np_zeroed_codes(rows, cols):
+    return np.zeros((rows, cols), np.int8)
+
+
 def array_expressions_step():
-    namespace = dict(vars(cpu_layer))
+    experts = rebuilt(cpu_int.swiglu_experts_int, PARALLEL, zeroed_codes=np_zeroed_codes)
+    namespace = dict(vars(cpu_layer), swiglu_experts_int=experts)
     exec(ARRAY_EXPRESSIONS, namespace)
-    project = numba.njit(**dict(EXACT_INLINE, cache=False))(namespace["_project"])
     moe = numba.njit(**dict(PARALLEL, cache=False))(namespace["_moe_block"])
+    project = rebuilt(cpu_layer._project, EXACT_INLINE, zeroed_codes=np_zeroed_codes)
     qkv = rebuilt(cpu_layer._gqa_qkv, EXACT_INLINE, _project=project)
     tail = rebuilt(cpu_layer._attention_tail, EXACT_INLINE, _project=project)
     attention = rebuilt(cpu_layer._attention_block, PARALLEL, _gqa_qkv=qkv, _attention_tail=tail)

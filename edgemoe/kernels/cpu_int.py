@@ -411,6 +411,18 @@ def _quantize_pairs(rows, starts, layout, a, group_col, xq, xs, qs):
         _quantize_row(rows[p], g, xq[p], xs[p, :ng], qs[p, :ng])
 
 
+@njit_exact_inline
+def zeroed_codes(rows, cols):
+    """int8 [rows, cols] of zeros, written by a loop: in a parallel function numba makes np.zeros a
+    parallel region of its own, which one token's few kilobytes do not pay for (docs/benchmarks.md,
+    "Fewer parallel regions")."""
+    codes = np.empty((rows, cols), np.int8)
+    for r in range(rows):
+        for c in range(cols):
+            codes[r, c] = 0
+    return codes
+
+
 @njit_exact
 def swiglu_experts_int_kernel(path, layout, starts, x, inner, y, nblocks):
     """Every expert of a layer on the integer path in one call: y[p] = expert a's output for pair p,
@@ -433,10 +445,10 @@ def swiglu_experts_int(path, layout, starts, x, inner, y, nblocks):
         hcols = max(hcols, layout[a, D_GROUP] * layout[a, D_NGROUPS])
         xng = max(xng, layout[a, G_NGROUPS])
         hng = max(hng, layout[a, D_NGROUPS])
-    xq = np.zeros((npairs, xcols), np.int8)   # zero padding, as quantize_activations
+    xq = zeroed_codes(npairs, xcols)   # zero padding, as quantize_activations
     xs = np.empty((npairs, xng), np.float32)
     qs = np.empty((npairs, xng), np.int64)
-    hq = np.zeros((npairs, hcols), np.int8)
+    hq = zeroed_codes(npairs, hcols)
     hs = np.empty((npairs, hng), np.float32)
     hqs = np.empty((npairs, hng), np.int64)
     hg = np.empty((npairs, inner), np.float32)

@@ -39,7 +39,7 @@ import numpy as np
 
 from ._jit import njit_exact, njit_exact_inline, njit_exact_parallel, njit_serial
 from .cpu import _block_size, rms_norm_kernel
-from .cpu_int import INNER, _quantize_row, _rows, swiglu_experts_int
+from .cpu_int import INNER, _quantize_row, _rows, swiglu_experts_int, zeroed_codes
 from .kv import _float32_from_bits, narrow, widen
 from .views import float32_view, like_view, uint8_view
 
@@ -257,9 +257,7 @@ def _project(path, table, m, v, rows, nblocks):
     """v float32 [C] @ matrix m's (table[m:m + MATRIX_COLUMNS]) W^T on the integer path -> float32 [R]:
     v quantized to int8 on the matrix's groups, rows in parallel blocks (qmatmul_int_kernel's bits)."""
     bits, g, ng = table[m + BITS], table[m + GROUP], table[m + NGROUPS]
-    xq = np.empty(ng * g, np.int8)
-    for c in range(ng * g):   # a loop: np.zeros would be a parallel region of its own (see _moe_block)
-        xq[c] = 0
+    xq = zeroed_codes(1, ng * g)[0]
     xs = np.empty((1, ng), np.float32)
     qs = np.empty((1, ng), np.int64)
     _quantize_row(v, g, xq, xs[0], qs[0])
