@@ -102,7 +102,7 @@ class DecodeEngine:
         if spec.attention.kind == "mla":
             mla = spec.attention
             dims[[c.DIM_N, c.DIM_R, c.DIM_CKV, c.DIM_CQ, c.DIM_INTERLEAVE]] = (
-                mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.kv_lora_rank, mla.q_lora_rank or 0,
+                mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.kv_lora_rank, mla.q_lora_rank,
                 int(spec.rotary.rope_interleave))
         return dims
 

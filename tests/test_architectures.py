@@ -4,7 +4,7 @@ refuse (one error naming config.json and the field)."""
 
 import json
 import shutil
-from dataclasses import fields
+from dataclasses import MISSING, fields
 
 import pytest
 import torch
@@ -211,6 +211,9 @@ def test_each_part_kind_is_its_name_and_parameters_in_the_manifest_and_reads_as_
     assert ModelSpec.from_dict(written) == spec
     before = {**earlier, **{k: v for k, v in written.items() if k != key or key == "attention"}}
     assert ModelSpec.from_dict(before) == spec
+    for name in {f.name for f in fields(part) if f.default is MISSING}:   # the kind's own parameters
+        with pytest.raises(TypeError, match=name):
+            ModelSpec.from_dict({k: v for k, v in written.items() if k != name})
 
 
 @pytest.mark.parametrize("kind", ["softmax", "sigmoid_group", "sparsemixer", "topk_softmax"])

@@ -25,7 +25,9 @@ class Part:
     """A part of the model that comes in kinds, each a frozen dataclass subclass declared in the
     architecture file that uses it (or here, when several share it) and made known with @register.
     Its parameters are its fields: a store manifest's spec holds them under their own names beside
-    `key`: kind (the keys the manifests written before these classes already had)."""
+    `key`: kind (the keys the manifests written before these classes already had). A subclass's own
+    parameters have no defaults (kw_only, after its base's defaulted ones), so that a manifest
+    lacking one is refused naming it (StoreError), not read with an invented value."""
 
     key: ClassVar[str]    # the manifest's key naming the kind, and the default kind when it is absent
     default: ClassVar[str]

@@ -27,7 +27,7 @@ TOPK_METHODS = ("greedy", "group_limited_greedy")
 
 
 @register
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LatentAttention(Attention):
     """Multi-head latent attention (edgemoe/attention.py mla_qkv; canonical roles in edgemoe/spec.py):
     keys and values expanded per head from a latent of kv_lora_rank dims, queries from one of
@@ -35,11 +35,11 @@ class LatentAttention(Attention):
     rotary embedding and qk_rope_head_dim with, v_head_dim value dims."""
 
     kind = "mla"
-    q_lora_rank: int = 0
-    kv_lora_rank: int = 0
-    qk_nope_head_dim: int = 0
-    qk_rope_head_dim: int = 0
-    v_head_dim: int = 0
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
 
     def key_dim(self, spec):
         return self.qk_nope_head_dim + self.qk_rope_head_dim

@@ -50,18 +50,18 @@ class SparseMixer(Router):
 
 
 @register
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LongRope(Rotary):
     """LongRoPE: theta's frequencies divided by per-frequency factors, cos and sin times a factor, from
     the short set until a step reaches past `rope_long_after` positions, from the long set then (as
     Phi-3.5-MoE's own code does)."""
 
     kind = "longrope"
-    rope_inv_freq: tuple[float, ...] = ()        # [R/2], the short set
-    rope_attention_factor: float = 1.0
-    rope_long_after: int = 0
-    rope_long_inv_freq: tuple[float, ...] = ()
-    rope_long_attention_factor: float = 1.0
+    rope_inv_freq: tuple[float, ...]        # [R/2], the short set
+    rope_attention_factor: float
+    rope_long_after: int
+    rope_long_inv_freq: tuple[float, ...]
+    rope_long_attention_factor: float
 
     def __post_init__(self):
         for name in ("rope_inv_freq", "rope_long_inv_freq"):   # a manifest's lists

@@ -30,7 +30,7 @@ CONTEXT_LENGTH = 512
 
 
 @register
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EncoderDecoder(Stacks):
     """T5's stacks: the first encoder_layers of num_layers are the encoder's, the rest the decoder's,
     whose first token is decoder_start_token_id; each stack's first layer holds the relative-position
@@ -38,11 +38,11 @@ class EncoderDecoder(Stacks):
     at most expert_capacity tokens of a pass (None: no limit), those beyond pass it by."""
 
     kind = "encoder_decoder"
-    encoder_layers: int = 0
-    relative_attention_buckets: int = 0
-    relative_attention_max_distance: int = 0
-    decoder_start_token_id: int | None = None
-    expert_capacity: int | None = None
+    encoder_layers: int
+    relative_attention_buckets: int
+    relative_attention_max_distance: int
+    decoder_start_token_id: int | None
+    expert_capacity: int | None
 
     def check(self, spec) -> None:
         if not 0 < self.encoder_layers < spec.num_layers:

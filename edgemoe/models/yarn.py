@@ -21,13 +21,13 @@ from .common import Rotary, register
 
 
 @register
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Yarn(Rotary):
     """Rotary frequencies blended as above, cos and sin times the attention factor."""
 
     kind = "yarn"
-    rope_inv_freq: tuple[float, ...] = ()   # [R/2]
-    rope_attention_factor: float = 1.0
+    rope_inv_freq: tuple[float, ...]   # [R/2]
+    rope_attention_factor: float
 
     def __post_init__(self):
         object.__setattr__(self, "rope_inv_freq", tuple(self.rope_inv_freq))   # a manifest's list
