@@ -28,7 +28,8 @@ from edgemoe import kernels
 from edgemoe.kernels.cpu_int import G_BITS
 from edgemoe.kernels.ops import gpt_oss_arrays, gpt_oss_layout, swiglu_experts_int, weighted_sum
 from edgemoe.store import ResidentExpert, TieredStore
-from edgemoe.kernels.device import swiglu_on_device, to_device, weights_on_device
+from edgemoe.kernels.device import (DEVICE_BATCH_BYTES, batch_key, float_bytes, swiglu_batch_on_device,
+                                    swiglu_on_device, to_device, weights_on_device)
 
 from .experts import Activation, ExpertBatches, ExpertProvider, dense_matmul, layer_kernel_arguments
 from .layers import swiglu
@@ -76,11 +77,15 @@ class QuantizedExpert:
     def compute_on_device(self, x: torch.Tensor) -> torch.Tensor:
         """The expert on x [S, D] float32, already on the device; the result stays there (queued work:
         nothing here waits for the device)."""
-        r = self.resident
-        arrays = r.device_tensors if r.device is not None else to_device(r.tensors, self.device)
+        arrays, meta = self.device_arrays(), self.resident.entry.tensors
         if self.activation is None:
-            return swiglu_on_device(x, r.entry.tensors, arrays)
-        return self.activation(x, dense_matmul(weights_on_device(r.entry.tensors, arrays)))
+            return swiglu_on_device(x, meta, arrays)
+        return self.activation(x, dense_matmul(weights_on_device(meta, arrays)))
+
+    def device_arrays(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The packed arrays on the device: the VRAM tier's, or a RAM expert's copied over now."""
+        r = self.resident
+        return r.device_tensors if r.device is not None else to_device(r.tensors, self.device)
 
     def _activation(self, x: torch.Tensor) -> torch.Tensor:
         """A non-SwiGLU expert on the host: its Activation over the path's matmuls. "fused-int" /
@@ -113,7 +118,8 @@ class StoreExperts(ExpertProvider):
 
     def __init__(self, store: TieredStore, compute: str = "auto", overlap: bool = True, skip_below: float = 0.0,
                  activations: Callable[[int, int], Activation] | None = None, fallback_below: float = 0.0,
-                 layer_kernel: bool = True, latency=None, gemm_dtype: torch.dtype = torch.float32):
+                 layer_kernel: bool = True, latency=None, gemm_dtype: torch.dtype = torch.float32,
+                 device_batch_bytes: int = DEVICE_BATCH_BYTES):
         """activations: (layer, expert) -> the expert's Activation (edgemoe.experts.expert_activations),
         None for SwiGLU experts. skip_below, fallback_below: see edgemoe.loader.StoreOptions.
         latency: the LatencyModel compute="auto" chooses by (latency_model(store); required then).
@@ -122,7 +128,10 @@ class StoreExperts(ExpertProvider):
         gemm_dtype: the "dequant" path's matrices and GEMM (float32 accumulation either way):
         bfloat16 for a bfloat16 model on a CPU that multiplies it natively (the loader's choice, as
         for the dense matrices), 2-4x float32's speed on a prefill's expert batches
-        (docs/benchmarks.md), else float32."""
+        (docs/benchmarks.md), else float32.
+        device_batch_bytes: a layer's SwiGLU experts on the device that share their shapes and widths
+        are dequantized together, up to this many bytes of float32 weights at once (0: one at a time,
+        as before batching; docs/benchmarks.md "On a GPU" measures both)."""
         if compute == "device" and store.device is None:
             raise OptionError("compute=", compute, "needs a VRAM tier (a capacity for vram and its device)")
         self.store = store
@@ -150,6 +159,7 @@ class StoreExperts(ExpertProvider):
         self._kernel_arrays: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
         self._kernel_rows: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         self.gemm_dtype = gemm_dtype
+        self.device_batch_bytes = device_batch_bytes
 
     def choose(self, bits: int, tokens: int, nbytes: int = 0) -> str:
         """The path an expert of this width and size computes this many tokens on: self.compute, or
@@ -335,7 +345,7 @@ class StoreExperts(ExpertProvider):
             else:
                 y[starts[i]:starts[i + 1]] = expert(x[batches.tokens[i]]).numpy()
         if on_device:
-            _compute_on_device(pair_x, on_device, starts, y)
+            _compute_on_device(pair_x, on_device, starts, y, self.device_batch_bytes)
         if len(fused) == len(starts) - 1:   # the whole layer (the usual case): every pair, in order
             y[:] = swiglu_experts_int(pair_x, np.array(layouts), starts)
         elif fused:
@@ -363,18 +373,41 @@ class StoreExperts(ExpertProvider):
 
 
 def _compute_on_device(pair_x: np.ndarray, experts: list[tuple[int, QuantizedExpert]], starts: np.ndarray,
-                       y: np.ndarray) -> None:
+                       y: np.ndarray, batch_bytes: int) -> None:
     """y's rows of the pairs of a layer's experts that compute on the device: their rows copied over
-    at once, every expert's work queued, and one copy back, which waits for all of it (one wait a
-    layer, not one an expert: on a GPU each wait costs a round trip). The same bits as one call each."""
-    rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i, _ in experts])
+    at once, every expert's work queued (those of one shape and width dequantized together:
+    _device_batches), and one copy back, which waits for all of it (one wait a layer, not one an
+    expert: on a GPU each wait costs a round trip)."""
+    batches = _device_batches(experts, batch_bytes)
+    rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for batch in batches for i, _ in batch])
     x = torch.from_numpy(pair_x[rows]).to(experts[0][1].where_on_device())
     outputs, at = [], 0
-    for i, expert in experts:
-        count = int(starts[i + 1] - starts[i])
-        outputs.append(expert.compute_on_device(x[at:at + count]))
-        at += count
+    for batch in batches:
+        counts = [int(starts[i + 1] - starts[i]) for i, _ in batch]
+        xs = x[at:at + sum(counts)]
+        if len(batch) == 1:
+            outputs.append(batch[0][1].compute_on_device(xs))
+        else:
+            meta = batch[0][1].resident.entry.tensors
+            outputs.append(swiglu_batch_on_device(xs, counts, meta, [e.device_arrays() for _, e in batch]))
+        at += sum(counts)
     y[rows] = torch.cat(outputs).cpu().numpy()
+
+
+def _device_batches(experts: list[tuple[int, QuantizedExpert]], batch_bytes: int) -> list[list]:
+    """The experts in batches dequantized together: SwiGLU experts of one batch_key, as many as fit
+    in batch_bytes of float32 weights (so that large experts still go one at a time and a batch stays
+    a small share of a small device's memory); any other expert alone."""
+    groups: dict[tuple | None, list] = {}
+    for pair in experts:
+        expert = pair[1]
+        key = batch_key(expert.resident.entry.tensors) if expert.activation is None and batch_bytes else None
+        groups.setdefault(key, []).append(pair)
+    batches = []
+    for key, members in groups.items():
+        size = 1 if key is None else max(1, batch_bytes // float_bytes(members[0][1].resident.entry.tensors))
+        batches += [members[at:at + size] for at in range(0, len(members), size)]
+    return batches
 
 
 def _weighted_sum(x: torch.Tensor, batches: ExpertBatches, y: np.ndarray) -> torch.Tensor:

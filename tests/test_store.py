@@ -155,6 +155,51 @@ def test_a_layers_device_experts_in_one_round_trip_give_the_bits_of_one_call_eac
         assert torch.equal(model.logits(ids), batched) and model.store.resident() == where
 
 
+def prompt_and_decode_logits(model, ids, steps=6) -> torch.Tensor:
+    """The prompt's last logits, then each greedy step's: [steps + 1, V]."""
+    from edgemoe.model import Segment
+    cache = model.new_cache()
+    out = [model.forward(ids, [Segment(cache, len(ids))], last_only=True)[-1]]
+    for _ in range(steps):
+        token = torch.tensor([int(out[-1].argmax())])
+        out.append(model.forward(token, [Segment(cache, 1)], last_only=True)[-1])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("options", [dict(ram=0, vram="1GB"),                       # resident on the device
+                                     dict(ram="1GB", vram=1, compute="device")])    # copied over per use
+def test_a_layers_device_experts_dequantized_together_compute_what_each_alone_does(store, vram_device, options,
+                                                                                      monkeypatch):
+    """Batched dequantization, one batch a layer or several under a cap of two experts' float bytes,
+    in prefill (one product per expert) and decode (one batched product per matrix): within float32
+    rounding of each expert dequantized alone (device_batch_bytes=0), and batched as asked."""
+    import edgemoe.quantized as quantized
+    from edgemoe.kernels.device import DEVICE_BATCH_BYTES, float_bytes
+    batches = []
+    batched = quantized.swiglu_batch_on_device
+    monkeypatch.setattr(quantized, "swiglu_batch_on_device",
+                        lambda x, counts, meta, arrays: batches.append(counts) or batched(x, counts, meta, arrays))
+    ids = tokens(edgemoe.load(store))
+    logits, seen = {}, {}
+    with edgemoe.load(store, device=vram_device, preload="none", **options) as model:
+        for entry in model.store.experts():       # every expert resident: each computes where it stays
+            model.store.get(*entry.key)
+        two_experts = 2 * float_bytes(next(iter(model.store.experts())).tensors)
+        for cap in (0, two_experts, DEVICE_BATCH_BYTES):
+            model.experts.device_batch_bytes = cap
+            batches.clear()
+            logits[cap] = prompt_and_decode_logits(model, ids)
+            seen[cap] = list(batches)
+        top_k, experts = model.spec.top_k, model.spec.num_experts
+    assert seen[0] == [] and max(map(len, seen[two_experts])) == 2
+    one_batch = seen[DEVICE_BATCH_BYTES]
+    assert [len(c) for c in one_batch if set(c) == {1}] == [top_k] * 6 * 2   # decode: 6 steps x 2 MoE layers
+    assert max(map(len, one_batch)) == experts                                # prefill: the whole layer
+    for cap in (two_experts, DEVICE_BATCH_BYTES):
+        assert (logits[cap] - logits[0]).abs().max() <= 1e-4
+        assert torch.equal(logits[cap].argmax(-1), logits[0].argmax(-1))
+
+
 def test_vram_tier_and_ram_agree_on_the_bundled_model(tmp_path, vram_device):
     """The device path sums in another order than the CPU kernels: float32 rounding only. With float32
     dense matrices greedy text is the same; bfloat16 ones round each GEMM's output to bfloat16, which

@@ -7,7 +7,10 @@
 Setups, each loaded fresh from STORE with every expert resident before the timing:
   ram             every expert in RAM (the CPU path: the decode engine where it applies)
   vram-all        every expert in VRAM (ram=0): dequantized and multiplied on the device, a layer's
-                  experts sharing one copy of their rows there and one back
+                  experts sharing one copy of their rows there and one back, those of one shape and
+                  width dequantized together
+  vram-all-alone  as vram-all, each expert dequantized on its own (device_batch_bytes=0: the code before
+                  a layer's experts of one shape and width were dequantized together)
   vram-all-each   the same, one expert at a time (StoreExperts.layer_kernel off): a round trip each
   vram-half       half the expert bytes in VRAM, the rest in RAM (each expert computed where it is)
   device-compute  every expert in RAM, copied to the device and computed there per use (compute="device")
@@ -37,11 +40,13 @@ from edgemoe.model import Segment
 SETUPS = {
     "ram": dict(),
     "vram-all": dict(ram=0, vram="100%"),
+    "vram-all-alone": dict(ram=0, vram="100%"),       # with device_batch_bytes=0
     "vram-all-each": dict(ram=0, vram="100%"),        # with layer_kernel off: one round trip per expert
     "vram-half": dict(vram="50%"),
     "device-compute": dict(vram=1, compute="device"),
 }
 ONE_CALL_EACH = {"vram-all-each"}
+DEQUANTIZED_ALONE = {"vram-all-alone", "vram-all-each"}
 
 
 def _sync(device: str) -> None:
@@ -59,6 +64,8 @@ def run_setup(store: str, name: str, args) -> dict:
         model.store.get(*entry.key)
     load_s = time.perf_counter() - start
     model.experts.layer_kernel = name not in ONE_CALL_EACH
+    if name in DEQUANTIZED_ALONE:
+        model.experts.device_batch_bytes = 0
     prompt = torch.randint(0, model.spec.vocab_size, (args.prefill,), generator=torch.Generator().manual_seed(0))
     decode_ms, tokens = [], []
     for repeat in range(args.repeats):
@@ -89,8 +96,9 @@ def run_setup(store: str, name: str, args) -> dict:
 
 def breakdown(store: str, args) -> None:
     """Where one VRAM expert's one-token call goes, each part timed alone with the device synchronized
-    (medians of 30 calls, 3 rounds)."""
-    from edgemoe.kernels.device import swiglu_on_device, weights_on_device
+    (medians of 30 calls, 3 rounds); then a decode step's top-k experts of a layer, each alone and
+    dequantized together."""
+    from edgemoe.kernels.device import batch_key, swiglu_batch_on_device, swiglu_on_device, weights_on_device
     from edgemoe.latency import median_time
 
     model = edgemoe.load(store, threads=args.threads, preload="none", ram=0, vram="100%", device=args.device)
@@ -103,13 +111,25 @@ def breakdown(store: str, args) -> None:
             fn()
             _sync(args.device)
         return run
-    parts = {"input to device": synced(lambda: x.to(args.device)),
-             "dequantize 3 matrices": synced(lambda: weights_on_device(r.entry.tensors, r.device_tensors)),
-             "whole expert on device": synced(lambda: swiglu_on_device(xd, r.entry.tensors, r.device_tensors)),
-             "result to host": synced(lambda: xd.cpu())}
+    k = model.spec.top_k
+    layer = [model.store.get(r.entry.key[0], e) for e in range(k)]
+    xk = torch.randn(k, model.spec.hidden_size).to(args.device)
+
+    def each_alone():
+        return [swiglu_on_device(xk[j:j + 1], e.entry.tensors, e.device_tensors) for j, e in enumerate(layer)]
+
+    def together():
+        return swiglu_batch_on_device(xk, [1] * k, r.entry.tensors, [e.device_tensors for e in layer])
+    parts = {"one VRAM expert, input to device": lambda: x.to(args.device),
+             "one VRAM expert, dequantize 3 matrices": lambda: weights_on_device(r.entry.tensors, r.device_tensors),
+             "one VRAM expert, whole expert on device": lambda: swiglu_on_device(xd, r.entry.tensors, r.device_tensors),
+             "one VRAM expert, result to host": lambda: xd.cpu()}
+    if len({batch_key(e.entry.tensors) for e in layer}) == 1:       # one width: they batch
+        parts |= {f"{k} experts of a layer, each alone": each_alone,
+                  f"{k} experts of a layer, dequantized together": together}
     for name, fn in parts.items():
-        rounds = [median_time(fn, 30) * 1e6 for _ in range(3)]
-        print(f"  one VRAM expert, {name}: {' '.join(f'{t:.0f}' for t in rounds)} us (3 rounds)")
+        rounds = [median_time(synced(fn), 30) * 1e6 for _ in range(3)]
+        print(f"  {name}: {' '.join(f'{t:.0f}' for t in rounds)} us (3 rounds)")
     model.close()
 
 
