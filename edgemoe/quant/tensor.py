@@ -98,6 +98,18 @@ class QuantizedTensor:
                    arrays["packed"], arrays["scale"], arrays["zero"])
 
 
+    @classmethod
+    def checked_views(cls, bits: int, group_size: int | None, shape: tuple[int, int], group: int,
+                      packed: np.ndarray, scale: np.ndarray, zero: np.ndarray):
+        """A QuantizedTensor over read-only views of the shapes from_arrays checked before for this
+        layout (edgemoe.store.format.ExpertEntry.views): not checked again, for a store's every read."""
+        qt = object.__new__(cls)
+        for name, value in (("bits", bits), ("group_size", group_size), ("shape", shape), ("packed", packed),
+                            ("scale", scale), ("zero", zero), ("_group", group)):
+            object.__setattr__(qt, name, value)
+        return qt
+
+
 def _check_shape(shape) -> tuple[int, int]:
     if len(shape) != 2 or any(not isinstance(n, numbers.Integral) or n <= 0 for n in shape):
         raise QuantError(f"shape={tuple(shape)!r}: expected (rows, cols), both positive ints")

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import json
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -71,10 +72,35 @@ class ExpertEntry:
         return self.layer, self.expert
 
     def to_json(self) -> dict:
-        return dict(self.__dict__)
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def where(self) -> str:
         return f"layer {self.layer} expert {self.expert} ({self.file} at byte {self.offset})"
+
+    @cached_property
+    def views(self) -> tuple:
+        """How decode_blob cuts this expert's blob, worked out and checked once (a store reads an
+        expert many times): per role (role, bits, group_size, shape, group, arrays), arrays in
+        ARRAY_DTYPES' order as (start, stop, dtype, 2-D shape)."""
+        out = []
+        for role in _roles_of(self.tensors):
+            t = self.tensors[role]
+            cuts = {}
+            for name, a in t["arrays"].items():
+                dtype = np.dtype(a["dtype"])
+                start = a["offset"]
+                stop = start + int(np.prod(a["shape"])) * dtype.itemsize
+                if not 0 <= start <= stop <= self.length:
+                    raise StoreError(f"{self.where()}: {role} {name} at bytes {start}-{stop} lies outside its "
+                                     f"{self.length}-byte blob: the manifest is corrupt")
+                cuts[name] = (start, stop, dtype)
+            # QuantizedTensor's own checks, once, on arrays of the sizes the blob gives
+            qt = QuantizedTensor.from_arrays(t["bits"], t["group_size"], tuple(t["shape"]),
+                                             {name: np.zeros((stop - start) // dtype.itemsize, dtype)
+                                              for name, (start, stop, dtype) in cuts.items()})
+            arrays = tuple((*cuts[name], getattr(qt, name).shape) for name in ARRAY_DTYPES)
+            out.append((role, qt.bits, qt.group_size, qt.shape, qt.group, arrays))
+        return tuple(out)
 
 
 def _roles_of(tensors: dict) -> list[str]:
@@ -116,15 +142,16 @@ def encode_blob(quantized: dict[str, QuantizedTensor]) -> tuple[dict, bytes]:
 
 def decode_blob(entry: ExpertEntry, blob: np.ndarray) -> dict[str, QuantizedTensor]:
     """Zero-copy QuantizedTensors over a blob buffer (uint8 array of entry.length bytes)."""
+    if blob.shape != (entry.length,):
+        raise StoreError(f"{entry.where()}: a blob of {blob.shape[0]} bytes where the manifest says {entry.length}")
     out = {}
-    for role in _roles_of(entry.tensors):
-        t = entry.tensors[role]
-        arrays = {}
-        for name, a in t["arrays"].items():
-            dtype = np.dtype(a["dtype"])
-            count = int(np.prod(a["shape"]))
-            arrays[name] = blob[a["offset"]:a["offset"] + count * dtype.itemsize].view(dtype)
-        out[role] = QuantizedTensor.from_arrays(t["bits"], t["group_size"], tuple(t["shape"]), arrays)
+    for role, bits, group_size, shape, group, arrays in entry.views:
+        views = []
+        for start, stop, dtype, shape2 in arrays:
+            view = blob[start:stop].view(dtype).reshape(shape2)
+            view.flags.writeable = False
+            views.append(view)
+        out[role] = QuantizedTensor.checked_views(bits, group_size, shape, group, *views)
     return out
 
 
