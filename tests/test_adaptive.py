@@ -1,7 +1,8 @@
 """Adaptive eviction (edgemoe/scheduling/policies.py AdaptivePolicy): its ghost caches read what each
 candidate policy alone reads (against plain reference implementations written here, and against the
-simulator's real cache), it follows the candidate that wins on streams built so that LRU wins or LFU
-wins, and its guard holds preloads to the best on-demand policy rather than to LRU."""
+simulator's real cache), on a deep model they see a sample of the layers, it follows the candidate
+that wins on streams built so that LRU wins or LFU wins, and its guard holds preloads to the best
+on-demand policy rather than to LRU."""
 
 import random
 
@@ -137,6 +138,34 @@ def test_adaptive_follows_the_candidate_that_misses_least(stream, winner, loser)
     assert policy.leader == winner or (winner == "lfu" and policy.leader == "frequency-distance")
     assert hits == sim.simulate(tokens, 3, "adaptive")["hits"]
     assert hits >= best - 0.1 * (best - worst)       # it pays a little for learning, not the loser's price
+
+
+def test_on_a_fine_grained_model_the_ghosts_see_every_kth_layer_in_its_share_of_the_capacity():
+    """Set dueling's sampling: 24 MoE layers of top-8 (192 requests a token), every third layer seen
+    by the ghosts, each ghost a third of the capacity, read_bytes scaled back to every layer. On the
+    frequency-wins stream in every layer the sampled ghosts still leave LRU. Top-2 (48 requests a
+    token), or no profile to count by: every layer."""
+    layers = 24
+    stream = frequency_wins(30)
+    profile = RoutingProfile(list(range(layers)), num_experts=128, top_k=8)
+    policy = AdaptivePolicy(layers, profile=profile)
+    policy.set_capacity(3 * layers)
+    assert policy.ghost_layers == set(range(0, layers, 3)) and policy.ghost_share == 1 / 3
+    assert {ghost.capacity for ghost in policy.ghosts.values()} == {layers}
+    seen = []
+    run_layer = GhostCache.run_layer
+    for ghost in policy.ghosts.values():
+        ghost.run_layer = lambda layer, needed, ghost=ghost: seen.append(layer) or run_layer(ghost, layer, needed)
+    for e in stream:
+        for layer in range(layers):
+            policy.set_layer(layer, {(layer, e): 1})
+    assert set(seen) == policy.ghost_layers and len(seen) == len(policy.ghosts) * 8 * len(stream)
+    assert policy.leader != "lru"
+    reads = sorted(ghost.read_bytes for ghost in policy.ghosts.values())
+    assert 3 * reads[0] <= policy.read_bytes <= 3 * reads[-1]     # the leaders' reads, scaled to every layer
+    for unsampled in (AdaptivePolicy(layers, profile=RoutingProfile(list(range(layers)), 128, 2)),
+                      AdaptivePolicy(layers), AdaptivePolicy(layers, profile=profile, ghost_requests=None)):
+        assert unsampled.ghost_layers == set(range(layers)) and unsampled.ghost_share == 1
 
 
 def test_the_leader_changes_only_past_the_margin():

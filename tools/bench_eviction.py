@@ -8,9 +8,8 @@ For each trace (TRACES: Mixtral-like, and Qwen3-like fine-grained routing from n
 popularity), writes DIR/NAME.jsonl (the scored text, token seed 0) and DIR/NAME-profile.jsonl
 (another text of the same generated model, token seed 1: the profile never sees the scored tokens),
 then simulates (edgemoe.scheduling.simulate, the store's own cache and policies):
-- "adaptive", no preload: its ghost caches are the fixed policies' own caches on the same requests
-  (tested equal to simulating each policy alone: tests/test_adaptive.py), so one run gives LRU,
-  LFU, frequency-distance and expected-use without preload, and adaptive eviction itself;
+- each of adaptive eviction's candidates alone (LRU, LFU, frequency-distance, expected-use), no
+  preload, and adaptive eviction itself;
 - the default scheme (DEFAULT_POLICY, correlation preload from the profile, the guard), as
   `edgemoe simulate` marks it "default";
 - Belady's optimum (no preload).
@@ -28,7 +27,7 @@ import time
 from pathlib import Path
 
 from edgemoe.scheduling import simulate as sim
-from edgemoe.scheduling.policies import DEFAULT_POLICY
+from edgemoe.scheduling.policies import ADAPTIVE_CANDIDATES, DEFAULT_POLICY
 from edgemoe.scheduling.profile import RoutingProfile, read_trace, tokens_from_trace, write_trace
 from edgemoe.scheduling.synthetic_routing import RoutingTargets, generate
 
@@ -80,9 +79,10 @@ def bench_trace(name: str, out: Path) -> list[dict]:
 
 
 def on_demand(tokens, capacity: int, profile) -> tuple[dict, dict[str, int]]:
-    """Adaptive eviction without preload, and the misses of each candidate's ghost (each fixed policy alone)."""
+    """Adaptive eviction without preload, and the misses of each of its candidates alone."""
     result = sim.simulate(tokens, capacity, "adaptive", prior=profile)
-    return result, result["ghost_misses"]
+    alone = {name: sim.simulate(tokens, capacity, name, prior=profile) for name in ADAPTIVE_CANDIDATES}
+    return result, {name: r["requests"] - r["hits"] for name, r in alone.items()}
 
 
 def markdown(rows: list[dict]) -> str:

@@ -38,9 +38,14 @@ fits in free room); every policy but "expected-use" admits every preload. Keys a
   flip it back and forth). Its `read_bytes` (what on-demand caching that follows the leader reads)
   is the reference its guard holds the scheme to (edgemoe.scheduling.guard). Each candidate's own policy object follows the tier's real events, so a switch loses no
   history. Preload admission is expected-use's rule where there is a profile (the only one that
-  weighs a preload against its victim), else every preload is admitted. Bookkeeping: per layer,
-  one pass of its requests through each ghost (at most the tier's capacity in keys each) and a
-  window of per-layer read counts; the CPU time this costs is measured in docs/scheduling.md. With
+  weighs a preload against its victim), else every preload is admitted. Where a token makes many
+  requests (MoE layers x top-k over ADAPTIVE_GHOST_REQUESTS: fine-grained models), the ghosts see a
+  sample of the layers, as set dueling samples a cache's sets: every k-th MoE layer, each ghost
+  with that share of the capacity (its reads scaled back to the whole model for read_bytes);
+  elsewhere (and without a profile) every layer, and each ghost then misses exactly what its
+  policy alone would. Bookkeeping: per sampled layer, one
+  pass of its requests through each ghost (at most its capacity in keys each) and a window of
+  per-layer read counts; the CPU time this costs is measured in docs/scheduling.md. With
   two tiers (VRAM and RAM) each tier's ghosts see every request: for the faster tier, an
   approximation of what reaches it.
 
@@ -365,36 +370,52 @@ class GhostCache:
 ADAPTIVE_CANDIDATES = ("lru", "lfu", "frequency-distance", "expected-use")
 ADAPTIVE_WINDOW_TOKENS = 16   # misses are compared over this many tokens' layer calls
 ADAPTIVE_MARGIN = 0.02        # another candidate leads once it missed this much less over the window
+# Where a token makes more requests than this (MoE layers x top-k, from the routing profile), the ghosts
+# see every k-th MoE layer, in the share of the capacity those layers' experts would get, so that they
+# see about this many: set dueling's sampled sets. On fine-grained routing each layer's pass through the
+# ghosts costs ~0.6-1 ms of Python (docs/scheduling.md), the decode step's order of magnitude; a
+# Mixtral-shaped model (32 x 2) is below it, where sampling cost 2-5% more reads in the simulator.
+ADAPTIVE_GHOST_REQUESTS = 64
 
 
 class AdaptivePolicy:
     name = "adaptive"
 
     def __init__(self, num_layers: int, popularity: dict[Key, float] | None = None, profile=None,
-                 window_tokens: int = ADAPTIVE_WINDOW_TOKENS, margin: float = ADAPTIVE_MARGIN):
+                 window_tokens: int = ADAPTIVE_WINDOW_TOKENS, margin: float = ADAPTIVE_MARGIN,
+                 ghost_requests: int | None = ADAPTIVE_GHOST_REQUESTS):
+        """ghost_requests: about how many of a token's requests the ghosts see, by sampling layers
+        (None, or no profile to count them by: every one; then each ghost misses exactly what its
+        policy alone would)."""
         self.candidates = [n for n in ADAPTIVE_CANDIDATES if n != "expected-use" or profile is not None]
         self._make = lambda name: POLICIES[name](num_layers, popularity, profile)
         self.followers = {name: self._make(name) for name in self.candidates}   # fed the tier's own events
         self.ghosts: dict[str, GhostCache] = {}
         self.leader = self.candidates[0]
         self.margin = margin
-        self.window: deque[tuple[int, ...]] = deque(maxlen=window_tokens * max(1, num_layers))
+        layers = list(profile.moe_layers) if profile is not None else list(range(max(1, num_layers)))
+        every = len(layers) * profile.top_k // ghost_requests if profile is not None and ghost_requests else 1
+        self.ghost_layers = set(layers[::max(1, every)])
+        self.ghost_share = len(self.ghost_layers) / len(layers)   # of the layers, so of the capacity
+        self.window: deque[tuple[int, ...]] = deque(maxlen=window_tokens * len(self.ghost_layers))
         self.window_reads = [0] * len(self.candidates)   # each ghost's bytes read over the window
-        self.read_bytes = 0   # what on-demand caching that follows the leader reads: the leader's ghost's reads
+        # what on-demand caching that follows the leader reads: the leader's ghost's reads, scaled to every layer
+        self.read_bytes = 0
         self.changes: list[tuple[int, str]] = []   # (layer calls so far, candidate followed from then)
         self._layer_calls = 0
 
     def set_capacity(self, capacity: int) -> None:
-        self.ghosts = {name: GhostCache(self._make(name), capacity) for name in self.candidates}
+        share = int(capacity * self.ghost_share)
+        self.ghosts = {name: GhostCache(self._make(name), share) for name in self.candidates}
 
     def set_layer(self, layer: int, needed: Mapping[Key, int]) -> None:
         for follower in self.followers.values():
             follower.set_layer(layer, needed)
         self._layer_calls += 1
-        if not self.ghosts:
+        if not self.ghosts or layer not in self.ghost_layers:
             return
         reads = tuple(ghost.run_layer(layer, needed) for ghost in self.ghosts.values())
-        self.read_bytes += reads[self.candidates.index(self.leader)]
+        self.read_bytes += round(reads[self.candidates.index(self.leader)] / self.ghost_share)
         if len(self.window) == self.window.maxlen:
             self.window_reads = [total - old for total, old in zip(self.window_reads, self.window[0])]
         self.window.append(reads)

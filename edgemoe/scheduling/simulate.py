@@ -34,7 +34,7 @@ Output: a table, or with --json a list of {"policy", "preload", "guard", "defaul
 "hit_rate", "preload_precision", "reads_per_token", "preloads_per_token", "requests", "hits",
 "preloads", "evictions"} (preload_precision null without preload; "adaptive" records also have
 "adaptive_changes": [[layer calls so far, candidate followed from then], ...] and "ghost_misses":
-{candidate: misses of its ghost cache}, what that policy alone misses without preload). "default" marks the scheme a
+{candidate: misses of its ghost cache}, on the layers the ghosts see: AdaptivePolicy). "default" marks the scheme a
 store runs unless told otherwise (DEFAULT_POLICY, correlation preload from its profile, the guard),
 simulated at every cache size whatever --policy and --guard ask, so that any trace can be checked
 against it; the table marks it with "*".
