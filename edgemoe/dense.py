@@ -32,6 +32,11 @@ GROUP_SIZE = {8: None, 4: 128}
 QUANTIZED_ROLES = ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "kv_b", "mlp.gate", "mlp.up", "mlp.down",
                    "shared.gate", "shared.up", "shared.down")
 KERNEL_MAX_TOKENS = {8: 16, 4: 16}   # tools/bench_dense_dtype.py: both kernels beat the GEMM up to 16 tokens
+# A matrix is quantized this many bytes of its float32 rows at a time (rows are quantized on their own,
+# so the codes are the same): the quantizer's float32 temporaries, several times the block, stay small
+# beside the weights. Whole, bench-qwen3moe's LM head (32,000 x 1,024) made the load peak 619 MiB above
+# the loaded weights, and --ram auto was killed inside a 1 GiB limit.
+QUANTIZE_BLOCK_BYTES = 16 << 20
 
 
 class QuantizedLinear:
@@ -61,7 +66,9 @@ class QuantizedLinear:
 
 def quantize_matrix(weight: torch.Tensor, bits: int) -> QuantizedLinear:
     gemm_dtype = torch.bfloat16 if weight.dtype == torch.bfloat16 else torch.float32
-    return QuantizedLinear(quantize(weight, bits, GROUP_SIZE[bits]), gemm_dtype)
+    rows = max(1, QUANTIZE_BLOCK_BYTES // (4 * weight.shape[1]))
+    blocks = [quantize(weight[r:r + rows], bits, GROUP_SIZE[bits]) for r in range(0, weight.shape[0], rows)]
+    return QuantizedLinear(blocks[0] if len(blocks) == 1 else _stacked(blocks), gemm_dtype)
 
 
 def quantize_layer(weights: dict, bits: int) -> dict:

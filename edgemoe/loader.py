@@ -19,7 +19,8 @@ from edgemoe.scheduling.preload import PREDICTORS
 from edgemoe.store import TieredStore
 from edgemoe.store.disk import IO_MODES, drop_page_cache
 from edgemoe.store.format import DENSE_FILE, MANIFEST, Manifest, StoreError, file_crc32, read_manifest
-from edgemoe.store.memory import RUNTIME_GROWTH, ram_budget, read_buffer_bytes, read_memory_facts
+from edgemoe.store.memory import (RUNTIME_GROWTH, ram_budget, read_buffer_bytes, read_memory_facts,
+                                  return_freed_memory)
 
 from .cache import KV_DTYPES
 from .checkpoint import TORCH_DTYPES, Checkpoint, check_finite, read_json
@@ -341,4 +342,5 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None, threads: int
     if model.spec.is_encoder_decoder and model.kv_dtype != torch.float32:
         model.close()
         require_decoder_only(model.spec, path, "kv_dtype= (--kv-dtype)")
+    return_freed_memory()    # the loaded weights' float copies, freed as they were converted or quantized
     return model

@@ -37,6 +37,21 @@ def test_quantized_linear_is_the_dequantized_matrix_product(bits, past_limit):
     assert 0 < err < {8: 0.01, 4: 0.2}[bits] * w.abs().max().item()
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_matrix_quantized_in_row_blocks_has_the_codes_of_one_piece(bits, monkeypatch):
+    """quantize_matrix quantizes QUANTIZE_BLOCK_BYTES of rows at a time (its float temporaries stay
+    small): rows are quantized on their own, so the blocks stacked are the whole matrix quantized."""
+    import edgemoe.dense
+    from edgemoe.quant import quantize
+    w = torch.randn(37, 256)
+    monkeypatch.setattr(edgemoe.dense, "QUANTIZE_BLOCK_BYTES", 5 * 4 * 256)     # 5 rows: 8 blocks, the last of 2
+    blocked = quantize_matrix(w, bits).qt
+    whole = quantize(w, bits, edgemoe.dense.GROUP_SIZE[bits])
+    assert blocked.shape == whole.shape and blocked.group == whole.group
+    for name in ("packed", "scale", "zero"):
+        assert (getattr(blocked, name) == getattr(whole, name)).all(), name
+
+
 def test_a_model_quantizes_its_projections_and_lm_head_only(tiny_model):
     float_model = edgemoe.load(tiny_model("mixtral"), torch.bfloat16)
     model = edgemoe.load(tiny_model("mixtral"), torch.bfloat16, dense_bits=8)

@@ -8,6 +8,7 @@ is pure arithmetic on those facts and the run's sizes, so both are tested agains
 
 from __future__ import annotations
 
+import ctypes
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,3 +172,15 @@ def read_buffer_bytes(manifest) -> int:
     if not lengths:
         return 0
     return max(lengths) * (manifest.spec.num_experts + POOL_KEEP * len(set(lengths)))
+
+
+def return_freed_memory() -> None:
+    """Hand the C heap's free pages back to the system (glibc's malloc_trim). Loading frees the float
+    copies of the matrices it quantizes, and glibc keeps such blocks for reuse unless told otherwise:
+    bench-qwen3moe's INT4 store on an AVX2 CPU held 978 MiB of RSS after load, 502 after this. A
+    no-op where the C library has no malloc_trim (macOS, musl)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
