@@ -25,7 +25,7 @@ from edgemoe.store.memory import (RUNTIME_GROWTH, ram_budget, read_buffer_bytes,
 from .cache import KV_DTYPES
 from .checkpoint import TORCH_DTYPES, Checkpoint, check_finite, read_json
 from .errors import EdgeMoEError
-from .dense import DENSE_BITS, dense_bits_for
+from .dense import DENSE_BITS, GROUP_SIZE, QUANTIZED_ROLES, dense_bits_for
 from .generate import GenerationOptions
 from .experts import DenseExpert, ExpertProvider, InMemoryExperts, expert_activations
 from .model import MoEModel
@@ -33,6 +33,7 @@ from .seq2seq import Seq2SeqModel
 from .models import architecture, parse_spec
 from .spec import ModelSpec
 from .precision import compute_dtype
+from .quant import group_layout
 from .quantized import COMPUTE_CHOICES, StoreExperts, latency_model
 from .tokenizer import Tokenizer
 from .weights import WeightPlan, iter_experts, plan_weights, read_dense, read_expert
@@ -249,40 +250,69 @@ def auto_ram(manifest: Manifest, dtype: torch.dtype | None = None, dense_bits: i
              kv_dtype: str = "float32") -> tuple[int, dict]:
     """ram="auto": the RAM tier's capacity for this store and run, and its breakdown (ram_budget): the
     memory this process may still take (read under `root`), less what the run holds besides experts."""
-    return ram_budget(read_memory_facts(root), manifest.expert_bytes,
-                      run_needs(manifest, dtype, dense_bits, context, batch, kv_dtype))
+    needs = run_needs(manifest, dtype, dense_bits, context, batch, kv_dtype)
+    return ram_budget(read_memory_facts(root), manifest.expert_bytes, needs,
+                      dense_load_extra(manifest, dtype, dense_bits))
 
 
 def run_needs(manifest: Manifest, dtype: torch.dtype | None, dense_bits: int | str | None, context: int | None,
               batch: int, kv_dtype: str = "float32") -> dict[str, int]:
     """Bytes a run of `batch` sequences of up to `context` tokens (None or more: the model's context
-    length) holds besides cached experts, by name."""
+    length) holds besides cached experts, by name, once loaded."""
     spec = manifest.spec
     tokens = min(context or spec.max_position_embeddings, spec.max_position_embeddings)
-    bits = dense_bits_for(dense_bits, manifest, spec)
-    return {"dense": dense_load_bytes(manifest.path / manifest.data["dense"]["file"], dtype, bits),
+    return {"dense": dense_bytes(manifest, dtype, dense_bits)[0],
             "kv_cache": batch * kv_cache_bytes(spec, tokens, KV_DTYPES[kv_dtype]),
             "activations": batch * activation_bytes(spec, tokens),
             "read_buffers": read_buffer_bytes(manifest),
             "runtime": RUNTIME_GROWTH}
 
 
-def dense_load_bytes(dense_path: Path, dtype: torch.dtype | None, bits: int | None) -> int:
-    """The dense weights at their peak while loading: as load_store keeps them (weight_in: vectors in
-    float32, matrices in the compute dtype) plus, with `bits`, their quantized copies, made while the
-    loaded ones are still held (MoEModel.quantize_dense). Every matrix is counted as quantized
-    (the embedding and routers are not: a little more than the truth)."""
-    total = 0
-    with safe_open(str(dense_path), framework="pt") as f:
-        for name in f.keys():
+def dense_load_extra(manifest: Manifest, dtype: torch.dtype | None, dense_bits: int | str | None) -> int:
+    """Bytes the dense weights take while loading beyond what they hold after (ram_budget's load_extra)."""
+    held, peak = dense_bytes(manifest, dtype, dense_bits)
+    return peak - held
+
+
+def dense_bytes(manifest: Manifest, dtype: torch.dtype | None, dense_bits: int | str | None) -> tuple[int, int]:
+    """The dense weights' bytes (held after load, at their peak while loading). Loading keeps them as
+    load_store does (weight_in: vectors in float32, matrices in the compute dtype); with dense bits
+    (dense_bits_for) MoEModel.quantize_dense adds the projections' and the LM head's quantized copies
+    while the loaded ones are still held (the peak; every matrix counted), and the loaded ones are
+    let go after (held: the embedding, routers and vectors as loaded, the copies; a tied LM head's
+    copy counted too)."""
+    spec = manifest.spec
+    bits = dense_bits_for(dense_bits, manifest, spec)
+    held = peak = 0
+    with safe_open(str(manifest.path / manifest.data["dense"]["file"]), framework="pt") as f:
+        names = list(f.keys())
+        for name in names:
             tensor = f.get_slice(name)
             shape, stored = tensor.get_shape(), TORCH_DTYPES.get(tensor.get_dtype(), torch.float32)
             numel = math.prod(shape)
-            kept = torch.float32 if len(shape) < 2 else compute_dtype(stored, dtype)
-            total += numel * kept.itemsize
-            if bits and len(shape) >= 2:
-                total += numel * bits * 9 // 64   # codes, and a scale and zero per row or group: at most 1/8 more
-    return total
+            loaded = numel * (torch.float32 if len(shape) < 2 else compute_dtype(stored, dtype)).itemsize
+            codes = _codes_bytes(shape, bits) if bits and len(shape) >= 2 else 0
+            peak += loaded + codes
+            if codes and _quantized_at_load(name):
+                held += codes
+            else:     # routers are kept in float32 (quantize_layer)
+                held += numel * 4 if name.endswith(".router") else loaded
+            if codes and name == "embed" and "lm_head" not in names:     # a tied LM head's quantized copy
+                held += codes
+    return held, peak
+
+
+def _codes_bytes(shape, bits: int) -> int:
+    """A matrix's quantized copy (edgemoe.dense.quantize_matrix): codes, and a float32 scale and zero
+    per row and group."""
+    group, ngroups = group_layout(bits, GROUP_SIZE[bits], math.prod(shape[1:]))
+    return shape[0] * ngroups * (group * bits // 8 + 8)
+
+
+def _quantized_at_load(name: str) -> bool:
+    """Whether quantize_dense replaces this dense tensor (by its canonical name) by a quantized copy."""
+    parts = name.split(".", 2)
+    return name == "lm_head" or (len(parts) == 3 and parts[0] == "layers" and parts[2] in QUANTIZED_ROLES)
 
 
 def kv_cache_bytes(spec: ModelSpec, tokens: int, dtype: torch.dtype = torch.float32) -> int:

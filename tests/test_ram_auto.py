@@ -11,7 +11,7 @@ import pytest
 
 import edgemoe
 from edgemoe.convert import convert
-from edgemoe.loader import StoreOptions, auto_ram, run_needs
+from edgemoe.loader import StoreOptions, auto_ram, dense_bytes, run_needs
 from edgemoe.options import OptionError
 from edgemoe.store import read_manifest
 from edgemoe.store.memory import MARGIN_FIXED, MIB, MemoryFacts, ram_budget, read_memory_facts
@@ -175,7 +175,33 @@ def test_run_needs_follow_the_context_the_batch_the_cache_type_and_the_dense_wid
     capped = run_needs(manifest, None, "auto", 10 ** 9, 1)["kv_cache"]
     assert capped == per_token * 2 * spec.max_position_embeddings
     as_loaded, int8 = (run_needs(manifest, None, bits, 100, 1)["dense"] for bits in ("none", 8))
-    assert as_loaded < int8 < 2 * as_loaded    # the INT8 copies are made while the loaded weights are held
+    assert int8 < as_loaded        # the projections' float copies let go, their INT8 codes kept
+    assert dense_bytes(manifest, None, "none") == (as_loaded, as_loaded)
+    held, peak = dense_bytes(manifest, None, 8)
+    assert held == int8 and as_loaded < peak < 2 * as_loaded   # the codes are made while the loaded weights are held
+
+
+def test_the_dense_weights_held_after_load_are_those_the_loaded_model_holds(store):
+    """dense_bytes' first figure, against the loaded model's own tensors and codes: the embedding,
+    routers and vectors as loaded, the quantized copies of the rest."""
+    from edgemoe.bench import dense_bytes_per_token
+    for bits in (8, 4):
+        with edgemoe.load(store, ram=0, dense_bits=bits) as model:
+            held = model.embed.nbytes + dense_bytes_per_token(model)
+        estimate, _ = dense_bytes(read_manifest(store), None, bits)
+        assert estimate == held, bits
+
+
+def test_a_budget_that_holds_every_expert_leaves_room_for_the_dense_weights_load():
+    """Experts are cached after the dense weights load, except a budget holding them all: those are
+    placed when the store opens, so that budget must fit beside the load's extra too."""
+    facts = MemoryFacts(1000 * MIB, "cgroup /g")
+    needs = {"dense": 100 * MIB, "runtime": 128 * MIB}     # room: 1000 - 228 - 114 = 658 MiB
+    budget, breakdown = ram_budget(facts, 2 * GIB, needs, load_extra=300 * MIB)
+    assert budget == 658 * MIB and "dense_load_extra" not in breakdown     # fills after the load
+    assert ram_budget(facts, 600 * MIB, needs)[0] == 600 * MIB
+    budget, breakdown = ram_budget(facts, 600 * MIB, needs, load_extra=300 * MIB)
+    assert budget == 358 * MIB and breakdown["dense_load_extra"] == 300 * MIB
 
 
 def test_auto_under_a_fake_cgroup_far_too_small_is_zero(store, tmp_path):
