@@ -45,7 +45,7 @@ RECORD_FIELDS = ("mode", "ram_bytes", "prefill_tokens", "ttft_s", "decode_tok_s"
 
 @dataclass
 class BenchConfig:
-    ram: int                                   # RAM capacity for experts, bytes (all-in-ram ignores it)
+    ram: int | str                             # RAM capacity for experts, bytes or "auto" (all-in-ram ignores it)
     modes: Sequence[str] = MODES
     prefill_tokens: Sequence[int] = (512, 2048)
     decode_tokens: int = 32
@@ -166,10 +166,14 @@ def machine_summary(bw: Bandwidths, memory_limit: str | None = None) -> str:
             + (f"; inside a memory limit of {memory_limit}" if memory_limit else ""))
 
 
-def parse_ram(value: str, store_path: Path) -> int:
-    """--ram: bytes ("1GiB", "800MB", "123456") or a share of the store's expert bytes ("25%")."""
+def parse_ram(value: str, store_path: Path) -> int | str:
+    """--ram: bytes ("1GiB", "800MB", "123456"), a share of the store's expert bytes ("25%"), or
+    "auto": sized when each run's store opens, as `edgemoe run` sizes it (edgemoe.loader.auto_ram),
+    for the run's tokens of KV cache."""
     from edgemoe.store import parse_bytes, read_manifest
 
+    if value == "auto":
+        return value
     return parse_bytes(value, "--ram", share_of=read_manifest(Path(store_path)).expert_bytes)
 
 
@@ -234,8 +238,9 @@ def store_options(mode: str, config: "BenchConfig"):
 def open_model(store_path: Path, mode: str, config: BenchConfig):
     import edgemoe
 
+    context = max(config.prefill_tokens) + config.warmup_tokens + config.decode_tokens   # what ram="auto" reserves
     model = edgemoe.load(store_path, config.dtype, config.threads, store=store_options(mode, config),
-                         dense_bits=config.dense_bits, kv_dtype=config.kv_dtype)
+                         dense_bits=config.dense_bits, context=context, kv_dtype=config.kv_dtype)
     if config.replay is not None:
         config.replay.attach(model)
     if mode == "all-in-ram":

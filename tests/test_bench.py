@@ -111,6 +111,26 @@ def test_ram_budget_as_bytes_or_a_share_of_the_experts(store):
         BenchConfig(ram=1, modes=("fast",))
 
 
+def test_ram_auto_sizes_each_run_as_edgemoe_run_would_for_the_runs_tokens(store, monkeypatch):
+    """--ram auto: each store the bench opens sized when it opens by the loader's auto_ram, which
+    reserves KV cache for the run's tokens (prompt, warm-up and timed steps)."""
+    import edgemoe.loader
+    assert parse_ram("auto", store) == "auto"
+    contexts = []
+    auto_ram = edgemoe.loader.auto_ram
+
+    def counted(manifest, dtype, dense_bits, context, batch, **options):
+        contexts.append(context)
+        return auto_ram(manifest, dtype, dense_bits, context, batch, **options)
+    monkeypatch.setattr(edgemoe.loader, "auto_ram", counted)
+    config = BenchConfig(ram="auto", modes=("on-demand-lru", "predictive"), prefill_tokens=(20,), decode_tokens=4,
+                         warmup_tokens=1, repeats=1)
+    records, _ = bench(store, config, bandwidths=FIXED)
+    assert contexts == [20 + 1 + 4] * 3      # the warm-up's model, then each mode's
+    budget, _ = auto_ram(read_manifest(store), None, "auto", 25, 1)
+    assert [r["ram_bytes"] for r in records] == [budget] * 2
+
+
 def test_bandwidths_are_measured(store):
     memory, detail = memory_bandwidth(nbytes=8 << 20, repeats=1)
     assert memory == max(detail.values()) > 0

@@ -28,8 +28,9 @@ def _bench_mode(value, flag):
 
 def bench(
     store_path: Path = typer.Argument(..., metavar="STORE", help="Store directory."),
-    ram: str = typer.Option("25%", "--ram", help="RAM for experts: bytes (e.g. 1GiB) or a share of the store's "
-                            "expert bytes (e.g. 25%)."),
+    ram: str = typer.Option("25%", "--ram", help="RAM for experts: bytes (e.g. 1GiB), a share of the store's "
+                            "expert bytes (e.g. 25%), or auto (as edgemoe run sizes it, inside --memory-limit "
+                            "when given)."),
     mode: List[str] = typer.Option([], "--mode", callback=checked(_bench_mode),
                                    help="all-in-ram, on-demand-lru or predictive (repeatable; default: all three)."),
     prefill: List[int] = typer.Option([], "--prefill", callback=checked(options.integer_at_least, 1),
