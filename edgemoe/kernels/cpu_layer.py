@@ -328,14 +328,21 @@ def _mla_qkv(path, table, dims, eps, normed, cos, sin, nblocks):
     _rope_heads(k_rope, 1, r, cos, sin)
     k = np.empty(heads * (n + r), np.float32)
     v = np.empty(heads * dv, np.float32)
+    # Copies as loops: in the parallel kernel that inlines this, each slice assignment would be a
+    # parallel region of its own (three or four a head).
     for hd in range(heads):
-        base = hd * (n + r)
+        base, at = hd * (n + r), hd * (n + dv)
         if dims[DIM_INTERLEAVE]:
-            q[base + n:base + n + r] = _deinterleaved(q[base + n:base + n + r])
+            q_rope = _deinterleaved(q[base + n:base + n + r])
+            for d in range(r):
+                q[base + n + d] = q_rope[d]
         _rope_heads(q[base + n:base + n + r], 1, r, cos, sin)
-        k[base:base + n] = kv[hd * (n + dv):hd * (n + dv) + n]
-        k[base + n:base + n + r] = k_rope
-        v[hd * dv:(hd + 1) * dv] = kv[hd * (n + dv) + n:(hd + 1) * (n + dv)]
+        for d in range(n):
+            k[base + d] = kv[at + d]
+        for d in range(r):
+            k[base + n + d] = k_rope[d]
+        for d in range(dv):
+            v[hd * dv + d] = kv[at + n + d]
     return q, k, v
 
 
