@@ -64,7 +64,10 @@ class QuantizedLinear:
         return F.linear(x.to(self.gemm_dtype), kernels.dequantize(self.qt, self.gemm_dtype)).float()
 
 
-def quantize_matrix(weight: torch.Tensor, bits: int) -> QuantizedLinear:
+def quantize_matrix(weight: torch.Tensor | QuantizedLinear, bits: int) -> QuantizedLinear:
+    """weight's QuantizedLinear; one already quantized (a store's load quantizes as it reads) as it is."""
+    if isinstance(weight, QuantizedLinear):
+        return weight
     gemm_dtype = torch.bfloat16 if weight.dtype == torch.bfloat16 else torch.float32
     rows = max(1, QUANTIZE_BLOCK_BYTES // (4 * weight.shape[1]))
     blocks = [quantize(weight[r:r + rows], bits, GROUP_SIZE[bits]) for r in range(0, weight.shape[0], rows)]

@@ -25,7 +25,7 @@ from edgemoe.store.memory import (RUNTIME_GROWTH, ram_budget, read_buffer_bytes,
 from .cache import KV_DTYPES
 from .checkpoint import TORCH_DTYPES, Checkpoint, check_finite, read_json
 from .errors import EdgeMoEError
-from .dense import DENSE_BITS, GROUP_SIZE, QUANTIZED_ROLES, dense_bits_for
+from .dense import DENSE_BITS, GROUP_SIZE, QUANTIZED_ROLES, QuantizedLinear, dense_bits_for, quantize_matrix
 from .generate import GenerationOptions
 from .experts import DenseExpert, ExpertProvider, InMemoryExperts, expert_activations
 from .model import MoEModel
@@ -194,7 +194,8 @@ def expert_gemm_dtype(dense: dict[str, torch.Tensor]) -> torch.dtype:
     """The type the experts' "dequant" path multiplies in: the dense matrices' (weight_in chose it:
     bfloat16 for a bfloat16 model where the CPU multiplies it natively, unless a dtype was forced),
     so that a prefill's expert batches run at the dense part's speed and precision."""
-    matrices = {t.dtype for t in dense.values() if t.dim() >= 2}
+    matrices = {t.gemm_dtype if isinstance(t, QuantizedLinear) else t.dtype for t in dense.values()
+                if isinstance(t, QuantizedLinear) or t.dim() >= 2}
     return torch.bfloat16 if matrices == {torch.bfloat16} else torch.float32
 
 
@@ -223,11 +224,16 @@ def load_store(path: str | os.PathLike, options: StoreOptions | None = None, dty
     if file_crc32(dense_path) != dense_info["crc32"]:
         store.close()
         raise StoreError(f"{dense_path}: checksum mismatch: the store is corrupt")
-    # One tensor at a time (no second copy of all), each checked finite. The experts are not checked here:
-    # convert checked every one as it read it, and their blobs are checksummed.
+    # One tensor at a time (no second copy of all), each checked finite, and each matrix that
+    # quantize_dense will replace quantized as it is read (so the float matrices are never all held at
+    # once: the load's peak). The experts are not checked here: convert checked every one as it read
+    # it, and their blobs are checksummed.
+    bits = None if store.spec.is_encoder_decoder else dense_bits_for(dense_bits, store.manifest, store.spec)
+    dense = {}
     with safe_open(str(dense_path), framework="pt") as f:
-        dense = {name: weight_in(check_finite(f.get_tensor(name), f"{dense_path}: tensor {name!r}", StoreError), dtype)
-                 for name in f.keys()}
+        for name in f.keys():
+            weight = weight_in(check_finite(f.get_tensor(name), f"{dense_path}: tensor {name!r}", StoreError), dtype)
+            dense[name] = quantize_matrix(weight, bits) if bits and _quantized_at_load(name) else weight
     drop_page_cache(dense_path)   # the tensors are copied out: the file's pages would only double them
     missing = sorted(set(store.spec.dense_shapes()) - set(dense))
     if missing:
