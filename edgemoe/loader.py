@@ -25,7 +25,8 @@ from edgemoe.store.memory import (RUNTIME_GROWTH, ram_budget, read_buffer_bytes,
 from .cache import KV_DTYPES
 from .checkpoint import TORCH_DTYPES, Checkpoint, check_finite, read_json
 from .errors import EdgeMoEError
-from .dense import DENSE_BITS, GROUP_SIZE, QUANTIZED_ROLES, QuantizedLinear, dense_bits_for, quantize_matrix
+from .dense import (DENSE_BITS, GROUP_SIZE, QUANTIZE_BLOCK_BYTES, QUANTIZED_ROLES, QuantizedLinear, dense_bits_for,
+                    quantize_matrix)
 from .generate import GenerationOptions
 from .experts import DenseExpert, ExpertProvider, InMemoryExperts, expert_activations
 from .model import MoEModel
@@ -283,13 +284,13 @@ def dense_load_extra(manifest: Manifest, dtype: torch.dtype | None, dense_bits: 
 def dense_bytes(manifest: Manifest, dtype: torch.dtype | None, dense_bits: int | str | None) -> tuple[int, int]:
     """The dense weights' bytes (held after load, at their peak while loading). Loading keeps them as
     load_store does (weight_in: vectors in float32, matrices in the compute dtype); with dense bits
-    (dense_bits_for) MoEModel.quantize_dense adds the projections' and the LM head's quantized copies
-    while the loaded ones are still held (the peak; every matrix counted), and the loaded ones are
-    let go after (held: the embedding, routers and vectors as loaded, the copies; a tied LM head's
-    copy counted too)."""
+    (dense_bits_for) each matrix that quantize_dense replaces is quantized as it is read (held: its
+    quantized copy; the embedding, routers and vectors as loaded; a tied LM head's copy too), so the
+    peak is what is held plus the largest such matrix as loaded and the quantizer's float temporaries
+    (about five times a block of QUANTIZE_BLOCK_BYTES: a whole 125 MiB matrix took 619 MiB)."""
     spec = manifest.spec
     bits = dense_bits_for(dense_bits, manifest, spec)
-    held = peak = 0
+    held = largest = 0
     with safe_open(str(manifest.path / manifest.data["dense"]["file"]), framework="pt") as f:
         names = list(f.keys())
         for name in names:
@@ -297,15 +298,16 @@ def dense_bytes(manifest: Manifest, dtype: torch.dtype | None, dense_bits: int |
             shape, stored = tensor.get_shape(), TORCH_DTYPES.get(tensor.get_dtype(), torch.float32)
             numel = math.prod(shape)
             loaded = numel * (torch.float32 if len(shape) < 2 else compute_dtype(stored, dtype)).itemsize
-            codes = _codes_bytes(shape, bits) if bits and len(shape) >= 2 else 0
-            peak += loaded + codes
-            if codes and _quantized_at_load(name):
-                held += codes
+            quantized = bits and len(shape) >= 2 and _quantized_at_load(name)
+            if quantized:
+                held += _codes_bytes(shape, bits)
+                largest = max(largest, loaded)
             else:     # routers are kept in float32 (quantize_layer)
                 held += numel * 4 if name.endswith(".router") else loaded
-            if codes and name == "embed" and "lm_head" not in names:     # a tied LM head's quantized copy
-                held += codes
-    return held, peak
+            if bits and name == "embed" and "lm_head" not in names:     # a tied LM head's quantized copy
+                held += _codes_bytes(shape, bits)
+                largest = max(largest, loaded)
+    return held, held + (largest + 5 * QUANTIZE_BLOCK_BYTES if largest else 0)
 
 
 def _codes_bytes(shape, bits: int) -> int:
