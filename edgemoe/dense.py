@@ -34,8 +34,7 @@ QUANTIZED_ROLES = ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "kv_b", "mlp.gate",
 KERNEL_MAX_TOKENS = {8: 16, 4: 16}   # tools/bench_dense_dtype.py: both kernels beat the GEMM up to 16 tokens
 # A matrix is quantized this many bytes of its float32 rows at a time (rows are quantized on their own,
 # so the codes are the same): the quantizer's float32 temporaries, several times the block, stay small
-# beside the weights. Whole, bench-qwen3moe's LM head (32,000 x 1,024) made the load peak 619 MiB above
-# the loaded weights, and --ram auto was killed inside a 1 GiB limit.
+# beside the weights. Quantized whole, bench-qwen3moe's LM head (32,000 x 1,024) took 619 MiB of them.
 QUANTIZE_BLOCK_BYTES = 16 << 20
 
 
@@ -72,6 +71,13 @@ def quantize_matrix(weight: torch.Tensor | QuantizedLinear, bits: int) -> Quanti
     rows = max(1, QUANTIZE_BLOCK_BYTES // (4 * weight.shape[1]))
     blocks = [quantize(weight[r:r + rows], bits, GROUP_SIZE[bits]) for r in range(0, weight.shape[0], rows)]
     return QuantizedLinear(blocks[0] if len(blocks) == 1 else _stacked(blocks), gemm_dtype)
+
+
+def quantized_at_load(name: str) -> bool:
+    """Whether quantize_dense replaces this dense tensor (by its canonical name) by a quantized copy:
+    the LM head and each layer's QUANTIZED_ROLES."""
+    parts = name.split(".", 2)
+    return name == "lm_head" or (len(parts) == 3 and parts[0] == "layers" and parts[2] in QUANTIZED_ROLES)
 
 
 def quantize_layer(weights: dict, bits: int) -> dict:

@@ -25,8 +25,8 @@ from edgemoe.store.memory import (RUNTIME_GROWTH, ram_budget, read_buffer_bytes,
 from .cache import KV_DTYPES
 from .checkpoint import TORCH_DTYPES, Checkpoint, check_finite, read_json
 from .errors import EdgeMoEError
-from .dense import (DENSE_BITS, GROUP_SIZE, QUANTIZE_BLOCK_BYTES, QUANTIZED_ROLES, QuantizedLinear, dense_bits_for,
-                    quantize_matrix)
+from .dense import (DENSE_BITS, GROUP_SIZE, QUANTIZE_BLOCK_BYTES, QuantizedLinear, dense_bits_for, quantize_matrix,
+                    quantized_at_load)
 from .generate import GenerationOptions
 from .experts import DenseExpert, ExpertProvider, InMemoryExperts, expert_activations
 from .model import MoEModel
@@ -234,7 +234,7 @@ def load_store(path: str | os.PathLike, options: StoreOptions | None = None, dty
     with safe_open(str(dense_path), framework="pt") as f:
         for name in f.keys():
             weight = weight_in(check_finite(f.get_tensor(name), f"{dense_path}: tensor {name!r}", StoreError), dtype)
-            dense[name] = quantize_matrix(weight, bits) if bits and _quantized_at_load(name) else weight
+            dense[name] = quantize_matrix(weight, bits) if bits and quantized_at_load(name) else weight
     drop_page_cache(dense_path)   # the tensors are copied out: the file's pages would only double them
     missing = sorted(set(store.spec.dense_shapes()) - set(dense))
     if missing:
@@ -257,28 +257,29 @@ def auto_ram(manifest: Manifest, dtype: torch.dtype | None = None, dense_bits: i
              kv_dtype: str = "float32") -> tuple[int, dict]:
     """ram="auto": the RAM tier's capacity for this store and run, and its breakdown (ram_budget): the
     memory this process may still take (read under `root`), less what the run holds besides experts."""
-    needs = run_needs(manifest, dtype, dense_bits, context, batch, kv_dtype)
-    return ram_budget(read_memory_facts(root), manifest.expert_bytes, needs,
-                      dense_load_extra(manifest, dtype, dense_bits))
+    needs, load_extra = _needs_and_load_extra(manifest, dtype, dense_bits, context, batch, kv_dtype)
+    return ram_budget(read_memory_facts(root), manifest.expert_bytes, needs, load_extra)
 
 
 def run_needs(manifest: Manifest, dtype: torch.dtype | None, dense_bits: int | str | None, context: int | None,
               batch: int, kv_dtype: str = "float32") -> dict[str, int]:
     """Bytes a run of `batch` sequences of up to `context` tokens (None or more: the model's context
     length) holds besides cached experts, by name, once loaded."""
+    return _needs_and_load_extra(manifest, dtype, dense_bits, context, batch, kv_dtype)[0]
+
+
+def _needs_and_load_extra(manifest: Manifest, dtype: torch.dtype | None, dense_bits: int | str | None,
+                          context: int | None, batch: int, kv_dtype: str) -> tuple[dict[str, int], int]:
+    """run_needs, and what loading the dense weights takes beyond them for a while (ram_budget's
+    load_extra)."""
     spec = manifest.spec
     tokens = min(context or spec.max_position_embeddings, spec.max_position_embeddings)
-    return {"dense": dense_bytes(manifest, dtype, dense_bits)[0],
+    held, peak = dense_bytes(manifest, dtype, dense_bits)
+    return {"dense": held,
             "kv_cache": batch * kv_cache_bytes(spec, tokens, KV_DTYPES[kv_dtype]),
             "activations": batch * activation_bytes(spec, tokens),
             "read_buffers": read_buffer_bytes(manifest),
-            "runtime": RUNTIME_GROWTH}
-
-
-def dense_load_extra(manifest: Manifest, dtype: torch.dtype | None, dense_bits: int | str | None) -> int:
-    """Bytes the dense weights take while loading beyond what they hold after (ram_budget's load_extra)."""
-    held, peak = dense_bytes(manifest, dtype, dense_bits)
-    return peak - held
+            "runtime": RUNTIME_GROWTH}, peak - held
 
 
 def dense_bytes(manifest: Manifest, dtype: torch.dtype | None, dense_bits: int | str | None) -> tuple[int, int]:
@@ -298,7 +299,7 @@ def dense_bytes(manifest: Manifest, dtype: torch.dtype | None, dense_bits: int |
             shape, stored = tensor.get_shape(), TORCH_DTYPES.get(tensor.get_dtype(), torch.float32)
             numel = math.prod(shape)
             loaded = numel * (torch.float32 if len(shape) < 2 else compute_dtype(stored, dtype)).itemsize
-            quantized = bits and len(shape) >= 2 and _quantized_at_load(name)
+            quantized = bits and len(shape) >= 2 and quantized_at_load(name)
             if quantized:
                 held += _codes_bytes(shape, bits)
                 largest = max(largest, loaded)
@@ -315,12 +316,6 @@ def _codes_bytes(shape, bits: int) -> int:
     per row and group."""
     group, ngroups = group_layout(bits, GROUP_SIZE[bits], math.prod(shape[1:]))
     return shape[0] * ngroups * (group * bits // 8 + 8)
-
-
-def _quantized_at_load(name: str) -> bool:
-    """Whether quantize_dense replaces this dense tensor (by its canonical name) by a quantized copy."""
-    parts = name.split(".", 2)
-    return name == "lm_head" or (len(parts) == 3 and parts[0] == "layers" and parts[2] in QUANTIZED_ROLES)
 
 
 def kv_cache_bytes(spec: ModelSpec, tokens: int, dtype: torch.dtype = torch.float32) -> int:

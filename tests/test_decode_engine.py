@@ -183,11 +183,12 @@ def test_greedy_text_is_the_same_whatever_the_budget_and_policy(store_of):
 
 @pytest.mark.parametrize("path", int_paths())
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_first_position_is_bit_identical_on_every_integer_path_and_dtype(store_of, monkeypatch, path, dtype):
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])     # grouped-query and latent attention
+def test_first_position_is_bit_identical_on_every_integer_path_and_dtype(store_of, monkeypatch, path, dtype, arch):
     """The bit-identity above with each integer path this CPU runs forced (both forwards take it
     from the environment) and with a bfloat16 checkpoint (its dense matrices quantized alike)."""
     monkeypatch.setenv(INT_PATH_ENV, path)
-    store = store_of("qwen3_moe", dtype=dtype)
+    store = store_of(arch, dtype=dtype)
     with load(store) as engine, load(store, engine=False) as generic:
         x, h, _, _ = first_layer_step(engine, 11)
         rx, rh, _, _ = first_layer_step(generic, 11)

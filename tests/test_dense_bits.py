@@ -38,12 +38,13 @@ def test_quantized_linear_is_the_dequantized_matrix_product(bits, past_limit):
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_a_matrix_quantized_in_row_blocks_has_the_codes_of_one_piece(bits, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_matrix_quantized_in_row_blocks_has_the_codes_of_one_piece(bits, dtype, monkeypatch):
     """quantize_matrix quantizes QUANTIZE_BLOCK_BYTES of rows at a time (its float temporaries stay
     small): rows are quantized on their own, so the blocks stacked are the whole matrix quantized."""
     import edgemoe.dense
     from edgemoe.quant import quantize
-    w = torch.randn(37, 256)
+    w = torch.randn(37, 256).to(dtype)
     monkeypatch.setattr(edgemoe.dense, "QUANTIZE_BLOCK_BYTES", 5 * 4 * 256)     # 5 rows: 8 blocks, the last of 2
     blocked = quantize_matrix(w, bits).qt
     whole = quantize(w, bits, edgemoe.dense.GROUP_SIZE[bits])

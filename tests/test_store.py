@@ -19,6 +19,7 @@ from edgemoe.quant import dequantize_reference, quantize
 from edgemoe.store import StoreError, inspect_store, open_store, read_manifest
 from edgemoe.convert import convert
 from edgemoe.store.format import ALIGNMENT, MANIFEST
+from helpers import decode
 
 
 @pytest.fixture(scope="module")
@@ -155,17 +156,6 @@ def test_a_layers_device_experts_in_one_round_trip_give_the_bits_of_one_call_eac
         assert torch.equal(model.logits(ids), batched) and model.store.resident() == where
 
 
-def prompt_and_decode_logits(model, ids, steps=6) -> torch.Tensor:
-    """The prompt's last logits, then each greedy step's: [steps + 1, V]."""
-    from edgemoe.model import Segment
-    cache = model.new_cache()
-    out = [model.forward(ids, [Segment(cache, len(ids))], last_only=True)[-1]]
-    for _ in range(steps):
-        token = torch.tensor([int(out[-1].argmax())])
-        out.append(model.forward(token, [Segment(cache, 1)], last_only=True)[-1])
-    return torch.stack(out)
-
-
 @pytest.mark.parametrize("options", [dict(ram=0, vram="1GB"),                       # resident on the device
                                      dict(ram="1GB", vram=1, compute="device")])    # copied over per use
 def test_a_layers_device_experts_dequantized_together_compute_what_each_alone_does(store, vram_device, options,
@@ -188,12 +178,12 @@ def test_a_layers_device_experts_dequantized_together_compute_what_each_alone_do
         for cap in (0, two_experts, DEVICE_BATCH_BYTES):
             model.experts.device_batch_bytes = cap
             batches.clear()
-            logits[cap] = prompt_and_decode_logits(model, ids)
+            logits[cap] = torch.cat([model.logits(ids), decode(model, ids)])     # a prefill, then steps
             seen[cap] = list(batches)
         top_k, experts = model.spec.top_k, model.spec.num_experts
     assert seen[0] == [] and max(map(len, seen[two_experts])) == 2
     one_batch = seen[DEVICE_BATCH_BYTES]
-    assert [len(c) for c in one_batch if set(c) == {1}] == [top_k] * 6 * 2   # decode: 6 steps x 2 MoE layers
+    assert [len(c) for c in one_batch if set(c) == {1}] == [top_k] * len(ids) * 2   # decode: 2 MoE layers a step
     assert max(map(len, one_batch)) == experts                                # prefill: the whole layer
     for cap in (two_experts, DEVICE_BATCH_BYTES):
         assert (logits[cap] - logits[0]).abs().max() <= 1e-4

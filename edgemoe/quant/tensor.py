@@ -97,7 +97,6 @@ class QuantizedTensor:
         return cls(get_format(bits).bits, group_size, (rows, cols),
                    arrays["packed"], arrays["scale"], arrays["zero"])
 
-
     @classmethod
     def checked_views(cls, bits: int, group_size: int | None, shape: tuple[int, int], group: int,
                       packed: np.ndarray, scale: np.ndarray, zero: np.ndarray):
