@@ -34,7 +34,8 @@ QUANTIZED_ROLES = ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "kv_b", "mlp.gate",
 KERNEL_MAX_TOKENS = {8: 16, 4: 16}   # tools/bench_dense_dtype.py: both kernels beat the GEMM up to 16 tokens
 # A matrix is quantized this many bytes of its float32 rows at a time (rows are quantized on their own,
 # so the codes are the same): the quantizer's float32 temporaries, several times the block, stay small
-# beside the weights. Quantized whole, bench-qwen3moe's LM head (32,000 x 1,024) took 619 MiB of them.
+# beside the weights. Quantized whole, they raised bench-qwen3moe's load peak by about 330 MiB
+# (tools/bench_load_memory.py, docs/scheduling.md).
 QUANTIZE_BLOCK_BYTES = 16 << 20
 
 

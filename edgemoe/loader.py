@@ -191,6 +191,11 @@ def is_store(path: str | os.PathLike) -> bool:
     return (path / MANIFEST).exists() or (path / DENSE_FILE).exists()
 
 
+# While a store's dense matrices are quantized as read, the C heap is trimmed after this many bytes of
+# them are freed: each trim takes ~7 ms (a trim after every matrix added 0.85 s to bench-qwen3moe's load).
+TRIM_EVERY_FREED_BYTES = 64 << 20
+
+
 def expert_gemm_dtype(dense: dict[str, torch.Tensor]) -> torch.dtype:
     """The type the experts' "dequant" path multiplies in: the dense matrices' (weight_in chose it:
     bfloat16 for a bfloat16 model where the CPU multiplies it natively, unless a dtype was forced),
@@ -230,11 +235,18 @@ def load_store(path: str | os.PathLike, options: StoreOptions | None = None, dty
     # once: the load's peak). The experts are not checked here: convert checked every one as it read
     # it, and their blobs are checksummed.
     bits = None if store.spec.is_encoder_decoder else dense_bits_for(dense_bits, store.manifest, store.spec)
-    dense = {}
+    dense, freed = {}, 0
     with safe_open(str(dense_path), framework="pt") as f:
         for name in f.keys():
             weight = weight_in(check_finite(f.get_tensor(name), f"{dense_path}: tensor {name!r}", StoreError), dtype)
-            dense[name] = quantize_matrix(weight, bits) if bits and quantized_at_load(name) else weight
+            if bits and quantized_at_load(name):
+                dense[name], freed = quantize_matrix(weight, bits), freed + weight.nbytes
+                del weight
+                if freed >= TRIM_EVERY_FREED_BYTES:    # else glibc keeps the freed floats and the peak grows
+                    return_freed_memory()
+                    freed = 0
+            else:
+                dense[name] = weight
     drop_page_cache(dense_path)   # the tensors are copied out: the file's pages would only double them
     missing = sorted(set(store.spec.dense_shapes()) - set(dense))
     if missing:
@@ -288,7 +300,7 @@ def dense_bytes(manifest: Manifest, dtype: torch.dtype | None, dense_bits: int |
     (dense_bits_for) each matrix that quantize_dense replaces is quantized as it is read (held: its
     quantized copy; the embedding, routers and vectors as loaded; a tied LM head's copy too), so the
     peak is what is held plus the largest such matrix as loaded and the quantizer's float temporaries
-    (about five times a block of QUANTIZE_BLOCK_BYTES: a whole 125 MiB matrix took 619 MiB)."""
+    (estimated at five blocks of QUANTIZE_BLOCK_BYTES)."""
     spec = manifest.spec
     bits = dense_bits_for(dense_bits, manifest, spec)
     held = largest = 0

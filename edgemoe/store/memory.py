@@ -185,7 +185,8 @@ def read_buffer_bytes(manifest) -> int:
 def return_freed_memory() -> None:
     """Hand the C heap's free pages back to the system (glibc's malloc_trim). Loading frees the float
     copies of the matrices it quantizes, and glibc keeps such blocks for reuse unless told otherwise:
-    bench-qwen3moe's INT4 store on an AVX2 CPU held 978 MiB of RSS after load, 502 after this. A
+    bench-qwen3moe's INT4 store on an AVX2 CPU held 853-890 MiB of RSS after load, 502-503 after
+    this (tools/bench_load_memory.py). A
     no-op where the C library has no malloc_trim (macOS, musl)."""
     try:
         trim = ctypes.CDLL(None).malloc_trim
