@@ -19,7 +19,7 @@ from edgemoe.scheduling.preload import PREDICTORS
 from edgemoe.store import TieredStore
 from edgemoe.store.disk import IO_MODES, drop_page_cache
 from edgemoe.store.format import DENSE_FILE, MANIFEST, Manifest, StoreError, file_crc32, read_manifest
-from edgemoe.store.memory import (RUNTIME_GROWTH, ram_budget, read_buffer_bytes, read_memory_facts,
+from edgemoe.store.memory import (KERNEL_COMPILE_GROWTH, RUNTIME_GROWTH, ram_budget, read_buffer_bytes, read_memory_facts,
                                   return_freed_memory)
 
 from .cache import KV_DTYPES
@@ -28,6 +28,7 @@ from .errors import EdgeMoEError
 from .dense import (DENSE_BITS, GROUP_SIZE, QUANTIZE_BLOCK_BYTES, QuantizedLinear, dense_bits_for, quantize_matrix,
                     quantized_at_load)
 from .generate import GenerationOptions
+from .kernels.ops import kernels_compiled
 from .experts import DenseExpert, ExpertProvider, InMemoryExperts, expert_activations
 from .model import MoEModel
 from .seq2seq import Seq2SeqModel
@@ -276,7 +277,8 @@ def auto_ram(manifest: Manifest, dtype: torch.dtype | None = None, dense_bits: i
 def run_needs(manifest: Manifest, dtype: torch.dtype | None, dense_bits: int | str | None, context: int | None,
               batch: int, kv_dtype: str = "float32") -> dict[str, int]:
     """Bytes a run of `batch` sequences of up to `context` tokens (None or more: the model's context
-    length) holds besides cached experts, by name, once loaded."""
+    length) holds besides cached experts, by name, once loaded; "kernel_compile" only where numba's
+    cache lacks the kernels (kernels_compiled)."""
     return _needs_and_load_extra(manifest, dtype, dense_bits, context, batch, kv_dtype)[0]
 
 
@@ -291,7 +293,8 @@ def _needs_and_load_extra(manifest: Manifest, dtype: torch.dtype | None, dense_b
             "kv_cache": batch * kv_cache_bytes(spec, tokens, KV_DTYPES[kv_dtype]),
             "activations": batch * activation_bytes(spec, tokens),
             "read_buffers": read_buffer_bytes(manifest),
-            "runtime": RUNTIME_GROWTH}, peak - held
+            "runtime": RUNTIME_GROWTH,
+            **({} if kernels_compiled() else {"kernel_compile": KERNEL_COMPILE_GROWTH})}, peak - held
 
 
 def dense_bytes(manifest: Manifest, dtype: torch.dtype | None, dense_bits: int | str | None) -> tuple[int, int]:

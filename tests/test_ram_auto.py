@@ -200,6 +200,27 @@ def test_the_dense_weights_held_after_load_are_those_the_loaded_model_holds(stor
         assert estimate == held, bits
 
 
+def test_kernels_not_yet_compiled_are_reserved_for(store, tmp_path):
+    """numba keeps about 250 MiB for compiling the kernels: reserved only where its cache lacks them.
+    An empty cache has not got them; once this process has called them (compiled or loaded, cache=True
+    writes the index), it has."""
+    from edgemoe.kernels.ops import kernels_compiled
+    from edgemoe.store.memory import KERNEL_COMPILE_GROWTH
+    check = "from edgemoe.kernels.ops import kernels_compiled; print(kernels_compiled())"
+    empty = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")})
+    assert empty.stdout.strip() == "False", empty.stderr
+    with edgemoe.load(store, ram=0, dense_bits=8) as model:   # integer dense and experts: both kernels
+        model.generate(model.tokenizer.encode("ab"), max_new_tokens=1)
+    assert kernels_compiled()
+    assert "kernel_compile" not in run_needs(read_manifest(store), None, "auto", 32, 1)
+    needs = {"dense": 100 * MIB, "runtime": 80 * MIB}
+    facts = MemoryFacts(1000 * MIB, "cgroup /g")
+    with_compile, breakdown = ram_budget(facts, 2 * GIB, {**needs, "kernel_compile": KERNEL_COMPILE_GROWTH})
+    assert ram_budget(facts, 2 * GIB, needs)[0] - with_compile == KERNEL_COMPILE_GROWTH
+    assert breakdown["kernel_compile"] == KERNEL_COMPILE_GROWTH
+
+
 def test_a_budget_that_holds_every_expert_leaves_room_for_the_dense_weights_load():
     """Experts are cached after the dense weights load, except a budget holding them all: those are
     placed when the store opens, so that budget must fit beside the load's extra too."""

@@ -74,7 +74,7 @@ def ram_breakdown_text(b: dict) -> str:
     """--ram auto's choice in one line: the budget, then what it was taken from (auto_ram's breakdown)."""
     held = ", ".join(f"{name.replace('_', ' ')} {size(b[name])}"
                      for name in ("dense", "dense_load_extra", "kv_cache", "activations", "read_buffers", "runtime",
-                                  "margin") if name in b)
+                                  "kernel_compile", "margin") if name in b)
     available = "unknown" if b["available"] is None else size(b["available"])
     note = f"; {b['note']}" if "note" in b else ""
     return (f"--ram auto: {size(b['budget'])} of {size(b['expert_bytes'])} of experts in RAM = "

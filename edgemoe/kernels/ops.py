@@ -108,6 +108,20 @@ def swiglu_expert(x: np.ndarray, gate: QuantizedTensor, up: QuantizedTensor,
     return out
 
 
+def kernels_compiled() -> bool:
+    """Whether numba's cache holds code compiled for this CPU for the integer kernels every store run
+    calls: where it does not, the run compiles them, which a process keeps about 250 MiB for
+    (edgemoe.store.memory.KERNEL_COMPILE_GROWTH). A cache numba cannot read counts as not compiled.
+    Reads numba's cache index through its dispatcher's private `_cache` (numba 0.59-0.68)."""
+    try:
+        from numba.core.registry import cpu_target
+        machine = cpu_target.target_context.codegen().magic_tuple()
+        return all(any(key[1] == machine for key in kernel._cache._cache_file._load_index())
+                   for kernel in (cpu_int.qmatmul_int_kernel, cpu_int.swiglu_experts_int_kernel))
+    except Exception:   # a numba whose cache internals differ: assume the compile, the safe side
+        return False
+
+
 def int_paths() -> tuple[str, ...]:
     """The integer paths numba can run on this CPU, fastest first."""
     return tuple(p for p in INT_PATHS if all(target_has(f) for f in PATH_FEATURES[p]))

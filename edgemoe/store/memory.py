@@ -17,10 +17,14 @@ from .disk import POOL_KEEP
 
 MIB = 1 << 20
 # Memory a run takes after its store opens besides dense weights, KV cache, activations and read
-# buffers: numba's compiled kernels, torch's workspaces, thread stacks. Measured on the bundled model:
-# 99 to 108 MiB from store open to the end of `run -n 4` less the dense weights and experts it held
-# (docs/scheduling.md); 128 MiB leaves room above that.
-RUNTIME_GROWTH = 128 * MIB
+# buffers: numba's loaded kernels, torch's workspaces, thread stacks, the code pages they touch.
+# Measured with tools/bench_run_memory.py --ram 0 on both bench stores (INT4), kernels cached: VmRSS
+# grew 112 and 127 MiB from the load's end to the run's peak, 74 MiB each beyond their read buffers.
+RUNTIME_GROWTH = 80 * MIB
+# What numba takes to compile the kernels when its cache does not hold them (a first run, a new
+# CPU, a changed kernel): kept by the process once compiled. The same measurement on an empty
+# NUMBA_CACHE_DIR grew 248 and 248 MiB more (anonymous 243 and 242).
+KERNEL_COMPILE_GROWTH = 256 * MIB
 # Allocator fragmentation, kernel memory charged to a cgroup (page tables, socket buffers) and
 # run-to-run variation (8 MiB between identical runs): a fixed floor plus a share of what is available.
 MARGIN_FIXED = 64 * MIB
@@ -44,10 +48,10 @@ class MemoryFacts:
 def ram_budget(facts: MemoryFacts, expert_bytes: int, needs: dict[str, int], load_extra: int = 0) -> tuple[int, dict]:
     """The RAM tier's capacity in bytes and why: available - sum(needs) - margin, within
     [0, expert_bytes]. needs: the run's other holdings by name once loaded (dense, kv_cache,
-    activations, read_buffers, runtime). load_extra: what loading the dense weights takes for a while
-    beyond needs["dense"]: the cache fills after the load, except a budget that holds every expert,
-    whose experts are placed when the store opens, so such a budget must leave room for it too
-    (then the breakdown's "dense_load_extra").
+    activations, read_buffers, runtime; kernel_compile where numba must compile the kernels).
+    load_extra: what loading the dense weights takes for a while beyond needs["dense"]: the cache
+    fills after the load, except a budget that holds every expert, whose experts are placed when the
+    store opens, so such a budget must leave room for it too (then the breakdown's "dense_load_extra").
     Unknown memory (facts.available None): every expert, as an unbounded cache would hold, with the
     reason in the breakdown's "note"."""
     breakdown = {"source": facts.source, "limit": facts.limit, "usage": facts.usage,
