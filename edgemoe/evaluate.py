@@ -49,8 +49,11 @@ def windows(n_tokens: int, context: int, stride: int) -> Iterator[tuple[int, int
         begin = min(begin + stride, end - 1)  # a window's first token is context only: overlap by one
 
 
+DEFAULT_CONTEXT = 1024   # a window's tokens when the caller gives none (or the model's context, if shorter)
+
+
 def default_context(model: MoEModel) -> int:
-    return min(model.context_length, 1024)
+    return min(model.context_length, DEFAULT_CONTEXT)
 
 
 def _log_probs(model: MoEModel, ids: torch.Tensor, begin: int, end: int, first: int,

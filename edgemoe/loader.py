@@ -208,17 +208,19 @@ def expert_gemm_dtype(dense: dict[str, torch.Tensor]) -> torch.dtype:
 
 def load_store(path: str | os.PathLike, options: StoreOptions | None = None, dtype: torch.dtype | None = None,
                threads: int | None = None, manifest=None, dense_bits: int | str | None = None,
-               context: int | None = None, batch: int = 1, kv_dtype: str = "float32") -> MoEModel:
+               context: int | None = None, batch: int = 1, kv_dtype: str = "float32",
+               score_windows: bool = False) -> MoEModel:
     """A model whose experts stay in a tiered store, held and run as `options` say (default
     StoreOptions()); the model owns the store: close it with model.close() or use the model as a
     context manager. manifest: the store's, already parsed (the converter's store before commit).
-    dense_bits, context, batch, kv_dtype: what ram="auto" reserves for the dense weights and the KV
-    cache (auto_ram); the store's breakdown of that choice is store.ram_breakdown (None without "auto")."""
+    dense_bits, context, batch, kv_dtype, score_windows: what ram="auto" reserves for the dense
+    weights, the KV cache and the activations (auto_ram); the store's breakdown of that choice is store.ram_breakdown (None without "auto")."""
     o = options or StoreOptions()
     ram, ram_breakdown = o.ram, None
     if ram == "auto":
         manifest = manifest if manifest is not None else read_manifest(Path(path))
-        ram, ram_breakdown = auto_ram(manifest, dtype, dense_bits, context, batch, kv_dtype=kv_dtype)
+        ram, ram_breakdown = auto_ram(manifest, dtype, dense_bits, context, batch, kv_dtype=kv_dtype,
+                                      score_windows=score_windows)
     store = TieredStore(path, ram=ram, vram=o.vram, device=o.device, policy=o.policy, io=o.io,
                         place_popular=o.place_popular, routing_profile=o.routing_profile, manifest=manifest)
     store.ram_breakdown = ram_breakdown
@@ -267,23 +269,25 @@ def load_store(path: str | os.PathLike, options: StoreOptions | None = None, dty
 
 def auto_ram(manifest: Manifest, dtype: torch.dtype | None = None, dense_bits: int | str | None = "auto",
              context: int | None = None, batch: int = 1, root: str | os.PathLike = "/",
-             kv_dtype: str = "float32") -> tuple[int, dict]:
+             kv_dtype: str = "float32", score_windows: bool = False) -> tuple[int, dict]:
     """ram="auto": the RAM tier's capacity for this store and run, and its breakdown (ram_budget): the
     memory this process may still take (read under `root`), less what the run holds besides experts."""
-    needs, load_extra = _needs_and_load_extra(manifest, dtype, dense_bits, context, batch, kv_dtype)
+    needs, load_extra = _needs_and_load_extra(manifest, dtype, dense_bits, context, batch, kv_dtype, score_windows)
     return ram_budget(read_memory_facts(root), manifest.expert_bytes, needs, load_extra)
 
 
 def run_needs(manifest: Manifest, dtype: torch.dtype | None, dense_bits: int | str | None, context: int | None,
-              batch: int, kv_dtype: str = "float32") -> dict[str, int]:
+              batch: int, kv_dtype: str = "float32", score_windows: bool = False) -> dict[str, int]:
     """Bytes a run of `batch` sequences of up to `context` tokens (None or more: the model's context
     length) holds besides cached experts, by name, once loaded; "kernel_compile" only where numba's
-    cache lacks the kernels (kernels_compiled)."""
-    return _needs_and_load_extra(manifest, dtype, dense_bits, context, batch, kv_dtype)[0]
+    cache lacks the kernels (kernels_compiled). score_windows: the run scores every position of a
+    `context`-token window in one step (eval), else it generates (activation_bytes)."""
+    return _needs_and_load_extra(manifest, dtype, dense_bits, context, batch, kv_dtype, score_windows)[0]
 
 
 def _needs_and_load_extra(manifest: Manifest, dtype: torch.dtype | None, dense_bits: int | str | None,
-                          context: int | None, batch: int, kv_dtype: str) -> tuple[dict[str, int], int]:
+                          context: int | None, batch: int, kv_dtype: str,
+                          score_windows: bool = False) -> tuple[dict[str, int], int]:
     """run_needs, and what loading the dense weights takes beyond them for a while (ram_budget's
     load_extra)."""
     spec = manifest.spec
@@ -291,7 +295,7 @@ def _needs_and_load_extra(manifest: Manifest, dtype: torch.dtype | None, dense_b
     held, peak = dense_bytes(manifest, dtype, dense_bits)
     return {"dense": held,
             "kv_cache": batch * kv_cache_bytes(spec, tokens, KV_DTYPES[kv_dtype]),
-            "activations": batch * activation_bytes(spec, tokens),
+            "activations": batch * activation_bytes(spec, tokens, score_windows),
             "read_buffers": read_buffer_bytes(manifest),
             "runtime": RUNTIME_GROWTH,
             **({} if kernels_compiled() else {"kernel_compile": KERNEL_COMPILE_GROWTH})}, peak - held
@@ -340,17 +344,21 @@ def kv_cache_bytes(spec: ModelSpec, tokens: int, dtype: torch.dtype = torch.floa
     return per_token * max(64, 2 * tokens)
 
 
-def activation_bytes(spec: ModelSpec, tokens: int) -> int:
-    """One sequence's float32 activations in its largest step, a prefill chunk against `tokens` of
-    context: a few hidden-sized tensors per token, the logits, and the attention scores with their softmax."""
-    step = min(tokens, GenerationOptions().prefill_chunk)
+def activation_bytes(spec: ModelSpec, tokens: int, score_windows: bool = False) -> int:
+    """One sequence's float32 activations in its largest step against `tokens` of context: a few
+    hidden-sized tensors per token of the step, its logits, and the attention scores with their
+    softmax. Generating, the step is a prefill chunk whose last token alone gets logits
+    (MoEModel.next_logits); scoring windows (score_windows, edgemoe.evaluate), the step is the whole
+    window and every position's logits are kept beside their log-softmax."""
+    step = tokens if score_windows else min(tokens, GenerationOptions().prefill_chunk)
+    logit_rows = 2 * step if score_windows else 1
     widest = max(spec.hidden_size, spec.expert_hidden, spec.num_heads * spec.head_dim)
-    return 4 * step * (spec.vocab_size + 8 * widest + 2 * spec.num_heads * tokens)
+    return 4 * (logit_rows * spec.vocab_size + step * (8 * widest + 2 * spec.num_heads * tokens))
 
 
 def load(path: str | os.PathLike, dtype: torch.dtype | None = None, threads: int | None = None,
          store: StoreOptions | None = None, dense_bits: int | None = None, context: int | None = None,
-         batch: int = 1, kv_dtype: str = "float32", **options) -> MoEModel:
+         batch: int = 1, kv_dtype: str = "float32", score_windows: bool = False, **options) -> MoEModel:
     """A model from a Hugging Face checkpoint directory (all in RAM) or from a store (experts tiered,
     held and run as `store` says, or StoreOptions(**options): load(path, ram="25%", policy="lfu")).
     Dense weight matrices in `dtype`, by default as the checkpoint stores them where the CPU
@@ -360,8 +368,9 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None, threads: int
     "auto" (the commands' default): 4 or 8 for a store of a decoder-only model, by its experts'
     widths, else as loaded (edgemoe.dense.dense_bits_for).
     context, batch: the tokens of KV cache per sequence (None: the model's context length) and the
-    sequences the caller will run at once, reserved by ram="auto" (auto_ram). kv_dtype: the KV
-    cache's "float32" or "bfloat16" (edgemoe.cache.KV_DTYPES)."""
+    sequences the caller will run at once, reserved by ram="auto" (auto_ram); score_windows: the
+    caller scores every position of `context`-token windows (edgemoe.evaluate), not generates, so
+    auto reserves their logits. kv_dtype: the KV cache's "float32" or "bfloat16" (edgemoe.cache.KV_DTYPES)."""
     if store is not None and options:
         raise TypeError("load: give store=StoreOptions(...) or option keywords, not both")
     if dense_bits not in (None, "auto", "none", *DENSE_BITS):
@@ -372,7 +381,7 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None, threads: int
     from_store = is_store(path)
     if from_store:
         model = load_store(path, store, dtype, threads, dense_bits=dense_bits, context=context, batch=batch,
-                           kv_dtype=kv_dtype)
+                           kv_dtype=kv_dtype, score_windows=score_windows)
     else:
         given = store.given()
         if given:

@@ -184,6 +184,25 @@ def test_run_needs_follow_the_context_the_batch_the_cache_type_and_the_dense_wid
     assert held == int8 and peak == held + largest + 5 * QUANTIZE_BLOCK_BYTES   # one matrix quantized at a time
 
 
+def test_activations_count_the_logits_each_kind_of_run_keeps(store):
+    """Generating, a prefill chunk keeps its last token's logits only (next_logits: one row a sequence);
+    scoring a window (eval) keeps every position's logits and their log-softmax. On a vocabulary of
+    150k a 512-token chunk's logits would be 297 MiB that generation never holds."""
+    from dataclasses import replace
+    from edgemoe.loader import activation_bytes
+    manifest = read_manifest(store)
+    spec = manifest.spec
+    wider = replace(spec, vocab_size=spec.vocab_size + 1000)
+    for tokens in (100, 2000):
+        assert activation_bytes(wider, tokens) - activation_bytes(spec, tokens) == 4 * 1000
+        assert activation_bytes(wider, tokens, True) - activation_bytes(spec, tokens, True) == 4 * 1000 * 2 * tokens
+    generate, score = (run_needs(manifest, None, "auto", 300, 1, score_windows=s)["activations"] for s in (False, True))
+    assert score > generate
+    with edgemoe.load(store, ram=0) as model:
+        logits = model.next_logits([[1, 2, 3], [4, 5]], [model.new_cache(), model.new_cache()])
+        assert logits.shape == (2, spec.vocab_size)
+
+
 def _dense_matrices(manifest):
     from safetensors.torch import load_file
     return load_file(str(manifest.path / "dense.safetensors")).items()

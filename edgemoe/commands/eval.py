@@ -50,7 +50,7 @@ def eval_(
 ):
     """Perplexity over a text (sliding window); with --reference, agreement and KL too."""
     import edgemoe
-    from edgemoe.evaluate import evaluate_text
+    from edgemoe.evaluate import DEFAULT_CONTEXT, evaluate_text
     from edgemoe.loader import require_decoder_only
 
     store_options = as_store_options(ram=ram, vram=vram, device=device, policy=policy, preload=preload,
@@ -67,7 +67,7 @@ def eval_(
     decode = decode or bool(skip_below or fallback_below)
     path = model_path(model)
     m = edgemoe.load(path, torch_dtype(dtype), threads, store=store_options, dense_bits=dense_bits, kv_dtype=kv_dtype,
-                     context=context)
+                     context=context or DEFAULT_CONTEXT, score_windows=not decode)
     warn_ram_auto(m)
     require_decoder_only(m.spec, path, "edgemoe eval (next-token perplexity)")
     options.window_length(context, "--context", m.context_length)
