@@ -34,7 +34,7 @@ import torch
 
 from .dense import QuantizedLinear
 from .kernels import cpu, cpu_layer
-from .kernels.ops import _int_path
+from .kernels.ops import _int_path, expert_layout
 from .kernels.views import address
 from .layers import choose_experts
 from .spec import ModelSpec
@@ -130,9 +130,22 @@ class DecodeEngine:
             table[c.ROUTER] = self._float32(w["router"])
             table[c.ROUTER_BIAS] = self._float32(w.get("router_bias"))
             table[c.EXPERTS] = w["router"].shape[0]
+            table[c.SHARED] = self._shared_layout(w)
+            if table[c.SHARED] and self.spec.shared_expert_gated:
+                table[c.SHARED_GATE] = self._float32(w["shared_gate"])
         window = self.spec.sliding_windows[l]
         table[c.WINDOW] = 0 if window is None else window
         return table
+
+    def _shared_layout(self, w: dict) -> int:
+        """The address of the layer's shared expert's layout row (kept alive by the engine), 0 where
+        it has none or its matrices are not quantized (dense_bits none: the generic block runs it)."""
+        matrices = [w.get(f"shared.{name}") for name in ("gate", "up", "down")]
+        if not all(isinstance(m, QuantizedLinear) for m in matrices):
+            return 0
+        row = expert_layout(*(m.qt for m in matrices))
+        self._keep.append(row)
+        return address(row)
 
     def layer(self, l: int, x: torch.Tensor, position: int, cos: torch.Tensor, sin: torch.Tensor, cache):
         """Layer l's attention block for one token: see the module docstring."""
@@ -189,10 +202,21 @@ class DecodeEngine:
     def computes_moe(self, l: int) -> bool:
         """Whether moe() can run layer l's MoE block: a routed layer with a router in ROUTERS (top-k of
         the softmax, GPT-OSS's softmax of the biased top-k, Phi-3.5-MoE's sparsemixer) that scales
-        nothing, and no shared expert (other MoE blocks run through the model's generic MoE block)."""
+        nothing, and a shared expert, gated or not, only where its matrices are quantized
+        (computes_shared; other MoE blocks run through the model's generic MoE block)."""
         spec = self.spec
         return (self.tables[l][cpu_layer.ROUTER] != 0 and self.router is not None
-                and spec.routed_scaling_factor == 1.0 and not spec.shared_expert_hidden)
+                and spec.routed_scaling_factor == 1.0 and (not spec.shared_expert_hidden or self.computes_shared(l)))
+
+    def computes_shared(self, l: int) -> bool:
+        """Whether add_shared() computes layer l's shared expert: its matrices are quantized."""
+        return self.tables[l][cpu_layer.SHARED] != 0
+
+    def add_shared(self, l: int, h: torch.Tensor, out: torch.Tensor) -> None:
+        """out float32 [1, D] += layer l's shared expert on one token's h [1, D] (computes_shared),
+        gated where the model gates it, in place: the bits moe() and step() add."""
+        cpu_layer.shared_expert_kernel(_int_path(None), self.tables[l], h.numpy()[0], out.numpy()[0],
+                                       cpu.row_blocks())
 
     def moe(self, l: int, x: torch.Tensor, h: torch.Tensor, logits: torch.Tensor, layouts: np.ndarray,
             replayed: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,7 +228,7 @@ class DecodeEngine:
         [1, A]) it used, as choose() gives them. Bit for bit the generic MoE block's."""
         weights, experts = self._choice(1, replayed)
         cpu_layer.moe_block_kernel(_int_path(None), layouts, h.numpy()[0], logits.numpy()[0], experts.shape[1],
-                                   self.router, self.tables[l][cpu_layer.ROUTER_BIAS], self.jitter, replayed is not None,
+                                   self.router, self.tables[l], self.jitter, replayed is not None,
                                    x.numpy()[0], weights.numpy()[0], experts.numpy()[0], cpu.row_blocks())
         return weights, experts
 

@@ -411,7 +411,10 @@ class MoEModel(StoreOwner):
         for hook in self.routing_hooks:
             hook(l, experts, weights, positions, segments)
         out = self.experts.run(l, x, batches)
-        if self.spec.shared_expert_hidden:
+        if self.spec.shared_expert_hidden and router_logits is not None and self.decode_engine.computes_shared(l):
+            out = out.float().contiguous()   # one token after the engine's attention block: moe()'s bits
+            self.decode_engine.add_shared(l, x, out)
+        elif self.spec.shared_expert_hidden:
             shared = swiglu(x, w["shared.gate"], w["shared.up"], w["shared.down"])
             if self.spec.shared_expert_gated:
                 shared = torch.sigmoid(linear(x, w["shared_gate"])) * shared

@@ -81,13 +81,14 @@ def same(a, b):
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch, overrides", [("qwen3_moe", {"num_experts": 16, "num_experts_per_tok": 8}),
                                              ("mixtral", {}), ("olmoe", {}), ("gpt_oss", {"num_experts_per_tok": 2}),
-                                             ("phimoe", {"router_jitter_noise": 0.5})])
+                                             ("phimoe", {"router_jitter_noise": 0.5}), ("qwen2_moe", {})])
 def test_a_step_in_one_call_gives_the_layer_by_layer_bits(store_of, monkeypatch, path, kv_dtype, arch, overrides):
     """On each integer path this CPU runs (forced), with a float32 and a bfloat16 KV cache, on
     routers that renormalise the top-k weights (qwen3_moe, mixtral), one that does not (olmoe),
     GPT-OSS's (the biased top-k softmaxed; its experts a clamped SwiGLU with biases; attention sinks
-    and sliding windows) and Phi-3.5-MoE's sparsemixer (LayerNorm, attention biases; a jitter that
-    keeps several candidates in each softmax)."""
+    and sliding windows), Phi-3.5-MoE's sparsemixer (LayerNorm, attention biases; a jitter that
+    keeps several candidates in each softmax) and Qwen2-MoE's (a wider shared expert behind a
+    sigmoid gate, beside the routed ones)."""
     monkeypatch.setenv(INT_PATH_ENV, path)
     store = store_of(arch, **overrides)
     steps, moe_blocks = counted(monkeypatch, "step"), counted(monkeypatch, "moe")
@@ -157,10 +158,10 @@ def test_replayed_routing_runs_in_the_engine_with_the_generic_bits(store_of, mon
 
 
 def test_where_a_step_cannot_run_whole_it_runs_layer_by_layer(store_of, monkeypatch):
-    """A shared expert (qwen2_moe) is not the engine's MoE block; a store still reading experts has no
-    resident tables: each runs without the one call."""
+    """Latent attention (deepseek_v2) is not the whole-token step's; a store still reading experts has
+    no resident tables: each runs without the one call."""
     steps = counted(monkeypatch, "step")
-    with edgemoe.load(store_of("qwen2_moe"), dense_bits=8, compute="fused-int") as model:
+    with edgemoe.load(store_of("deepseek_v2"), dense_bits=8, compute="fused-int") as model:
         for entry in model.store.experts():
             model.store.get(*entry.key)
         assert not model.decode_engine.computes_token()
@@ -171,6 +172,43 @@ def test_where_a_step_cannot_run_whole_it_runs_layer_by_layer(store_of, monkeypa
         model.forward(torch.tensor([3]), [Segment(model.new_cache(), 1)])
     assert not steps
 
+
+@pytest.mark.parametrize("path", int_paths())
+def test_deepseeks_moe_block_with_its_shared_experts_runs_in_one_call_with_the_generic_bits(store_of, monkeypatch,
+                                                                                          path):
+    """DeepSeek-V2 "greedy" (latent attention, a first dense layer, ungated shared experts): each MoE
+    layer's block in one call after its attention block, the bits of the generic block after the
+    same attention block (which adds the shared expert by the same kernel)."""
+    monkeypatch.setenv(INT_PATH_ENV, path)
+    store = store_of("deepseek_v2")
+    moe_blocks = counted(monkeypatch, "moe")
+    by_layer = decode(store, "layer", monkeypatch)
+    with edgemoe.load(store) as model:
+        routed = sum(model.spec.moe_layers)
+        assert model.spec.shared_expert_hidden and not model.spec.shared_expert_gated and routed < model.spec.num_layers
+    assert len(moe_blocks) == len(STEPS) * routed
+    same(by_layer, decode(store, "generic", monkeypatch))
+    assert len(moe_blocks) == len(STEPS) * routed
+
+
+def test_a_shared_expert_is_computed_as_the_torch_block_computes_it(store_of):
+    """The engine's shared expert (integer kernel, numba's sigmoid) against the generic block's torch
+    path on the same quantized matrices: equal within float32 rounding, for a gated (qwen2_moe) and
+    an ungated (deepseek_v2) one."""
+    from edgemoe.layers import linear, swiglu
+    for arch in ("qwen2_moe", "deepseek_v2"):
+        with edgemoe.load(store_of(arch), dense_bits=8) as model:
+            l = model.spec.moe_layers.index(True)
+            w, engine = model.layers[l], model.decode_engine
+            assert engine.computes_shared(l)
+            h = torch.randn(1, model.spec.hidden_size)
+            ours = torch.zeros(1, model.spec.hidden_size)
+            engine.add_shared(l, h, ours)
+            theirs = swiglu(h, w["shared.gate"], w["shared.up"], w["shared.down"])
+            if model.spec.shared_expert_gated:
+                theirs = torch.sigmoid(linear(h, w["shared_gate"])) * theirs
+            assert ours.abs().max() > 0
+            torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
 
 
 def test_a_ram_budget_that_holds_every_expert_is_filled_at_open(store_of, monkeypatch):

@@ -37,9 +37,9 @@ PARALLEL = dict(EXACT, parallel=True)
 
 # The MoE block as it was written with array expressions (cpu_layer's names in scope).
 ARRAY_EXPRESSIONS = '''
-def _moe_block(path, layouts, h, logits, top_k, router, bias, jitter, replayed, x, weights, experts, nblocks):
+def _moe_block(path, layouts, h, logits, top_k, router, table, jitter, replayed, x, weights, experts, nblocks):
     if not replayed:
-        _route(router, logits, bias, jitter, top_k, weights, experts)
+        _route(router, logits, table[ROUTER_BIAS], jitter, top_k, weights, experts)
     order = np.argsort(experts, kind="mergesort")
     dim = h.shape[0]
     chosen = np.empty((top_k, layouts.shape[1]), np.int64)
@@ -55,6 +55,7 @@ def _moe_block(path, layouts, h, logits, top_k, router, bias, jitter, replayed, 
         w = weights[order[a]]
         for c in range(dim):
             out[c] = out[c] + y[a, c] * w
+    _add_shared_expert(path, table, h, out, nblocks)
     for c in range(dim):
         x[c] = x[c] + out[c]
 

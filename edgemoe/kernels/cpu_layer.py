@@ -39,7 +39,7 @@ import numpy as np
 
 from ._jit import njit_exact, njit_exact_inline, njit_exact_parallel, njit_serial
 from .cpu import _block_size, rms_norm_kernel
-from .cpu_int import INNER, _quantize_row, _rows, swiglu_experts_int, zeroed_codes
+from .cpu_int import INNER, LAYOUT_COLUMNS, _quantize_row, _rows, swiglu_experts_int, zeroed_codes
 from .kv import _float32_from_bits, narrow, widen
 from .views import float32_view, like_view, uint8_view
 
@@ -52,7 +52,11 @@ MATRIX_COLUMNS = 6
 # Then float32 vectors (0: absent), then integers.
 (ATTN_NORM, ATTN_NORM_BIAS, MLP_NORM, MLP_NORM_BIAS, Q_BIAS, K_BIAS, V_BIAS, Q_NORM, K_NORM, O_BIAS, SINKS,
  ROUTER, Q_A_NORM, Q_A_BIAS, KV_A_NORM, KV_A_BIAS, EXPERTS, WINDOW, ROUTER_BIAS) = range(30, 49)
-TABLE_COLUMNS = 49
+# A shared expert (Qwen2-MoE, DeepSeek): the address of its int64 layout row [LAYOUT_COLUMNS]
+# (cpu_int.swiglu_experts_int's, over the dense weights' quantized copies), and of its float32
+# sigmoid gate [D] where the model gates it (Qwen2-MoE).
+SHARED, SHARED_GATE = 49, 50
+TABLE_COLUMNS = 51
 # The model's dimensions (an int64 array). MLA: N / R key dims without / with rotary, Ckv latent rank,
 # Cq query latent rank (0: q straight from x).
 DIM_D, DIM_H, DIM_K, DIM_DK, DIM_DV, DIM_QK_NORM, DIM_NORM, DIM_N, DIM_R, DIM_CKV, DIM_CQ, DIM_INTERLEAVE = range(12)
@@ -487,25 +491,27 @@ def _route(router, logits, bias, jitter, top_k, weights, experts):
 
 
 @njit_exact
-def moe_block_kernel(path, layouts, h, logits, top_k, router, bias, jitter, replayed, x, weights, experts, nblocks):
+def moe_block_kernel(path, layouts, h, logits, top_k, router, table, jitter, replayed, x, weights, experts, nblocks):
     """A one-token MoE block whose experts are all resident, on the integer path, in one call: the
     router's choice from logits float32 [E] (router SOFTMAX, SOFTMAX_NORMALIZED, TOPK_SOFTMAX with
-    bias the address of its float32 bias [E] or 0, or SPARSEMIXER with its jitter: weights float32 [A]
-    and experts int64 [A] out, strongest first; replayed: weights and experts are given, a replayed
-    trace's choice, an expert possibly twice), the chosen experts on h float32 [D] (layouts int64 [E, LAYOUT_COLUMNS], row e
-    expert e's, SwiGLU or GPT-OSS's: cpu_int.swiglu_experts_int), and their outputs times
-    their weights added up in ascending expert order, then into x float32 [D] in place. The bits of
-    the generic MoE block on the same choice (edgemoe.experts.ExpertBatches orders a step's pairs by
-    expert; edgemoe.quantized's weighted sum adds them in that order, then the residual), where
-    Python around each piece cost a fine-grained layer more than its experts' compute."""
-    _moe_block(path, layouts, h, logits, top_k, router, bias, jitter, replayed, x, weights, experts, nblocks)
+    the layer table's ROUTER_BIAS the address of its float32 bias [E] or 0, or SPARSEMIXER with its
+    jitter: weights float32 [A] and experts int64 [A] out, strongest first; replayed: weights and
+    experts are given, a replayed trace's choice, an expert possibly twice), the chosen experts on h
+    float32 [D] (layouts int64 [E, LAYOUT_COLUMNS], row e expert e's, SwiGLU or GPT-OSS's:
+    cpu_int.swiglu_experts_int), and their outputs times their weights added up in ascending expert
+    order, then the table's shared expert (shared_expert_kernel), then into x float32 [D] in place.
+    The bits of the generic MoE block on the same choice (edgemoe.experts.ExpertBatches orders a
+    step's pairs by expert; edgemoe.quantized's weighted sum adds them in that order, then the
+    shared expert, then the residual), where Python around each piece cost a fine-grained layer more
+    than its experts' compute."""
+    _moe_block(path, layouts, h, logits, top_k, router, table, jitter, replayed, x, weights, experts, nblocks)
 
 
 @njit_exact_parallel
-def _moe_block(path, layouts, h, logits, top_k, router, bias, jitter, replayed, x, weights, experts, nblocks):
+def _moe_block(path, layouts, h, logits, top_k, router, table, jitter, replayed, x, weights, experts, nblocks):
     """moe_block_kernel's body, compiled once for the kernels that call it, as _attention_block."""
     if not replayed:
-        _route(router, logits, bias, jitter, top_k, weights, experts)
+        _route(router, logits, table[ROUTER_BIAS], jitter, top_k, weights, experts)
     order = np.argsort(experts, kind="mergesort")
     dim, columns = h.shape[0], layouts.shape[1]
     # Written as loops: in a parallel function numba makes each array expression (a slice copied,
@@ -530,8 +536,41 @@ def _moe_block(path, layouts, h, logits, top_k, router, bias, jitter, replayed, 
         w = weights[order[a]]
         for c in range(dim):
             out[c] = out[c] + y[a, c] * w
+    _add_shared_expert(path, table, h, out, nblocks)
     for c in range(dim):
         x[c] = x[c] + out[c]
+
+
+@njit_exact
+def shared_expert_kernel(path, table, h, out, nblocks):
+    """out float32 [D] += the layer's shared expert on one token's h float32 [D] (table[SHARED]; nothing
+    where it is 0), times sigmoid(table[SHARED_GATE] . h) where the model gates it: what the MoE block
+    kernels add, for the generic MoE block to add the same bits."""
+    _add_shared_expert(path, table, h, out, nblocks)
+
+
+@njit_exact_inline
+def _add_shared_expert(path, table, h, out, nblocks):
+    if table[SHARED] == 0:
+        return
+    layout = like_view(table[SHARED], (1, LAYOUT_COLUMNS), table)
+    dim = h.shape[0]
+    rows = np.empty((1, dim), np.float32)
+    for c in range(dim):
+        rows[0, c] = h[c]
+    starts = np.empty(2, np.int64)
+    starts[0], starts[1] = 0, 1
+    y = np.empty((1, dim), np.float32)
+    swiglu_experts_int(path, layout, starts, rows, layout[0, INNER], y, nblocks)
+    gate = np.float32(1)
+    if table[SHARED_GATE] != 0:
+        g = _vector(table[SHARED_GATE], dim)
+        z = np.float32(0)
+        for c in range(dim):
+            z += g[c] * h[c]
+        gate = np.float32(1) / (np.float32(1) + np.exp(-z))
+    for c in range(dim):
+        out[c] = out[c] + y[0, c] * gate
 
 
 @njit_exact
@@ -554,5 +593,5 @@ def decode_token_kernel(path, tables, dims, eps, scale, clip, x, cos, sin, kv, k
         values = like_view(kv[l, 1], (heads, kv[l, 2], dv), kv_like)
         _attention_block(path, tables[l], dims, eps, scale, clip, x, cos, sin, keys, values, pos, hs[l], logits,
                          nblocks)
-        _moe_block(path, layouts[l], hs[l], logits, top_k, router, tables[l, ROUTER_BIAS], jitter, replayed, x,
-                   weights[l], experts[l], nblocks)
+        _moe_block(path, layouts[l], hs[l], logits, top_k, router, tables[l], jitter, replayed, x, weights[l],
+                   experts[l], nblocks)
