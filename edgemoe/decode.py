@@ -16,11 +16,14 @@ architecture in tests/test_decode_engine.py).
 
 With every expert resident in RAM at full width (the store's resident tables), `moe(l, x, h, logits,
 layouts)` runs a layer's MoE block (computes_moe: a softmax router, top-k of the softmax, GPT-OSS's
-softmax of the biased top-k or Phi-3.5-MoE's sparsemixer; no routed scaling, no shared expert;
-SwiGLU or GPT-OSS experts) in one more call, and `step(x, position, cos, sin, cache, layouts)` runs
+softmax of the biased top-k or Phi-3.5-MoE's sparsemixer; no routed scaling; SwiGLU or GPT-OSS
+experts; a shared expert, gated (Qwen2-MoE) or not (DeepSeek), where its matrices are quantized) in
+one more call, and `step(x, position, cos, sin, cache, layouts)` runs
 every layer, both blocks each, in one call (computes_token: grouped-query attention and every layer's MoE block
 one that moe() computes). Both give the bits of layer() followed by the model's generic MoE block
-on the integer path (tests/test_resident_step.py); a replayed routing is given to them.
+on the integer path (tests/test_resident_step.py); a replayed routing is given to them. The generic
+block adds a shared expert after layer() by the same kernel (add_shared), so a store gives the same
+bits whether its experts are all resident or not.
 
 Why: the generic forward makes about 40 torch ops and kernel calls for a token's attention block,
 each with Python around it; on a fine-grained model that glue cost more than the kernels

@@ -56,8 +56,11 @@ def instrument() -> None:
     model_module.attend = timed("attention", model_module.attend)    # over the KV cache, any path
     # the decode engine's one call per layer: norms, projections, rotary, attention, router logits
     cpu_layer.attention_block_kernel = timed("attention block", cpu_layer.attention_block_kernel)
+    cpu_layer.latent_attention_block_kernel = timed("attention block", cpu_layer.latent_attention_block_kernel)
     # the decode engine's MoE block: router, experts and their weighted sum, when every expert is resident
     cpu_layer.moe_block_kernel = timed("experts", cpu_layer.moe_block_kernel)
+    if hasattr(cpu_layer, "shared_expert_kernel"):   # a shared expert beside the generic MoE block
+        cpu_layer.shared_expert_kernel = timed("experts", cpu_layer.shared_expert_kernel)
     # or every layer of the step in one call (attention and experts not split: --by-layer splits them)
     cpu_layer.decode_token_kernel = timed("all layers", cpu_layer.decode_token_kernel)
     kernels.qmatmul_int = timed("dense matmul", kernels.qmatmul_int)      # QuantizedLinear (--dense-bits)
