@@ -16,9 +16,9 @@ architecture in tests/test_decode_engine.py).
 
 With every expert resident in RAM at full width (the store's resident tables), `moe(l, x, h, logits,
 layouts)` runs a layer's MoE block (computes_moe: a softmax router, top-k of the softmax, GPT-OSS's
-softmax of the biased top-k or Phi-3.5-MoE's sparsemixer; no routed scaling; SwiGLU or GPT-OSS
-experts; a shared expert, gated (Qwen2-MoE) or not (DeepSeek), where its matrices are quantized) in
-one more call, and `step(x, position, cos, sin, cache, layouts)` runs
+softmax of the biased top-k or Phi-3.5-MoE's sparsemixer, weights scaled by routed_scaling_factor;
+SwiGLU or GPT-OSS experts; a shared expert, gated (Qwen2-MoE) or not (DeepSeek), where its matrices
+are quantized) in one more call, and `step(x, position, cos, sin, cache, layouts)` runs
 every layer, both blocks each, in one call (computes_token: grouped-query attention and every layer's MoE block
 one that moe() computes). Both give the bits of layer() followed by the model's generic MoE block
 on the integer path (tests/test_resident_step.py); a replayed routing is given to them. The generic
@@ -78,6 +78,7 @@ class DecodeEngine:
         self.eps = float(spec.rms_norm_eps)   # a float64, as the generic path's norms take it
         self.router = router_code(spec)   # None: a router moe() does not compute
         self.jitter = float(getattr(spec.routing, "router_jitter_eps", 0.0))   # sparsemixer's
+        self.scaling = np.float32(spec.routed_scaling_factor)
         self._computes_token = spec.attention.kind == "gqa" and all(self.computes_moe(l) for l in range(len(self.tables)))
 
     @classmethod
@@ -186,7 +187,8 @@ class DecodeEngine:
         weights, experts = self._choice(layers, replayed)
         cpu_layer.decode_token_kernel(_int_path(None), self.stacked_tables, self.dims, self.eps, self.scale, self.clip,
                                       x.numpy()[0], cos.numpy()[0], sin.numpy()[0], kv, like, position, layouts,
-                                      experts.shape[1], self.router, self.jitter, replayed is not None, hs.numpy(),
+                                      experts.shape[1], self.router, self.jitter, self.scaling, replayed is not None,
+                                      hs.numpy(),
                                       weights.numpy(), experts.numpy(), cpu.row_blocks())
         return hs, weights, experts
 
@@ -204,12 +206,12 @@ class DecodeEngine:
 
     def computes_moe(self, l: int) -> bool:
         """Whether moe() can run layer l's MoE block: a routed layer with a router in ROUTERS (top-k of
-        the softmax, GPT-OSS's softmax of the biased top-k, Phi-3.5-MoE's sparsemixer) that scales
-        nothing, and a shared expert, gated or not, only where its matrices are quantized
-        (computes_shared; other MoE blocks run through the model's generic MoE block)."""
+        the softmax, GPT-OSS's softmax of the biased top-k, Phi-3.5-MoE's sparsemixer; its weights
+        scaled by routed_scaling_factor), and a shared expert, gated or not, only where its matrices
+        are quantized (computes_shared; other MoE blocks run through the model's generic MoE block)."""
         spec = self.spec
         return (self.tables[l][cpu_layer.ROUTER] != 0 and self.router is not None
-                and spec.routed_scaling_factor == 1.0 and (not spec.shared_expert_hidden or self.computes_shared(l)))
+                and (not spec.shared_expert_hidden or self.computes_shared(l)))
 
     def computes_shared(self, l: int) -> bool:
         """Whether add_shared() computes layer l's shared expert: its matrices are quantized."""
@@ -231,7 +233,7 @@ class DecodeEngine:
         [1, A]) it used, as choose() gives them. Bit for bit the generic MoE block's."""
         weights, experts = self._choice(1, replayed)
         cpu_layer.moe_block_kernel(_int_path(None), layouts, h.numpy()[0], logits.numpy()[0], experts.shape[1],
-                                   self.router, self.tables[l], self.jitter, replayed is not None,
+                                   self.router, self.tables[l], self.jitter, self.scaling, replayed is not None,
                                    x.numpy()[0], weights.numpy()[0], experts.numpy()[0], cpu.row_blocks())
         return weights, experts
 

@@ -174,13 +174,14 @@ def test_where_a_step_cannot_run_whole_it_runs_layer_by_layer(store_of, monkeypa
 
 
 @pytest.mark.parametrize("path", int_paths())
+@pytest.mark.parametrize("scaling", [1.0, 2.5])
 def test_deepseeks_moe_block_with_its_shared_experts_runs_in_one_call_with_the_generic_bits(store_of, monkeypatch,
-                                                                                          path):
-    """DeepSeek-V2 "greedy" (latent attention, a first dense layer, ungated shared experts): each MoE
-    layer's block in one call after its attention block, the bits of the generic block after the
-    same attention block (which adds the shared expert by the same kernel)."""
+                                                                                          path, scaling):
+    """DeepSeek-V2 "greedy" (latent attention, a first dense layer, ungated shared experts; its weights
+    scaled or not): each MoE layer's block in one call after its attention block, the bits of the
+    generic block after the same attention block (which adds the shared expert by the same kernel)."""
     monkeypatch.setenv(INT_PATH_ENV, path)
-    store = store_of("deepseek_v2")
+    store = store_of("deepseek_v2", routed_scaling_factor=scaling)
     moe_blocks = counted(monkeypatch, "moe")
     by_layer = decode(store, "layer", monkeypatch)
     with edgemoe.load(store) as model:

@@ -37,9 +37,12 @@ PARALLEL = dict(EXACT, parallel=True)
 
 # The MoE block as it was written with array expressions (cpu_layer's names in scope).
 ARRAY_EXPRESSIONS = '''
-def _moe_block(path, layouts, h, logits, top_k, router, table, jitter, replayed, x, weights, experts, nblocks):
+def _moe_block(path, layouts, h, logits, top_k, router, table, jitter, scaling, replayed, x, weights, experts, nblocks):
     if not replayed:
         _route(router, logits, table[ROUTER_BIAS], jitter, top_k, weights, experts)
+        if scaling != 1:
+            for a in range(top_k):
+                weights[a] = weights[a] * scaling
     order = np.argsort(experts, kind="mergesort")
     dim = h.shape[0]
     chosen = np.empty((top_k, layouts.shape[1]), np.int64)

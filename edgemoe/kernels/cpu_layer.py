@@ -491,12 +491,14 @@ def _route(router, logits, bias, jitter, top_k, weights, experts):
 
 
 @njit_exact
-def moe_block_kernel(path, layouts, h, logits, top_k, router, table, jitter, replayed, x, weights, experts, nblocks):
+def moe_block_kernel(path, layouts, h, logits, top_k, router, table, jitter, scaling, replayed, x, weights, experts,
+                     nblocks):
     """A one-token MoE block whose experts are all resident, on the integer path, in one call: the
     router's choice from logits float32 [E] (router SOFTMAX, SOFTMAX_NORMALIZED, TOPK_SOFTMAX with
     the layer table's ROUTER_BIAS the address of its float32 bias [E] or 0, or SPARSEMIXER with its
-    jitter: weights float32 [A] and experts int64 [A] out, strongest first; replayed: weights and
-    experts are given, a replayed trace's choice, an expert possibly twice), the chosen experts on h
+    jitter: weights float32 [A] and experts int64 [A] out, strongest first, times scaling (the
+    float32 routed_scaling_factor); replayed: weights and experts are given as they are, a replayed
+    trace's choice, an expert possibly twice), the chosen experts on h
     float32 [D] (layouts int64 [E, LAYOUT_COLUMNS], row e expert e's, SwiGLU or GPT-OSS's:
     cpu_int.swiglu_experts_int), and their outputs times their weights added up in ascending expert
     order, then the table's shared expert (shared_expert_kernel), then into x float32 [D] in place.
@@ -504,14 +506,18 @@ def moe_block_kernel(path, layouts, h, logits, top_k, router, table, jitter, rep
     step's pairs by expert; edgemoe.quantized's weighted sum adds them in that order, then the
     shared expert, then the residual), where Python around each piece cost a fine-grained layer more
     than its experts' compute."""
-    _moe_block(path, layouts, h, logits, top_k, router, table, jitter, replayed, x, weights, experts, nblocks)
+    _moe_block(path, layouts, h, logits, top_k, router, table, jitter, scaling, replayed, x, weights, experts, nblocks)
 
 
 @njit_exact_parallel
-def _moe_block(path, layouts, h, logits, top_k, router, table, jitter, replayed, x, weights, experts, nblocks):
+def _moe_block(path, layouts, h, logits, top_k, router, table, jitter, scaling, replayed, x, weights, experts,
+               nblocks):
     """moe_block_kernel's body, compiled once for the kernels that call it, as _attention_block."""
     if not replayed:
         _route(router, logits, table[ROUTER_BIAS], jitter, top_k, weights, experts)
+        if scaling != 1:   # as layers.choose_experts scales a float32 tensor
+            for a in range(top_k):
+                weights[a] = weights[a] * scaling
     order = np.argsort(experts, kind="mergesort")
     dim, columns = h.shape[0], layouts.shape[1]
     # Written as loops: in a parallel function numba makes each array expression (a slice copied,
@@ -575,7 +581,7 @@ def _add_shared_expert(path, table, h, out, nblocks):
 
 @njit_exact
 def decode_token_kernel(path, tables, dims, eps, scale, clip, x, cos, sin, kv, kv_like, pos, layouts, top_k,
-                        router, jitter, replayed, hs, weights, experts, nblocks):
+                        router, jitter, scaling, replayed, hs, weights, experts, nblocks):
     """One token through every decoder layer in one call, for a model whose layers are all grouped-query
     attention then a MoE block that moe_block_kernel computes: per layer l, attention_block_kernel with
     tables[l] (int64 [L, TABLE_COLUMNS]) and the layer's cache, then moe_block_kernel with layouts[l]
@@ -584,7 +590,7 @@ def decode_token_kernel(path, tables, dims, eps, scale, clip, x, cos, sin, kv, k
     [K, capacity, Dk / Dv] of kv_like's element type (the layer-0 keys array: float32, or int16 bit
     patterns of bfloat16). Out: hs float32 [L, D] (each MoE block's input), weights float32 [L, A]
     and experts int64 [L, A] (each router's choice, strongest first, by `router` as in
-    moe_block_kernel with the layer's table's ROUTER_BIAS and jitter; replayed: given, not chosen).
+    moe_block_kernel with the layer's table's ROUTER_BIAS, jitter and scaling; replayed: given, not chosen).
     The bits of the two kernels called layer by layer."""
     heads, dk, dv = dims[DIM_K], dims[DIM_DK], dims[DIM_DV]
     logits = np.empty(layouts.shape[1], np.float32)
@@ -593,5 +599,5 @@ def decode_token_kernel(path, tables, dims, eps, scale, clip, x, cos, sin, kv, k
         values = like_view(kv[l, 1], (heads, kv[l, 2], dv), kv_like)
         _attention_block(path, tables[l], dims, eps, scale, clip, x, cos, sin, keys, values, pos, hs[l], logits,
                          nblocks)
-        _moe_block(path, layouts[l], hs[l], logits, top_k, router, tables[l], jitter, replayed, x, weights[l],
-                   experts[l], nblocks)
+        _moe_block(path, layouts[l], hs[l], logits, top_k, router, tables[l], jitter, scaling, replayed, x,
+                   weights[l], experts[l], nblocks)
