@@ -15,8 +15,9 @@ LayerNorm differ in the last bits, so the results match within float32 rounding 
 architecture in tests/test_decode_engine.py).
 
 With every expert resident in RAM at full width (the store's resident tables), `moe(l, x, h, logits,
-layouts)` runs a layer's MoE block (computes_moe: a softmax router, top-k of the softmax, GPT-OSS's
-softmax of the biased top-k or Phi-3.5-MoE's sparsemixer, weights scaled by routed_scaling_factor;
+layouts)` runs a layer's MoE block (computes_moe: a router in ROUTERS, top-k of the softmax, GPT-OSS's
+softmax of the biased top-k, Phi-3.5-MoE's sparsemixer or DeepSeek's group-limited softmax or
+grouped sigmoid, weights scaled by routed_scaling_factor;
 SwiGLU or GPT-OSS experts; a shared expert, gated (Qwen2-MoE) or not (DeepSeek), where its matrices
 are quantized) in one more call, and `step(x, position, cos, sin, cache, layouts)` runs
 every layer, both blocks each, in one call (computes_token: grouped-query attention and every layer's MoE block
@@ -55,15 +56,18 @@ VECTORS = {cpu_layer.ATTN_NORM: "attn_norm", cpu_layer.ATTN_NORM_BIAS: "attn_nor
            cpu_layer.KV_A_BIAS: "kv_a_bias"}
 
 
-# The routers moe() and step() compute, by spec.router (softmax: renormalised by spec.norm_topk_prob).
+# The routers moe() and step() compute, by spec.router (softmax and sigmoid_group: renormalised by
+# spec.norm_topk_prob; softmax_group, DeepSeek-V2's, never).
 ROUTERS = {"softmax": cpu_layer.SOFTMAX, "topk_softmax": cpu_layer.TOPK_SOFTMAX,
-           "sparsemixer": cpu_layer.SPARSEMIXER}
+           "sparsemixer": cpu_layer.SPARSEMIXER, "softmax_group": cpu_layer.SOFTMAX_GROUP,
+           "sigmoid_group": cpu_layer.SIGMOID_GROUP}
+NORMALIZED = {cpu_layer.SOFTMAX: cpu_layer.SOFTMAX_NORMALIZED, cpu_layer.SIGMOID_GROUP: cpu_layer.SIGMOID_GROUP_NORMALIZED}
 
 
 def router_code(spec: ModelSpec) -> int | None:
     """The kernel's code for the spec's router (cpu_layer.SOFTMAX, ...), None for one it does not compute."""
     code = ROUTERS.get(spec.router)
-    return cpu_layer.SOFTMAX_NORMALIZED if code == cpu_layer.SOFTMAX and spec.norm_topk_prob else code
+    return NORMALIZED.get(code, code) if spec.norm_topk_prob else code
 
 
 class DecodeEngine:
@@ -134,6 +138,8 @@ class DecodeEngine:
             table[c.ROUTER] = self._float32(w["router"])
             table[c.ROUTER_BIAS] = self._float32(w.get("router_bias"))
             table[c.EXPERTS] = w["router"].shape[0]
+            table[c.GROUPS] = getattr(self.spec.routing, "n_group", 1)
+            table[c.KEPT_GROUPS] = getattr(self.spec.routing, "topk_group", 1)
             table[c.SHARED] = self._shared_layout(w)
             if table[c.SHARED] and self.spec.shared_expert_gated:
                 table[c.SHARED_GATE] = self._float32(w["shared_gate"])
@@ -206,7 +212,8 @@ class DecodeEngine:
 
     def computes_moe(self, l: int) -> bool:
         """Whether moe() can run layer l's MoE block: a routed layer with a router in ROUTERS (top-k of
-        the softmax, GPT-OSS's softmax of the biased top-k, Phi-3.5-MoE's sparsemixer; its weights
+        the softmax, GPT-OSS's softmax of the biased top-k, Phi-3.5-MoE's sparsemixer, DeepSeek's
+        group-limited ones; its weights
         scaled by routed_scaling_factor), and a shared expert, gated or not, only where its matrices
         are quantized (computes_shared; other MoE blocks run through the model's generic MoE block)."""
         spec = self.spec
@@ -249,11 +256,20 @@ class DecodeEngine:
         if self.router == cpu_layer.SPARSEMIXER:
             cpu_layer.sparsemixer_kernel(logits.numpy()[0], self.jitter, weights.numpy()[0], experts.numpy()[0])
         elif self.router == cpu_layer.TOPK_SOFTMAX:
-            biases = np.zeros(spec.num_experts, np.float32) if bias is None else bias.detach().float().numpy()
-            cpu_layer.topk_softmax_kernel(logits.numpy()[0], biases, spec.top_k, weights.numpy()[0], experts.numpy()[0])
+            cpu_layer.topk_softmax_kernel(logits.numpy()[0], self._biases(bias), spec.top_k, weights.numpy()[0],
+                                          experts.numpy()[0])
+        elif self.router >= cpu_layer.SOFTMAX_GROUP:
+            cpu_layer.grouped_kernel(logits.numpy()[0], self._biases(bias), spec.routing.n_group, spec.routing.topk_group,
+                                     self.router != cpu_layer.SOFTMAX_GROUP,
+                                     self.router == cpu_layer.SIGMOID_GROUP_NORMALIZED, spec.top_k,
+                                     weights.numpy()[0], experts.numpy()[0])
         else:
             cpu_layer.softmax_topk_kernel(logits.numpy()[0], spec.top_k, self.router == cpu_layer.SOFTMAX_NORMALIZED,
                                           weights.numpy()[0], experts.numpy()[0])
         if spec.routed_scaling_factor != 1.0:
             weights = weights * spec.routed_scaling_factor
         return weights, experts
+
+    def _biases(self, bias: torch.Tensor | None) -> np.ndarray:
+        """A router's float32 bias [E] as its numba router takes it (zeros for none)."""
+        return np.zeros(self.spec.num_experts, np.float32) if bias is None else bias.detach().float().numpy()

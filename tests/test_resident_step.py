@@ -173,15 +173,23 @@ def test_where_a_step_cannot_run_whole_it_runs_layer_by_layer(store_of, monkeypa
     assert not steps
 
 
+DEEPSEEK_ROUTERS = [("deepseek_v2", {}), ("deepseek_v2", {"routed_scaling_factor": 2.5}),
+                    ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 3, "topk_group": 2,
+                                     "routed_scaling_factor": 2.5}),
+                    ("deepseek_v3", {"n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5})]
+
+
 @pytest.mark.parametrize("path", int_paths())
-@pytest.mark.parametrize("scaling", [1.0, 2.5])
+@pytest.mark.parametrize("arch, overrides", DEEPSEEK_ROUTERS)
 def test_deepseeks_moe_block_with_its_shared_experts_runs_in_one_call_with_the_generic_bits(store_of, monkeypatch,
-                                                                                          path, scaling):
-    """DeepSeek-V2 "greedy" (latent attention, a first dense layer, ungated shared experts; its weights
-    scaled or not): each MoE layer's block in one call after its attention block, the bits of the
-    generic block after the same attention block (which adds the shared expert by the same kernel)."""
+                                                                                          path, arch, overrides):
+    """DeepSeek's MoE layers (after latent attention and a first dense layer; ungated shared experts):
+    V2's "greedy" softmax, its weights scaled or not, V2's group-limited softmax and V3's grouped
+    sigmoid with its correction bias. Each MoE layer's block in one call after its attention block,
+    the bits of the generic block after the same attention block (whose router is the same numba
+    code, and which adds the shared expert by the same kernel)."""
     monkeypatch.setenv(INT_PATH_ENV, path)
-    store = store_of("deepseek_v2", routed_scaling_factor=scaling)
+    store = store_of(arch, **overrides)
     moe_blocks = counted(monkeypatch, "moe")
     by_layer = decode(store, "layer", monkeypatch)
     with edgemoe.load(store) as model:
@@ -229,11 +237,15 @@ def test_a_ram_budget_that_holds_every_expert_is_filled_at_open(store_of, monkey
     assert steps
 
 
-@pytest.mark.parametrize("router", ["sparsemixer", "topk_softmax"])
+@pytest.mark.parametrize("router", ["sparsemixer", "topk_softmax", "softmax_group", "sigmoid_group",
+                                    "sigmoid_group_normalized"])
 def test_the_engines_numba_routers_choose_as_the_model_files_routers(router):
-    """Phi-3.5-MoE's sparsemixer and GPT-OSS's top-k softmax in numba (the engine's) against their torch
-    definitions (models/phimoe.py, models/gpt_oss.py): the same experts, weights within float32 rounding."""
+    """Phi-3.5-MoE's sparsemixer, GPT-OSS's top-k softmax and DeepSeek's group-limited routers in numba
+    (the engine's) against their torch definitions (models/phimoe.py, models/gpt_oss.py,
+    models/deepseek_v2.py, models/deepseek_v3.py): the same experts, weights within float32 rounding."""
     from types import SimpleNamespace
+    from edgemoe.models.deepseek_v2 import GroupLimitedSoftmax
+    from edgemoe.models.deepseek_v3 import SigmoidGroup
     from edgemoe.models.gpt_oss import TopKSoftmax
     from edgemoe.models.phimoe import SparseMixer
 
@@ -245,6 +257,13 @@ def test_the_engines_numba_routers_choose_as_the_model_files_routers(router):
         if router == "sparsemixer":
             reference = SparseMixer(router_jitter_eps=0.05).choose(logits, None, SimpleNamespace(top_k=2))
             cpu_layer.sparsemixer_kernel(logits.numpy()[0], 0.05, weights.numpy(), experts.numpy())
+        elif router != "topk_softmax":   # 16 experts in 4 groups, 2 kept (DeepSeek's ratio, scaled)
+            weights, experts = torch.empty(3), torch.empty(3, dtype=torch.long)
+            sigmoid, normalize = router != "softmax_group", router.endswith("normalized")
+            kind = SigmoidGroup if sigmoid else GroupLimitedSoftmax
+            reference = kind(n_group=4, topk_group=2).choose(logits, bias, SimpleNamespace(top_k=3, norm_topk_prob=normalize))
+            cpu_layer.grouped_kernel(logits.numpy()[0], bias.numpy(), 4, 2, sigmoid, normalize, 3, weights.numpy(),
+                                     experts.numpy())
         else:
             reference = TopKSoftmax().choose(logits, bias, SimpleNamespace(top_k=2))
             cpu_layer.topk_softmax_kernel(logits.numpy()[0], bias.numpy(), 2, weights.numpy(), experts.numpy())

@@ -39,7 +39,7 @@ PARALLEL = dict(EXACT, parallel=True)
 ARRAY_EXPRESSIONS = '''
 def _moe_block(path, layouts, h, logits, top_k, router, table, jitter, scaling, replayed, x, weights, experts, nblocks):
     if not replayed:
-        _route(router, logits, table[ROUTER_BIAS], jitter, top_k, weights, experts)
+        _route(router, logits, table, jitter, top_k, weights, experts)
         if scaling != 1:
             for a in range(top_k):
                 weights[a] = weights[a] * scaling

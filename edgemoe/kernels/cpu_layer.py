@@ -56,7 +56,9 @@ MATRIX_COLUMNS = 6
 # (cpu_int.swiglu_experts_int's, over the dense weights' quantized copies), and of its float32
 # sigmoid gate [D] where the model gates it (Qwen2-MoE).
 SHARED, SHARED_GATE = 49, 50
-TABLE_COLUMNS = 51
+# A group-limited router's expert groups and the groups it keeps (the model's n_group, topk_group).
+GROUPS, KEPT_GROUPS = 51, 52
+TABLE_COLUMNS = 53
 # The model's dimensions (an int64 array). MLA: N / R key dims without / with rotary, Ckv latent rank,
 # Cq query latent rank (0: q straight from x).
 DIM_D, DIM_H, DIM_K, DIM_DK, DIM_DV, DIM_QK_NORM, DIM_NORM, DIM_N, DIM_R, DIM_CKV, DIM_CQ, DIM_INTERLEAVE = range(12)
@@ -64,8 +66,10 @@ DIMS = 12
 QK_NORM_NONE, QK_NORM_HEAD, QK_NORM_PROJ = 0, 1, 2
 NORM_RMS, NORM_LAYER = 0, 1   # the layer norms: RMSNorm, or LayerNorm with a bias (Phi-3.5-MoE)
 # The routers the MoE block computes: softmax then top-k (the weights renormalised or not), top-k of
-# the logits plus a bias, softmaxed among themselves (GPT-OSS), or sparsemixer (Phi-3.5-MoE).
+# the logits plus a bias, softmaxed among themselves (GPT-OSS), sparsemixer (Phi-3.5-MoE), or
+# DeepSeek's group-limited ones (grouped_kernel: V2's softmax, V3's sigmoid renormalised or not).
 SOFTMAX, SOFTMAX_NORMALIZED, TOPK_SOFTMAX, SPARSEMIXER = 0, 1, 2, 3
+SOFTMAX_GROUP, SIGMOID_GROUP, SIGMOID_GROUP_NORMALIZED = 4, 5, 6
 
 
 @njit_exact_inline
@@ -476,16 +480,71 @@ def sparsemixer_kernel(logits, jitter, weights, experts):
         taken = chosen
 
 
+@njit_exact
+def grouped_kernel(logits, bias, groups, kept, sigmoid, normalize, top_k, weights, experts):
+    """DeepSeek's group-limited routers for one token (models/deepseek_v2.py GroupLimitedSoftmax,
+    models/deepseek_v3.py SigmoidGroup): scores = softmax(logits) (V2), or sigmoid(logits) with the
+    choice steered by bias float32 [E] (V3); the E experts form `groups` groups, of which the `kept`
+    ranked highest (V2: by their best score; V3: by the sum of their two best biased scores; ties:
+    the lower group) stay; the top_k of their experts by (biased) score, strongest first (ties: the
+    lower expert), into experts int64 [A]; their unbiased scores into weights float32 [A],
+    renormalised (over their sum + 1e-20) if normalize."""
+    n = logits.shape[0]
+    scores = np.empty(n, np.float32)
+    choice = np.empty(n, np.float32)
+    if sigmoid:
+        for e in range(n):
+            scores[e] = np.float32(1) / (np.float32(1) + np.exp(-logits[e]))
+            choice[e] = scores[e] + bias[e]
+    else:
+        top = logits.max()
+        total = np.float32(0)
+        for e in range(n):
+            scores[e] = np.exp(logits[e] - top)
+            total += scores[e]
+        for e in range(n):
+            scores[e] = scores[e] / total
+            choice[e] = scores[e]
+    size = n // groups
+    ranks = np.empty(groups, np.float32)
+    for g in range(groups):
+        first = second = np.float32(-np.inf)
+        for e in range(g * size, (g + 1) * size):
+            if choice[e] > first:
+                first, second = choice[e], first
+            elif choice[e] > second:
+                second = choice[e]
+        ranks[g] = first + second if sigmoid else first
+    masked = np.full(n, -np.inf, np.float32)
+    for g in np.argsort(-ranks, kind="mergesort")[:kept]:
+        for e in range(g * size, (g + 1) * size):
+            masked[e] = choice[e]
+    order = np.argsort(-masked, kind="mergesort")
+    total = np.float32(0)
+    for a in range(top_k):
+        experts[a] = order[a]
+        weights[a] = scores[order[a]]
+        total += weights[a]
+    if normalize:
+        for a in range(top_k):
+            weights[a] = weights[a] / (total + np.float32(1e-20))
+
+
 @njit_exact_inline
-def _route(router, logits, bias, jitter, top_k, weights, experts):
-    """The router's choice (SOFTMAX, SOFTMAX_NORMALIZED, TOPK_SOFTMAX or SPARSEMIXER) from logits
-    float32 [E]; bias: the address of the router's float32 bias [E], 0 for none; jitter: sparsemixer's
-    router_jitter_eps."""
+def _route(router, logits, table, jitter, top_k, weights, experts):
+    """The router's choice (SOFTMAX, SOFTMAX_NORMALIZED, TOPK_SOFTMAX, SPARSEMIXER or a group-limited
+    one) from logits float32 [E]; table: the layer's (ROUTER_BIAS: the address of the router's float32
+    bias [E], 0 for none; GROUPS, KEPT_GROUPS); jitter: sparsemixer's router_jitter_eps."""
+    bias = table[ROUTER_BIAS]
     if router == SPARSEMIXER:
         sparsemixer_kernel(logits, jitter, weights, experts)
     elif router == TOPK_SOFTMAX:
         b = _vector(bias, logits.shape[0]) if bias != 0 else np.zeros(logits.shape[0], np.float32)
         topk_softmax_kernel(logits, b, top_k, weights, experts)
+    elif router >= SOFTMAX_GROUP:
+        b = _vector(bias, logits.shape[0]) if bias != 0 else np.zeros(logits.shape[0], np.float32)
+        grouped_kernel(logits, b, table[GROUPS], table[KEPT_GROUPS], router != SOFTMAX_GROUP,
+                       router == SIGMOID_GROUP_NORMALIZED, top_k, weights, experts)
     else:
         softmax_topk_kernel(logits, top_k, router == SOFTMAX_NORMALIZED, weights, experts)
 
@@ -514,7 +573,7 @@ def _moe_block(path, layouts, h, logits, top_k, router, table, jitter, scaling, 
                nblocks):
     """moe_block_kernel's body, compiled once for the kernels that call it, as _attention_block."""
     if not replayed:
-        _route(router, logits, table[ROUTER_BIAS], jitter, top_k, weights, experts)
+        _route(router, logits, table, jitter, top_k, weights, experts)
         if scaling != 1:   # as layers.choose_experts scales a float32 tensor
             for a in range(top_k):
                 weights[a] = weights[a] * scaling
