@@ -61,7 +61,8 @@ VECTORS = {cpu_layer.ATTN_NORM: "attn_norm", cpu_layer.ATTN_NORM_BIAS: "attn_nor
 ROUTERS = {"softmax": cpu_layer.SOFTMAX, "topk_softmax": cpu_layer.TOPK_SOFTMAX,
            "sparsemixer": cpu_layer.SPARSEMIXER, "softmax_group": cpu_layer.SOFTMAX_GROUP,
            "sigmoid_group": cpu_layer.SIGMOID_GROUP}
-NORMALIZED = {cpu_layer.SOFTMAX: cpu_layer.SOFTMAX_NORMALIZED, cpu_layer.SIGMOID_GROUP: cpu_layer.SIGMOID_GROUP_NORMALIZED}
+NORMALIZED = {cpu_layer.SOFTMAX: cpu_layer.SOFTMAX_NORMALIZED,
+              cpu_layer.SIGMOID_GROUP: cpu_layer.SIGMOID_GROUP_NORMALIZED}
 
 
 def router_code(spec: ModelSpec) -> int | None:
@@ -259,8 +260,8 @@ class DecodeEngine:
             cpu_layer.topk_softmax_kernel(logits.numpy()[0], self._biases(bias), spec.top_k, weights.numpy()[0],
                                           experts.numpy()[0])
         elif self.router >= cpu_layer.SOFTMAX_GROUP:
-            cpu_layer.grouped_kernel(logits.numpy()[0], self._biases(bias), spec.routing.n_group, spec.routing.topk_group,
-                                     self.router != cpu_layer.SOFTMAX_GROUP,
+            cpu_layer.grouped_kernel(logits.numpy()[0], self._biases(bias), spec.routing.n_group,
+                                     spec.routing.topk_group, self.router != cpu_layer.SOFTMAX_GROUP,
                                      self.router == cpu_layer.SIGMOID_GROUP_NORMALIZED, spec.top_k,
                                      weights.numpy()[0], experts.numpy()[0])
         else:

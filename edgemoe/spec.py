@@ -152,7 +152,7 @@ class ModelSpec:
 
     @property
     def router(self) -> str:
-        """The router's kind ("softmax", "sigmoid_group", ...; the decode engine computes those in decode.ROUTERS itself)."""
+        """The router's kind ("softmax", "sigmoid_group", ...; decode.ROUTERS: those the engine computes)."""
         return self.routing.kind
 
     @property
