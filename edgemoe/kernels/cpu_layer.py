@@ -429,15 +429,21 @@ def softmax_topk_kernel(logits, top_k, normalize, weights, experts):
     top = logits.max()
     probs = np.exp(logits - top)
     probs = probs / probs.sum()
-    order = np.argsort(-probs, kind="mergesort")
+    _take_top(np.argsort(-probs, kind="mergesort"), probs, top_k, normalize, np.float32(0), weights, experts)
+
+
+@njit_exact_inline
+def _take_top(order, scores, top_k, normalize, eps, weights, experts):
+    """The first top_k experts of `order` into experts, their scores into weights, renormalised over
+    their sum + eps if normalize."""
     total = np.float32(0)
     for a in range(top_k):
         experts[a] = order[a]
-        weights[a] = probs[order[a]]
+        weights[a] = scores[order[a]]
         total += weights[a]
     if normalize:
         for a in range(top_k):
-            weights[a] = weights[a] / total
+            weights[a] = weights[a] / (total + eps)
 
 
 @njit_exact
@@ -519,15 +525,7 @@ def grouped_kernel(logits, bias, groups, kept, sigmoid, normalize, top_k, weight
     for g in np.argsort(-ranks, kind="mergesort")[:kept]:
         for e in range(g * size, (g + 1) * size):
             masked[e] = choice[e]
-    order = np.argsort(-masked, kind="mergesort")
-    total = np.float32(0)
-    for a in range(top_k):
-        experts[a] = order[a]
-        weights[a] = scores[order[a]]
-        total += weights[a]
-    if normalize:
-        for a in range(top_k):
-            weights[a] = weights[a] / (total + np.float32(1e-20))
+    _take_top(np.argsort(-masked, kind="mergesort"), scores, top_k, normalize, np.float32(1e-20), weights, experts)
 
 
 @njit_exact_inline
