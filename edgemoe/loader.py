@@ -214,7 +214,8 @@ def load_store(path: str | os.PathLike, options: StoreOptions | None = None, dty
     StoreOptions()); the model owns the store: close it with model.close() or use the model as a
     context manager. manifest: the store's, already parsed (the converter's store before commit).
     dense_bits, context, batch, kv_dtype, score_windows: what ram="auto" reserves for the dense
-    weights, the KV cache and the activations (auto_ram); the store's breakdown of that choice is store.ram_breakdown (None without "auto")."""
+    weights, the KV cache and the activations (auto_ram); the store's breakdown of that choice is
+    store.ram_breakdown (None without "auto")."""
     o = options or StoreOptions()
     ram, ram_breakdown = o.ram, None
     if ram == "auto":

@@ -106,11 +106,14 @@ def test_a_step_in_one_call_gives_the_layer_by_layer_bits(store_of, monkeypatch,
 
 
 @pytest.mark.parametrize("path", int_paths())
-def test_a_bfloat16_checkpoint_gives_the_layer_by_layer_bits(store_of, monkeypatch, path):
+@pytest.mark.parametrize("arch, overrides", [("qwen3_moe", {"num_experts": 16, "num_experts_per_tok": 8}),
+                                             ("qwen2_moe", {})])
+def test_a_bfloat16_checkpoint_gives_the_layer_by_layer_bits(store_of, monkeypatch, path, arch, overrides):
     """What --dtype auto loads on a CPU with bfloat16 (the embedding and routers bfloat16, the dense
-    projections quantized from bfloat16 weights): the step's bits are still the layer-by-layer path's."""
+    projections and a shared expert quantized from bfloat16 weights): the step's bits are still the
+    layer-by-layer path's."""
     monkeypatch.setenv(INT_PATH_ENV, path)
-    store = store_of("qwen3_moe", num_experts=16, num_experts_per_tok=8, dtype="bfloat16")
+    store = store_of(arch, dtype="bfloat16", **overrides)
     options = dict(dtype=torch.bfloat16)
     steps = counted(monkeypatch, "step")
     whole = decode(store, "step", monkeypatch, **options)
@@ -176,7 +179,8 @@ def test_where_a_step_cannot_run_whole_it_runs_layer_by_layer(store_of, monkeypa
 DEEPSEEK_ROUTERS = [("deepseek_v2", {}), ("deepseek_v2", {"routed_scaling_factor": 2.5}),
                     ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 3, "topk_group": 2,
                                      "routed_scaling_factor": 2.5}),
-                    ("deepseek_v3", {"n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5})]
+                    ("deepseek_v3", {"n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5}),
+                    ("deepseek_v3", {"dtype": "bfloat16"})]   # loaded as bfloat16, as --dtype auto on a BF16 CPU
 
 
 @pytest.mark.parametrize("path", int_paths())
@@ -190,13 +194,14 @@ def test_deepseeks_moe_block_with_its_shared_experts_runs_in_one_call_with_the_g
     code, and which adds the shared expert by the same kernel)."""
     monkeypatch.setenv(INT_PATH_ENV, path)
     store = store_of(arch, **overrides)
+    options = {"dtype": torch.bfloat16} if overrides.get("dtype") == "bfloat16" else {}
     moe_blocks = counted(monkeypatch, "moe")
-    by_layer = decode(store, "layer", monkeypatch)
+    by_layer = decode(store, "layer", monkeypatch, **options)
     with edgemoe.load(store) as model:
         routed = sum(model.spec.moe_layers)
         assert model.spec.shared_expert_hidden and not model.spec.shared_expert_gated and routed < model.spec.num_layers
     assert len(moe_blocks) == len(STEPS) * routed
-    same(by_layer, decode(store, "generic", monkeypatch))
+    same(by_layer, decode(store, "generic", monkeypatch, **options))
     assert len(moe_blocks) == len(STEPS) * routed
 
 
