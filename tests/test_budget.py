@@ -7,7 +7,7 @@ import torch
 
 import edgemoe
 from edgemoe.convert import QualityBudget, convert
-from edgemoe.convert.budget import BudgetSearch, Calibration, parse_budget
+from edgemoe.convert.budget import WIDTHS, BudgetSearch, Calibration, parse_budget
 from edgemoe.store import read_manifest
 
 TEXT = ("Friends, Romans, countrymen, lend me your ears; I come to bury Caesar, not to praise him. "
@@ -26,6 +26,11 @@ def search(checkpoint):
     # KL, not perplexity: a random model predicts nearly uniformly, so its perplexity barely moves
     # under quantization, while the KL to the unquantized model grows with every bit taken away.
     return BudgetSearch(model, Calibration(model, ids, context=48, metric="kl"))
+
+
+def uniform_losses(search):
+    """The loss estimate of every uniform width (run() measures only those up to the ceiling)."""
+    return {bits: search.uniform(bits)[0] for bits in WIDTHS}
 
 
 def assert_rerun_from_layer_is_exact(search, keys):
@@ -93,7 +98,7 @@ def test_local_error_is_the_routing_weighted_output_error_on_routed_tokens(eight
 def test_either_importance_keeps_the_chosen_mix_within_budget(eight_experts, method):
     model, calibration = eight_experts
     search = BudgetSearch(model, calibration, importance=method)
-    uniform = search.run(1e6).uniform_loss
+    uniform = uniform_losses(search)
     budget = (uniform[2] + uniform[4]) / 2
     result = search.run(budget)
     assert result.importance_method == method and result.to_json()["importance_method"] == method
@@ -148,6 +153,87 @@ def test_the_count_moved_back_is_searched_not_walked(eight_experts, monkeypatch)
             assert len(counts) <= 2 + 2 * math.ceil(math.log2(k - count + 1))
 
 
+def test_uniform_widths_are_measured_narrowest_first_up_to_the_ceiling(eight_experts):
+    """The uniform stores above the ceiling are not needed: INT2 within the budget costs one pass."""
+    search = BudgetSearch(*eight_experts)
+    bounds = {bits: search.uniform(bits)[1] for bits in WIDTHS}
+    for budget, measured in ((bounds[2], [2]), ((bounds[2] + bounds[4]) / 2, [2, 4]), (0.0, [2, 4, 8])):
+        fresh = BudgetSearch(*eight_experts)
+        result = fresh.run(budget)
+        assert list(result.uniform_loss) == measured and result.ceiling == (measured[-1] if budget else 8)
+        if measured == [2]:
+            assert fresh.evaluations == 1 and set(result.widths.values()) == {2}
+
+
+def test_a_windows_loss_under_given_widths_is_computed_once(eight_experts):
+    """loss() keeps each window's loss per widths: asked again, nothing runs; asked for more
+    windows, only the new ones run; the figures are those of a search that never saw them."""
+    model, calibration = eight_experts
+    search = BudgetSearch(model, calibration)
+    mix = {key: (2, 4, 8)[(key[0] + key[1]) % 3] for key in search.keys}
+    ranking, choosing = calibration.halves()
+    search.loss(mix, windows=ranking)
+    whole = search.loss(mix)
+    assert search.evaluations == 2 and search.loss(mix) == whole and search.evaluations == 2
+    passes = []
+    search._pass = lambda windows, *args: passes.append(list(windows))
+    search.loss(mix, windows=choosing)
+    assert passes == []
+    assert BudgetSearch(model, calibration).loss(mix) == whole
+
+
+def test_the_layer_inputs_are_cached_once_for_importance_and_boundary(eight_experts, monkeypatch):
+    """The local probe's pass records the layer inputs; the boundary's exact re-runs reuse them."""
+    search = BudgetSearch(*eight_experts)
+    budget = a_budget_between_int2_and_int4(search)
+    recorded = []
+    run_pass = search._pass
+    monkeypatch.setattr(search, "_pass", lambda windows, start_layer=0, record_inputs=False: (
+        recorded.append(record_inputs), run_pass(windows, start_layer, record_inputs)))
+    result = search.run(budget)
+    assert result.boundary and recorded.count(True) == 1
+
+
+def test_sensitivity_is_measured_per_group_of_layers(eight_experts):
+    """With fewer groups than layers, one re-run per group of consecutive layers: each expert's score
+    is its local error times its group's loss change over the group's summed local error, so a
+    group's scores add up to its measured loss change; one group per layer is the per-layer method."""
+    from edgemoe.convert.budget import LocalErrors
+
+    model, calibration = eight_experts
+    ranking, _ = calibration.halves()
+    per_layer = BudgetSearch(model, calibration).importance(2, 4, ranking)
+    grouped = BudgetSearch(model, calibration, sensitivity_groups=2)
+    scores = grouped.importance(2, 4, ranking)
+    assert grouped.groups == [[0], [1, 2]] and grouped.evaluations == 1 + 2
+    assert set(grouped.layer_loss) == {0, 1}
+    for group in grouped.groups:
+        keys = [k for k in scores if k[0] in group]
+        assert sum(scores[k] for k in keys) == pytest.approx(max(grouped.layer_loss[group[0]], 0.0), rel=1e-6)
+    assert {k: v for k, v in scores.items() if k[0] == 0} == pytest.approx(
+        {k: v for k, v in per_layer.items() if k[0] == 0}, rel=1e-9)
+    # Within the group of layers 1 and 2, one sensitivity: scores are proportional to local error.
+    probe = LocalErrors(grouped.experts, floor=2)
+    grouped.experts.widths = {key: 4 for key in grouped.keys}
+    grouped._quantized.experts = probe
+    for i in ranking:
+        grouped._quantized.logits(calibration.windows[i])
+    ratios = {scores[k] / probe.errors[k] for k in scores if k[0] in (1, 2) and probe.errors.get(k, 0) > 0}
+    assert max(ratios) == pytest.approx(min(ratios), rel=1e-5)
+
+
+def test_layer_groups_are_consecutive_and_as_even_as_they_divide(eight_experts):
+    search = BudgetSearch(*eight_experts, sensitivity_groups=8)
+    search.keys = [(layer, 0) for layer in range(1, 31)]      # 30 MoE layers, the first dense
+    groups = search.layer_groups()
+    assert [layer for group in groups for layer in group] == list(range(1, 31))
+    assert sorted({len(g) for g in groups}) == [3, 4] and len(groups) == 8
+    search.sensitivity_groups = 64
+    assert search.layer_groups() == [[layer] for layer in range(1, 31)]
+    with pytest.raises(ValueError, match="sensitivity_groups=0"):
+        BudgetSearch(*eight_experts, sensitivity_groups=0)
+
+
 def test_an_unknown_importance_method_is_named(eight_experts):
     model, calibration = eight_experts
     with pytest.raises(ValueError, match="--importance 'fast'"):
@@ -171,7 +257,7 @@ def test_a_huge_budget_puts_every_expert_at_the_floor(search):
 def test_a_larger_budget_never_gives_a_larger_store(search):
     def bits(result):
         return sum(result.widths.values())
-    uniform = search.run(1e6).uniform_loss
+    uniform = uniform_losses(search)
     budgets = sorted({0.0, *(v * f for v in uniform.values() if v > 0 for f in (0.5, 1.0, 1.5)), 1e6})
     sizes = [bits(search.run(b)) for b in budgets]
     assert sizes == sorted(sizes, reverse=True)
@@ -187,7 +273,7 @@ def moved_and_kept(search, budget):
 
 
 def a_budget_between_int2_and_int4(search):
-    uniform = search.run(1e6).uniform_loss
+    uniform = uniform_losses(search)
     assert uniform[2] > uniform[4] > uniform[8] > 0
     return (uniform[2] + uniform[4]) / 2
 

@@ -7,22 +7,23 @@ Quality loss of a width assignment, against the unquantized model on calibration
 Search (widths from {2, 4, 8}):
  0. "Within the budget" means the loss's upper confidence bound (default 95%, one-sided, from the
     spread over calibration windows) is at most the budget: the text is a sample.
- 1. Uniform stores: the loss of all-2, all-4, all-8. The ceiling is the smallest width whose uniform
-    loss is within the budget (8 if none is: the budget cannot be met, reported); the floor is the
-    next lower width. If the ceiling is 2, every expert is at 2.
+ 1. Uniform stores, narrowest first: the loss of all-2, then all-4, then all-8, stopping at the first
+    within the budget: that width is the ceiling (8 if none is: the budget cannot be met, reported);
+    the floor is the next lower width. If the ceiling is 2, every expert is at 2.
  2. Importance of each expert, on one half of the calibration windows, by one of two methods:
     local (default)  one pass of the all-ceiling model records, for each expert, its local error:
                      sum over the tokens routed to it of |w_t * (y_floor(x_t) - y_ceiling(x_t))|^2,
-                     w_t its routing weight, x_t its input (so frequency counts too). Each layer's
-                     sensitivity, measured once per layer, turns local error into loss: the loss
-                     change with the whole layer at the floor, divided by the layer's summed local
-                     error. Importance = sensitivity of its layer x local error. Cost: one pass plus
-                     one re-run per layer, whatever the number of experts.
+                     w_t its routing weight, x_t its input (so frequency counts too). A sensitivity
+                     per group of consecutive layers (one layer each up to SENSITIVITY_GROUPS
+                     layers) turns local error into loss: the loss change with the whole group at
+                     the floor, divided by the group's summed local error. Importance = sensitivity
+                     of its group x local error. Cost: one pass plus one re-run per group, whatever
+                     the number of experts and layers.
     exact            each expert alone at the floor, every other at the ceiling, the loss change.
                      Cost: one re-run per expert.
     Re-runs are cheap: each window's input to every layer is cached for the all-ceiling model, so
     the loss with some layer's experts changed is measured by re-running from that layer only
-    (exact). An encoder-decoder model (Seq2SeqModel, windows read as text-to-text: Calibration) is
+    (exact). No window is evaluated twice under the same widths: its loss is kept and reused. An encoder-decoder model (Seq2SeqModel, windows read as text-to-text: Calibration) is
     re-run whole: its decoder layers read the encoder's output too, which that cache does not carry.
  3. The least important experts go down first: binary search, on the other half of the windows,
     for the largest K whose K least important experts at the floor keep the loss within the budget.
@@ -71,6 +72,11 @@ METRICS = ("ppl", "top1", "kl")
 IMPORTANCE_METHODS = ("local", "exact")
 # Experts on each side of the cut that local importance re-ranks by their exact importance.
 BOUNDARY = 8
+# Local importance measures the loss's sensitivity to local error once per group of consecutive MoE
+# layers, at most this many groups: a re-run costs (L - l) / L of a pass, so per-layer re-runs cost
+# about (L + 1) / 4 passes on half the windows, growing with depth; SENSITIVITY_GROUPS re-runs cost
+# about (SENSITIVITY_GROUPS + 1) / 4 whatever the depth (docs/budget.md).
+SENSITIVITY_GROUPS = 8
 Key = tuple[int, int]
 
 
@@ -244,7 +250,8 @@ class BudgetResult:
     feasible: bool                    # False: even all-8 exceeds the budget
     evaluations: int
     seconds: dict[str, float] = field(default_factory=dict)
-    layer_loss: dict[int, float] = field(default_factory=dict)   # local: the loss with each layer at the floor
+    layer_loss: dict[int, float] = field(default_factory=dict)   # local: a group's first layer -> the loss
+    layer_groups: list[list[int]] = field(default_factory=list)  # with the group at the floor; the groups
     boundary: dict[Key, float] = field(default_factory=dict)     # local: exact importance near the cut
 
     def to_json(self) -> dict:
@@ -253,7 +260,7 @@ class BudgetResult:
                 "moved_down": self.moved_down,
                 "uniform_loss": {str(b): v for b, v in self.uniform_loss.items()},
                 "importance": _by_layer(self.importance), "importance_method": self.importance_method,
-                "layer_loss": {str(l): v for l, v in self.layer_loss.items()},
+                "layer_loss": {str(l): v for l, v in self.layer_loss.items()}, "layer_groups": self.layer_groups,
                 "boundary": [[l, e, v] for (l, e), v in sorted(self.boundary.items())],
                 "widths": _by_layer(self.widths),
                 "evaluations": self.evaluations, "seconds": self.seconds}
@@ -279,7 +286,7 @@ class BudgetSearch:
 
     def __init__(self, model: MoEModel | Seq2SeqModel, calibration: Calibration, group_size: int | None = None,
                  method: str = "rtn", progress: Callable[[str, int, int], None] | None = None,
-                 importance: str = "local", workdir=None):
+                 importance: str = "local", workdir=None, sensitivity_groups: int = SENSITIVITY_GROUPS):
         if not isinstance(model.experts, (InMemoryExperts, CheckpointExperts)):
             raise ValueError("budget search: load the checkpoint directory, not a store")
         if importance not in IMPORTANCE_METHODS:
@@ -287,12 +294,18 @@ class BudgetSearch:
         self._resumable = isinstance(model, MoEModel)
         if not (calibration.has_reference or self._resumable):
             raise ValueError("budget search: an encoder-decoder model's reference needs the model loaded whole")
+        if sensitivity_groups < 1:
+            raise ValueError(f"sensitivity_groups={sensitivity_groups}: expected at least 1")
         self.model, self.calib, self.importance_method = model, calibration, importance
+        self.sensitivity_groups = sensitivity_groups
         self.progress = progress or (lambda stage, done, total: None)
         spec = model.spec
         self.keys = [(layer, e) for layer in sorted(spec.moe_layer_ids) for e in range(spec.num_experts)]
         self.evaluations = 0
+        self._window_losses: dict[tuple, dict[int, float]] = {}     # widths -> window -> loss (loss())
+        self._inputs_hold = None      # (widths, windows) whose layer inputs are cached for re-runs
         self.layer_loss: dict[int, float] = {}
+        self.groups: list[list[int]] = []
         self.boundary: dict[Key, float] = {}
         self._work = WorkDirectory(workdir)
         self.experts = MixedWidthExperts(PackedExperts(self._work.path / "packed.bin"))
@@ -345,19 +358,33 @@ class BudgetSearch:
         for i in windows if run_reference else ():
             self.calib.add_reference(i, self._logits(i))
 
-    def loss(self, widths: dict[Key, int], start_layer: int = 0, windows=None) -> tuple[float, float]:
+    def uniform(self, bits: int) -> tuple[float, float]:
+        """(estimate, upper bound) of the calibration loss with every expert at `bits`, all windows."""
+        return self.loss({key: bits for key in self.keys})
+
+    def loss(self, widths: dict[Key, int], start_layer: int = 0, windows=None,
+             record_inputs: bool = False) -> tuple[float, float]:
         """(estimate, upper bound) of the calibration loss with these widths over `windows` (default
-        all); computed from `start_layer` on the cached layer inputs when > 0 (MoEModel only)."""
-        self.experts.widths = widths
-        self.evaluations += 1
+        all); computed from `start_layer` on the cached layer inputs when > 0 (MoEModel only).
+        A window's loss under given widths is computed once: a later call reuses it (the pass runs
+        the other windows only, and none when every one is known). record_inputs: run every window
+        from layer 0 and cache each layer's inputs for re-runs (MoEModel only)."""
         windows = range(len(self.calib.windows)) if windows is None else windows
-        if self._resumable:
-            self._pass(windows, start_layer)
-            per_window = {i: self.calib.window_loss(i, self._logits(i)) for i in windows}
-        else:
-            self.experts.release()
-            per_window = {i: self.calib.window_loss(i, self.calib.predict(self._quantized, i)) for i in windows}
-        return self.calib.loss(per_window)
+        signature = tuple(widths[key] for key in self.keys)
+        known = self._window_losses.setdefault(signature, {})
+        todo = list(windows) if record_inputs else [i for i in windows if i not in known]
+        if todo:
+            self.experts.widths = widths
+            self.evaluations += 1
+            if self._resumable:
+                self._pass(todo, 0 if record_inputs else start_layer, record_inputs)
+                known.update({i: self.calib.window_loss(i, self._logits(i)) for i in todo})
+            else:
+                self.experts.release()
+                known.update({i: self.calib.window_loss(i, self.calib.predict(self._quantized, i)) for i in todo})
+            if record_inputs:
+                self._inputs_hold = signature, frozenset(todo)
+        return self.calib.loss({i: known[i] for i in windows})
 
     def _pass(self, windows, start_layer: int = 0, record_inputs: bool = False) -> None:
         """Every one of `windows` through layers start_layer.. of the twin, layer by layer; from the
@@ -393,18 +420,18 @@ class BudgetSearch:
         return self._quantized.head(self._states.read(i))[:-1]
 
     def _cache_layer_inputs(self, widths: dict[Key, int], windows=None) -> None:
-        """Record the input to every layer of each of `windows` (default all) under `widths` (the
-        all-ceiling model), for re-runs from a layer (MoEModel; a Seq2SeqModel re-runs whole)."""
-        if not self._resumable:
-            return
-        self.experts.widths = widths
-        self._pass(range(len(self.calib.windows)) if windows is None else windows, record_inputs=True)
+        """Make sure the input to every layer of each of `windows` (default all) under `widths` (the
+        all-ceiling model) is cached, for re-runs from a layer (MoEModel; a Seq2SeqModel re-runs
+        whole): one pass, unless that cache holds them already."""
+        windows = range(len(self.calib.windows)) if windows is None else windows
+        if self._resumable and self._inputs_hold != (tuple(widths[key] for key in self.keys), frozenset(windows)):
+            self.loss(widths, windows=windows, record_inputs=True)
 
     def importance(self, floor: int, ceiling: int, windows=None) -> dict[Key, float]:
         """Each expert's importance on `windows`, by self.importance_method (module docstring)."""
         base = {key: ceiling for key in self.keys}
-        self._cache_layer_inputs(base, windows)
         if self.importance_method == "exact":
+            self._cache_layer_inputs(base, windows)
             return self._exact_importance(base, floor, windows)
         return self._local_importance(base, floor, windows)
 
@@ -420,32 +447,37 @@ class BudgetSearch:
             self.progress(stage, i + 1, len(keys))
         return scores
 
+    def layer_groups(self) -> list[list[int]]:
+        """The MoE layers in at most self.sensitivity_groups runs of consecutive layers, as equal in
+        length as they divide (one layer each when there are no more layers than groups)."""
+        layers = sorted({l for l, _ in self.keys})
+        n = min(self.sensitivity_groups, len(layers))
+        return [layers[len(layers) * g // n:len(layers) * (g + 1) // n] for g in range(n)]
+
     def _local_importance(self, base: dict[Key, int], floor: int, windows) -> dict[Key, float]:
-        """Local error x its layer's sensitivity; sets self.layer_loss (layer -> loss change with the
-        whole layer at the floor)."""
+        """Local error x its layer group's sensitivity; sets self.layer_loss (a group's first layer ->
+        loss change with the whole group at the floor) and self.groups."""
         probe = LocalErrors(self.experts, floor)
         self._quantized.experts = probe
-        try:
-            base_loss = self.loss(base, windows=windows)[0]
+        try:     # the probe's pass caches the layer inputs of the re-runs that follow
+            base_loss = self.loss(base, windows=windows, record_inputs=True)[0]
         finally:
             self._quantized.experts = self.experts
-        layers = sorted({l for l, _ in self.keys})
+        self.groups = self.layer_groups()
         # Progress in layers computed, so that the bar's rate (and time left) holds: a re-run from a
         # late layer computes fewer layers than one from an early layer.
-        work = {layer: self.model.spec.num_layers - self._start(layer) for layer in layers}
-        done = 0
+        work = [self.model.spec.num_layers - self._start(group[0]) for group in self.groups]
         self.layer_loss, scores = {}, {}
-        for layer in layers:
-            down = {key: floor for key in self.keys if key[0] == layer}
-            loss = self.loss({**base, **down}, start_layer=self._start(layer), windows=windows)[0]
-            self.layer_loss[layer] = loss - base_loss
+        for g, group in enumerate(self.groups):
+            down = {key: floor for key in self.keys if key[0] in group}
+            loss = self.loss({**base, **down}, start_layer=self._start(group[0]), windows=windows)[0]
+            self.layer_loss[group[0]] = loss - base_loss
             errors = {key: probe.errors.get(key, 0.0) for key in down}
             total = sum(errors.values())
-            # A layer whose drop did not raise the loss measured nothing to scale by: its experts score 0.
-            sensitivity = max(self.layer_loss[layer], 0.0) / total if total > 0 else 0.0
+            # A group whose drop did not raise the loss measured nothing to scale by: its experts score 0.
+            sensitivity = max(self.layer_loss[group[0]], 0.0) / total if total > 0 else 0.0
             scores.update({key: sensitivity * error for key, error in errors.items()})
-            done += work[layer]
-            self.progress("importance", done, sum(work.values()))
+            self.progress("importance", sum(work[:g + 1]), sum(work))
         return scores
 
     def _start(self, layer: int) -> int:
@@ -457,13 +489,16 @@ class BudgetSearch:
             raise ValueError(f"--budget {budget}: expected >= 0")
         seconds: dict[str, float] = {}
         start = time.perf_counter()
-        self.layer_loss, self.boundary = {}, {}
+        self.layer_loss, self.groups, self.boundary = {}, [], {}
         uniform = {}
-        for i, bits in enumerate(WIDTHS):
-            uniform[bits] = self.loss({key: bits for key in self.keys})
-            self.progress("uniform widths", i + 1, len(WIDTHS))
+        for bits in WIDTHS:      # narrowest first: the first within the budget is the ceiling
+            uniform[bits] = self.uniform(bits)
+            holds = uniform[bits][1] <= budget
+            self.progress("uniform widths", len(uniform), len(uniform) if holds else len(WIDTHS))
+            if holds:
+                break
         seconds["uniform"] = time.perf_counter() - start
-        within = [b for b in WIDTHS if uniform[b][1] <= budget]
+        within = [b for b in uniform if uniform[b][1] <= budget]
         ceiling = within[0] if within else WIDTHS[-1]
         result = dict(metric=self.calib.metric, budget=budget, ceiling=ceiling,
                       uniform_loss={b: v[0] for b, v in uniform.items()}, feasible=bool(within))
@@ -489,7 +524,8 @@ class BudgetSearch:
         widths = {key: widths[key] for key in self.keys}
         return BudgetResult(widths=widths, floor=floor, importance=importance, importance_method=self.importance_method,
                             loss=loss, loss_bound=bound, moved_down=k, evaluations=self.evaluations,
-                            seconds=seconds, layer_loss=self.layer_loss, boundary=self.boundary, **result)
+                            seconds=seconds, layer_loss=self.layer_loss, layer_groups=self.groups,
+                            boundary=self.boundary, **result)
 
     def _holding_on_all_windows(self, order: list[Key], k: int, floor: int, ceiling: int, budget: float):
         """(widths, K, loss, bound) of the K least important at the floor on the whole calibration
