@@ -228,8 +228,9 @@ def test_layer_groups_are_consecutive_and_as_even_as_they_divide(eight_experts):
     groups = search.layer_groups()
     assert [layer for group in groups for layer in group] == list(range(1, 31))
     assert sorted({len(g) for g in groups}) == [3, 4] and len(groups) == 8
-    search.sensitivity_groups = 64
-    assert search.layer_groups() == [[layer] for layer in range(1, 31)]
+    for per_layer in (64, None):      # None, the default: one group per layer
+        search.sensitivity_groups = per_layer
+        assert search.layer_groups() == [[layer] for layer in range(1, 31)]
     with pytest.raises(ValueError, match="sensitivity_groups=0"):
         BudgetSearch(*eight_experts, sensitivity_groups=0)
 

@@ -13,12 +13,12 @@ Search (widths from {2, 4, 8}):
  2. Importance of each expert, on one half of the calibration windows, by one of two methods:
     local (default)  one pass of the all-ceiling model records, for each expert, its local error:
                      sum over the tokens routed to it of |w_t * (y_floor(x_t) - y_ceiling(x_t))|^2,
-                     w_t its routing weight, x_t its input (so frequency counts too). A sensitivity
-                     per group of consecutive layers (one layer each up to SENSITIVITY_GROUPS
-                     layers) turns local error into loss: the loss change with the whole group at
-                     the floor, divided by the group's summed local error. Importance = sensitivity
-                     of its group x local error. Cost: one pass plus one re-run per group, whatever
-                     the number of experts and layers.
+                     w_t its routing weight, x_t its input (so frequency counts too). Each layer's
+                     sensitivity, measured once per layer, turns local error into loss: the loss
+                     change with the whole layer at the floor, divided by the layer's summed local
+                     error. Importance = sensitivity of its layer x local error. Cost: one pass plus
+                     one re-run per layer, whatever the number of experts. sensitivity_groups=G:
+                     one sensitivity per group of consecutive layers instead (G re-runs).
     exact            each expert alone at the floor, every other at the ceiling, the loss change.
                      Cost: one re-run per expert.
     Re-runs are cheap: each window's input to every layer is cached for the all-ceiling model, so
@@ -72,11 +72,6 @@ METRICS = ("ppl", "top1", "kl")
 IMPORTANCE_METHODS = ("local", "exact")
 # Experts on each side of the cut that local importance re-ranks by their exact importance.
 BOUNDARY = 8
-# Local importance measures the loss's sensitivity to local error once per group of consecutive MoE
-# layers, at most this many groups: a re-run costs (L - l) / L of a pass, so per-layer re-runs cost
-# about (L + 1) / 4 passes on half the windows, growing with depth; SENSITIVITY_GROUPS re-runs cost
-# about (SENSITIVITY_GROUPS + 1) / 4 whatever the depth (docs/budget.md).
-SENSITIVITY_GROUPS = 8
 Key = tuple[int, int]
 
 
@@ -286,7 +281,7 @@ class BudgetSearch:
 
     def __init__(self, model: MoEModel | Seq2SeqModel, calibration: Calibration, group_size: int | None = None,
                  method: str = "rtn", progress: Callable[[str, int, int], None] | None = None,
-                 importance: str = "local", workdir=None, sensitivity_groups: int = SENSITIVITY_GROUPS):
+                 importance: str = "local", workdir=None, sensitivity_groups: int | None = None):
         if not isinstance(model.experts, (InMemoryExperts, CheckpointExperts)):
             raise ValueError("budget search: load the checkpoint directory, not a store")
         if importance not in IMPORTANCE_METHODS:
@@ -294,7 +289,7 @@ class BudgetSearch:
         self._resumable = isinstance(model, MoEModel)
         if not (calibration.has_reference or self._resumable):
             raise ValueError("budget search: an encoder-decoder model's reference needs the model loaded whole")
-        if sensitivity_groups < 1:
+        if sensitivity_groups is not None and sensitivity_groups < 1:
             raise ValueError(f"sensitivity_groups={sensitivity_groups}: expected at least 1")
         self.model, self.calib, self.importance_method = model, calibration, importance
         self.sensitivity_groups = sensitivity_groups
@@ -449,9 +444,10 @@ class BudgetSearch:
 
     def layer_groups(self) -> list[list[int]]:
         """The MoE layers in at most self.sensitivity_groups runs of consecutive layers, as equal in
-        length as they divide (one layer each when there are no more layers than groups)."""
+        length as they divide (one layer each when there are no more layers than groups, or no
+        number of groups is set: the default)."""
         layers = sorted({l for l, _ in self.keys})
-        n = min(self.sensitivity_groups, len(layers))
+        n = min(self.sensitivity_groups or len(layers), len(layers))
         return [layers[len(layers) * g // n:len(layers) * (g + 1) // n] for g in range(n)]
 
     def _local_importance(self, base: dict[Key, int], floor: int, windows) -> dict[Key, float]:
