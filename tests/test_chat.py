@@ -100,7 +100,9 @@ def test_the_chat_command_on_stdin(model):
     assert f"> {answer(model, [{'role': 'user', 'content': 'Who art thou?'}])}\n> " in done.stdout
 
 
-def test_sigint_during_an_answer_stops_it_and_the_command_goes_on():
+def interrupted_chat() -> tuple[str, int, str]:
+    """(everything shown, exit status, stderr) of a chat sent SIGINT once its answer shows 10
+    characters, then /exit."""
     chat = subprocess.Popen([sys.executable, "-m", "edgemoe", "chat", "-n", "200", "--temperature", "0"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -116,5 +118,15 @@ def test_sigint_during_an_answer_stops_it_and_the_command_goes_on():
         rest, errors = chat.communicate("/exit\n", timeout=120)
     finally:
         chat.kill()
-    assert chat.returncode == 0, errors
-    assert (shown + rest).endswith(" [stopped]\n> ")
+    return shown + rest, chat.returncode, errors
+
+
+def test_sigint_during_an_answer_stops_it_and_the_command_goes_on():
+    # The answer is written into a pipe ahead of this process's reads: on a loaded machine it can
+    # end before the signal arrives (the chat then goes on at its prompt). Up to three tries.
+    for _ in range(3):
+        shown, status, errors = interrupted_chat()
+        assert status == 0, errors
+        if shown.endswith(" [stopped]\n> "):
+            return
+    assert shown.endswith(" [stopped]\n> ")
