@@ -23,8 +23,9 @@ Search (widths from {2, 4, 8}):
                      Cost: one re-run per expert.
     Re-runs are cheap: each window's input to every layer is cached for the all-ceiling model, so
     the loss with some layer's experts changed is measured by re-running from that layer only
-    (exact). No window is evaluated twice under the same widths: its loss is kept and reused. An encoder-decoder model (Seq2SeqModel, windows read as text-to-text: Calibration) is
+    (exact). An encoder-decoder model (Seq2SeqModel, windows read as text-to-text: Calibration) is
     re-run whole: its decoder layers read the encoder's output too, which that cache does not carry.
+    No window is evaluated twice under the same widths: its loss is kept and reused.
  3. The least important experts go down first: binary search, on the other half of the windows,
     for the largest K whose K least important experts at the floor keep the loss within the budget.
     After a local ranking, the BOUNDARY experts on each side of the cut are re-ranked by their exact
@@ -363,7 +364,8 @@ class BudgetSearch:
         all); computed from `start_layer` on the cached layer inputs when > 0 (MoEModel only).
         A window's loss under given widths is computed once: a later call reuses it (the pass runs
         the other windows only, and none when every one is known). record_inputs: run every window
-        from layer 0 and cache each layer's inputs for re-runs (MoEModel only)."""
+        anew from layer 0, known or not (the local probe records as it runs), and cache each layer's
+        inputs for re-runs (MoEModel only)."""
         windows = range(len(self.calib.windows)) if windows is None else windows
         signature = tuple(widths[key] for key in self.keys)
         known = self._window_losses.setdefault(signature, {})
