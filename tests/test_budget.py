@@ -205,9 +205,9 @@ def test_sensitivity_is_measured_per_group_of_layers(eight_experts):
     per_layer = BudgetSearch(model, calibration).importance(2, 4, ranking)
     grouped = BudgetSearch(model, calibration, sensitivity_groups=2)
     scores = grouped.importance(2, 4, ranking)
-    assert grouped.groups == [[0], [1, 2]] and grouped.evaluations == 1 + 2
+    assert grouped.layer_groups() == [[0], [1, 2]] and grouped.evaluations == 1 + 2
     assert set(grouped.layer_loss) == {0, 1}
-    for group in grouped.groups:
+    for group in grouped.layer_groups():
         keys = [k for k in scores if k[0] in group]
         assert sum(scores[k] for k in keys) == pytest.approx(max(grouped.layer_loss[group[0]], 0.0), rel=1e-6)
     assert {k: v for k, v in scores.items() if k[0] == 0} == pytest.approx(

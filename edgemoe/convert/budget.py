@@ -301,7 +301,6 @@ class BudgetSearch:
         self._window_losses: dict[tuple, dict[int, float]] = {}     # widths -> window -> loss (loss())
         self._inputs_hold = None      # (widths, windows) whose layer inputs are cached for re-runs
         self.layer_loss: dict[int, float] = {}
-        self.groups: list[list[int]] = []
         self.boundary: dict[Key, float] = {}
         self._work = WorkDirectory(workdir)
         self.experts = MixedWidthExperts(PackedExperts(self._work.path / "packed.bin"))
@@ -367,7 +366,7 @@ class BudgetSearch:
         anew from layer 0, known or not (the local probe records as it runs), and cache each layer's
         inputs for re-runs (MoEModel only)."""
         windows = range(len(self.calib.windows)) if windows is None else windows
-        signature = tuple(widths[key] for key in self.keys)
+        signature = self._signature(widths)
         known = self._window_losses.setdefault(signature, {})
         todo = list(windows) if record_inputs else [i for i in windows if i not in known]
         if todo:
@@ -382,6 +381,10 @@ class BudgetSearch:
             if record_inputs:
                 self._inputs_hold = signature, frozenset(todo)
         return self.calib.loss({i: known[i] for i in windows})
+
+    def _signature(self, widths: dict[Key, int]) -> tuple:
+        """The widths as a hashable key, in self.keys's order."""
+        return tuple(widths[key] for key in self.keys)
 
     def _pass(self, windows, start_layer: int = 0, record_inputs: bool = False) -> None:
         """Every one of `windows` through layers start_layer.. of the twin, layer by layer; from the
@@ -421,7 +424,7 @@ class BudgetSearch:
         all-ceiling model) is cached, for re-runs from a layer (MoEModel; a Seq2SeqModel re-runs
         whole): one pass, unless that cache holds them already."""
         windows = range(len(self.calib.windows)) if windows is None else windows
-        if self._resumable and self._inputs_hold != (tuple(widths[key] for key in self.keys), frozenset(windows)):
+        if self._resumable and self._inputs_hold != (self._signature(widths), frozenset(windows)):
             self.loss(widths, windows=windows, record_inputs=True)
 
     def importance(self, floor: int, ceiling: int, windows=None) -> dict[Key, float]:
@@ -454,19 +457,19 @@ class BudgetSearch:
 
     def _local_importance(self, base: dict[Key, int], floor: int, windows) -> dict[Key, float]:
         """Local error x its layer group's sensitivity; sets self.layer_loss (a group's first layer ->
-        loss change with the whole group at the floor) and self.groups."""
+        loss change with the whole group at the floor)."""
         probe = LocalErrors(self.experts, floor)
         self._quantized.experts = probe
         try:     # the probe's pass caches the layer inputs of the re-runs that follow
             base_loss = self.loss(base, windows=windows, record_inputs=True)[0]
         finally:
             self._quantized.experts = self.experts
-        self.groups = self.layer_groups()
+        groups = self.layer_groups()
         # Progress in layers computed, so that the bar's rate (and time left) holds: a re-run from a
         # late layer computes fewer layers than one from an early layer.
-        work = [self.model.spec.num_layers - self._start(group[0]) for group in self.groups]
+        work = [self.model.spec.num_layers - self._start(group[0]) for group in groups]
         self.layer_loss, scores = {}, {}
-        for g, group in enumerate(self.groups):
+        for g, group in enumerate(groups):
             down = {key: floor for key in self.keys if key[0] in group}
             loss = self.loss({**base, **down}, start_layer=self._start(group[0]), windows=windows)[0]
             self.layer_loss[group[0]] = loss - base_loss
@@ -487,7 +490,7 @@ class BudgetSearch:
             raise ValueError(f"--budget {budget}: expected >= 0")
         seconds: dict[str, float] = {}
         start = time.perf_counter()
-        self.layer_loss, self.groups, self.boundary = {}, [], {}
+        self.layer_loss, self.boundary = {}, {}
         uniform = {}
         for bits in WIDTHS:      # narrowest first: the first within the budget is the ceiling
             uniform[bits] = self.uniform(bits)
@@ -522,7 +525,7 @@ class BudgetSearch:
         widths = {key: widths[key] for key in self.keys}
         return BudgetResult(widths=widths, floor=floor, importance=importance, importance_method=self.importance_method,
                             loss=loss, loss_bound=bound, moved_down=k, evaluations=self.evaluations,
-                            seconds=seconds, layer_loss=self.layer_loss, layer_groups=self.groups,
+                            seconds=seconds, layer_loss=self.layer_loss, layer_groups=self.layer_groups() if self.layer_loss else [],
                             boundary=self.boundary, **result)
 
     def _holding_on_all_windows(self, order: list[Key], k: int, floor: int, ceiling: int, budget: float):
