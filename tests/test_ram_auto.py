@@ -1,11 +1,13 @@
 """--ram auto: the RAM tier sized from the memory this process may still take (docs/scheduling.md,
 "The RAM budget chosen for you")."""
 
+import errno
 import json
 import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -295,7 +297,21 @@ def _run_confined(store: Path, limit: int | None, *flags: str) -> tuple[int, int
                               capture_output=True, text=True, timeout=120)
         return done.returncode, int((group / "memory.max_usage_in_bytes").read_text()), done.stderr
     finally:
-        group.rmdir()
+        _remove_group(group)
+
+
+def _remove_group(group: Path, seconds: float = 10.0) -> None:
+    """rmdir a cgroup v1 group, waiting for it to empty: a process the kernel killed for memory can
+    still be tearing down after bash has returned, and rmdir then fails with EBUSY."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            group.rmdir()
+            return
+        except OSError as error:
+            if error.errno != errno.EBUSY or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 @pytest.mark.skipif(_cgroup_v1_writable() is not None, reason=str(_cgroup_v1_writable()))
