@@ -18,6 +18,8 @@ Shapes: T tokens, R rows (outputs), C columns (inputs).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -34,9 +36,9 @@ QUANTIZED_ROLES = ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "kv_b", "mlp.gate",
 KERNEL_MAX_TOKENS = {8: 16, 4: 16}   # tools/bench_dense_dtype.py: both kernels beat the GEMM up to 16 tokens
 # A matrix is quantized this many bytes of its float32 rows at a time (rows are quantized on their own,
 # so the codes are the same): the quantizer's float32 temporaries, several times the block, stay small
-# beside the weights. Quantized whole, they raised bench-qwen3moe's load peak by about 330 MiB
-# (tools/bench_load_memory.py, docs/scheduling.md).
-QUANTIZE_BLOCK_BYTES = 16 << 20
+# beside the weights. Quantized whole, they raised bench-qwen3moe's load peak by about 330 MiB; 16 MiB
+# blocks still 80 MiB more than 4 MiB ones (tools/bench_run_memory.py, docs/scheduling.md).
+QUANTIZE_BLOCK_BYTES = 4 << 20
 
 
 class QuantizedLinear:
@@ -64,14 +66,35 @@ class QuantizedLinear:
         return F.linear(x.to(self.gemm_dtype), kernels.dequantize(self.qt, self.gemm_dtype)).float()
 
 
-def quantize_matrix(weight: torch.Tensor | QuantizedLinear, bits: int) -> QuantizedLinear:
-    """weight's QuantizedLinear; one already quantized (a store's load quantizes as it reads) as it is."""
+def quantize_matrix(weight: torch.Tensor | QuantizedLinear, bits: int,
+                    dtype: torch.dtype | None = None) -> QuantizedLinear:
+    """weight's QuantizedLinear; one already quantized (a store's load quantizes as it reads) as it is.
+    dtype: the type the matrix would be kept in (None: weight's own), which sets the copy's GEMM type;
+    rows are converted to it a block at a time (quantize_rows)."""
     if isinstance(weight, QuantizedLinear):
         return weight
-    gemm_dtype = torch.bfloat16 if weight.dtype == torch.bfloat16 else torch.float32
-    rows = max(1, QUANTIZE_BLOCK_BYTES // (4 * weight.shape[1]))
-    blocks = [quantize(weight[r:r + rows], bits, GROUP_SIZE[bits]) for r in range(0, weight.shape[0], rows)]
-    return QuantizedLinear(blocks[0] if len(blocks) == 1 else _stacked(blocks), gemm_dtype)
+    return quantize_rows(lambda start, stop: weight[start:stop], tuple(weight.shape), bits, dtype or weight.dtype)
+
+
+def quantize_rows(read: Callable[[int, int], torch.Tensor], shape: tuple[int, int], bits: int,
+                  dtype: torch.dtype) -> QuantizedLinear:
+    """The QuantizedLinear of an [R, C] matrix given by its rows: read(start, stop) returns rows
+    start..stop-1 (from a tensor, or straight from a file), converted here to `dtype`, the type the
+    matrix would be kept in (it sets the GEMM type). QUANTIZE_BLOCK_BYTES of float32 rows at a time,
+    written into the codes' arrays, so that neither a float copy of the matrix nor a second copy of
+    its codes is ever held (the same codes as quantizing it whole: rows are quantized on their own)."""
+    rows, _ = shape
+    step = max(1, QUANTIZE_BLOCK_BYTES // (4 * shape[1]))
+    arrays = None
+    for start in range(0, rows, step):
+        block = quantize(read(start, min(start + step, rows)).to(dtype), bits, GROUP_SIZE[bits])
+        if arrays is None:
+            arrays = {name: np.empty((rows, *getattr(block, name).shape[1:]), getattr(block, name).dtype)
+                      for name in ("packed", "scale", "zero")}
+        for name, array in arrays.items():
+            array[start:start + block.shape[0]] = getattr(block, name)
+    qt = QuantizedTensor(bits, GROUP_SIZE[bits], shape, arrays["packed"], arrays["scale"], arrays["zero"])
+    return QuantizedLinear(qt, torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
 
 
 def quantized_at_load(name: str) -> bool:

@@ -23,9 +23,10 @@ from edgemoe.store.memory import (KERNEL_COMPILE_GROWTH, RUNTIME_GROWTH, ram_bud
                                   return_freed_memory)
 
 from .cache import KV_DTYPES
-from .checkpoint import TORCH_DTYPES, Checkpoint, check_finite, read_json
+from .checkpoint import (TORCH_DTYPES, Checkpoint, CheckpointError, check_finite, pread_tensor, read_json,
+                         read_safetensors_header)
 from .errors import EdgeMoEError
-from .dense import (DENSE_BITS, GROUP_SIZE, QUANTIZE_BLOCK_BYTES, QuantizedLinear, dense_bits_for, quantize_matrix,
+from .dense import (DENSE_BITS, GROUP_SIZE, QUANTIZE_BLOCK_BYTES, QuantizedLinear, dense_bits_for, quantize_rows,
                     quantized_at_load)
 from .generate import GenerationOptions
 from .kernels.ops import kernels_compiled
@@ -122,6 +123,15 @@ def weight_in(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     computes it natively, else float32: edgemoe.precision), a vector (norm, bias: a few KB, added to
     float32 activations) in float32."""
     return t.float() if t.dim() < 2 else t.to(compute_dtype(t.dtype, dtype))
+
+
+def held_as_stored(name: str, stored: torch.dtype, requested: torch.dtype | None, tied: bool) -> bool:
+    """Whether a store's load keeps this dense tensor in its stored type rather than weight_in's: the
+    embedding of a model whose LM head is a matrix of its own, where the compute type is wider than
+    the stored one. Only its rows are read, each converted exactly as it is looked up
+    (MoEModel.embeddings), so a bfloat16 vocabulary's float32 copy would double its bytes for nothing
+    (Qwen3-30B-A3B's: 1.2 GB against 0.6 GB)."""
+    return name == "embed" and not tied and compute_dtype(stored, requested).itemsize > stored.itemsize
 
 
 def weights_in(dense: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
@@ -234,23 +244,8 @@ def load_store(path: str | os.PathLike, options: StoreOptions | None = None, dty
     if file_crc32(dense_path) != dense_info["crc32"]:
         store.close()
         raise StoreError(f"{dense_path}: checksum mismatch: the store is corrupt")
-    # One tensor at a time (no second copy of all), each checked finite, and each matrix that
-    # quantize_dense will replace quantized as it is read (so the float matrices are never all held at
-    # once: the load's peak). The experts are not checked here: convert checked every one as it read
-    # it, and their blobs are checksummed.
     bits = None if store.spec.is_encoder_decoder else dense_bits_for(dense_bits, store.manifest, store.spec)
-    dense, freed = {}, 0
-    with safe_open(str(dense_path), framework="pt") as f:
-        for name in f.keys():
-            weight = weight_in(check_finite(f.get_tensor(name), f"{dense_path}: tensor {name!r}", StoreError), dtype)
-            if bits and quantized_at_load(name):
-                dense[name], freed = quantize_matrix(weight, bits), freed + weight.nbytes
-                del weight
-                if freed >= TRIM_EVERY_FREED_BYTES:    # else glibc keeps the freed floats and the peak grows
-                    return_freed_memory()
-                    freed = 0
-            else:
-                dense[name] = weight
+    dense = read_store_dense(dense_path, bits, dtype, store.spec.tie_word_embeddings)
     drop_page_cache(dense_path)   # the tensors are copied out: the file's pages would only double them
     missing = sorted(set(store.spec.dense_shapes()) - set(dense))
     if missing:
@@ -266,6 +261,54 @@ def load_store(path: str | os.PathLike, options: StoreOptions | None = None, dty
                            latency=latency_model(store, gemm_dtype) if o.compute == "auto" else None)
     return model_class(store.spec)(store.spec, dense, experts, tokenizer, generation_config, name=directory.name,
                                    threads=threads, store=store, preload=o.preload)
+
+
+def read_store_dense(dense_path: Path, bits: int | None, dtype: torch.dtype | None, tied: bool) -> dict[str, torch.Tensor]:
+    """A store's dense tensors as the model keeps them, read one at a time with pread (each owns its
+    memory; its pages leave the page cache as it is read), each checked finite. Each matrix that
+    quantize_dense would replace is quantized as it is read, straight from the file a block of rows at
+    a time (quantize_rows), so that the load holds no float copy of it: the load's peak is what it
+    keeps plus one block. The experts are not checked here: convert checked every one as it read it,
+    and their blobs are checksummed."""
+    try:
+        infos = read_safetensors_header(dense_path)
+    except CheckpointError as e:
+        raise StoreError(str(e)) from None
+    dense, freed = {}, 0
+    fd = os.open(dense_path, os.O_RDONLY)
+    try:
+        for name in sorted(infos):
+            info, where = infos[name], f"{dense_path}: tensor {name!r}"
+            stored = TORCH_DTYPES[info.dtype]
+            if bits and quantized_at_load(name):
+                kept = compute_dtype(stored, dtype)
+                dense[name] = quantize_rows(lambda start, stop: _finite_rows(fd, info, start, stop, where),
+                                            info.shape, bits, kept)
+                freed += math.prod(info.shape) * kept.itemsize   # the quantizer's temporaries scale with this
+                if freed >= TRIM_EVERY_FREED_BYTES:    # else glibc keeps them and the peak grows
+                    return_freed_memory()
+                    freed = 0
+            else:
+                tensor = check_finite(pread_tensor(fd, info.file, info.offset, info.nbytes, info.shape, stored),
+                                      where, StoreError)
+                dense[name] = tensor if held_as_stored(name, stored, dtype, tied) else weight_in(tensor, dtype)
+    except CheckpointError as e:
+        raise StoreError(str(e)) from None
+    finally:
+        os.close(fd)
+    return dense
+
+
+def _finite_rows(fd: int, info, start: int, stop: int, where: str) -> torch.Tensor:
+    """Rows start..stop-1 of a stored matrix; a non-finite value anywhere in the matrix is refused
+    with the whole matrix's count, as check_finite words it."""
+    row = info.nbytes // info.shape[0]
+    rows = pread_tensor(fd, info.file, info.offset + start * row, (stop - start) * row, (stop - start, *info.shape[1:]),
+                        TORCH_DTYPES[info.dtype])
+    if not bool(torch.isfinite(rows).all()):
+        check_finite(pread_tensor(fd, info.file, info.offset, info.nbytes, info.shape, TORCH_DTYPES[info.dtype]),
+                     where, StoreError)
+    return rows
 
 
 def auto_ram(manifest: Manifest, dtype: torch.dtype | None = None, dense_bits: int | str | None = "auto",
@@ -303,32 +346,36 @@ def _needs_and_load_extra(manifest: Manifest, dtype: torch.dtype | None, dense_b
 
 
 def dense_bytes(manifest: Manifest, dtype: torch.dtype | None, dense_bits: int | str | None) -> tuple[int, int]:
-    """The dense weights' bytes (held after load, at their peak while loading). Loading keeps them as
-    load_store does (weight_in: vectors in float32, matrices in the compute dtype); with dense bits
-    (dense_bits_for) each matrix that quantize_dense replaces is quantized as it is read (held: its
-    quantized copy; the embedding, routers and vectors as loaded; a tied LM head's copy too), so the
-    peak is what is held plus the largest such matrix as loaded and the quantizer's float temporaries
-    (estimated at five blocks of QUANTIZE_BLOCK_BYTES)."""
+    """The dense weights' bytes (held after load, at their peak while loading), as read_store_dense
+    keeps them: vectors in float32, matrices in the compute dtype, an untied embedding as stored where
+    that is narrower (held_as_stored); with dense bits (dense_bits_for) each matrix that quantize_dense
+    replaces as its quantized copy (the embedding, routers and vectors as loaded; a tied LM head's
+    copy too). The peak adds the larger of: the stored bytes of the largest tensor converted on
+    reading (both copies are held for a moment), and the quantizer's block of rows with its float
+    temporaries (estimated at five blocks of QUANTIZE_BLOCK_BYTES)."""
     spec = manifest.spec
     bits = dense_bits_for(dense_bits, manifest, spec)
-    held = largest = 0
+    tied = spec.tie_word_embeddings
+    held = converted = quantizing = 0
     with safe_open(str(manifest.path / manifest.data["dense"]["file"]), framework="pt") as f:
-        names = list(f.keys())
-        for name in names:
+        for name in f.keys():
             tensor = f.get_slice(name)
             shape, stored = tensor.get_shape(), TORCH_DTYPES.get(tensor.get_dtype(), torch.float32)
             numel = math.prod(shape)
-            loaded = numel * (torch.float32 if len(shape) < 2 else compute_dtype(stored, dtype)).itemsize
-            quantized = bits and len(shape) >= 2 and quantized_at_load(name)
-            if quantized:
+            kept = (torch.float32 if len(shape) < 2 else stored if held_as_stored(name, stored, dtype, tied)
+                    else compute_dtype(stored, dtype))
+            if bits and len(shape) >= 2 and quantized_at_load(name):
                 held += _codes_bytes(shape, bits)
-                largest = max(largest, loaded)
-            else:     # routers are kept in float32 (quantize_layer)
-                held += numel * 4 if name.endswith(".router") else loaded
-            if bits and name == "embed" and "lm_head" not in names:     # a tied LM head's quantized copy
+                quantizing = 5 * QUANTIZE_BLOCK_BYTES
+                continue
+            router_in_float32 = bits and name.endswith(".router")     # quantize_layer's copy
+            held += numel * 4 if router_in_float32 else numel * kept.itemsize
+            if kept != stored:
+                converted = max(converted, numel * stored.itemsize)
+            if bits and name == "embed" and tied:     # a tied LM head's quantized copy
                 held += _codes_bytes(shape, bits)
-                largest = max(largest, loaded)
-    return held, held + (largest + 5 * QUANTIZE_BLOCK_BYTES if largest else 0)
+                quantizing = 5 * QUANTIZE_BLOCK_BYTES
+    return held, held + max(converted, quantizing)
 
 
 def _codes_bytes(shape, bits: int) -> int:

@@ -75,6 +75,29 @@ def test_a_store_with_a_non_finite_dense_weight_is_refused_by_name(monkeypatch, 
         edgemoe.load(store)
 
 
+def test_a_non_finite_value_in_a_matrix_quantized_at_load_is_refused_with_the_whole_matrixs_count(
+        monkeypatch, capsys, tiny_model, tmp_path):
+    """--dense-bits reads a matrix a block of rows at a time: bad values in two blocks are counted
+    together, as a matrix read whole is."""
+    from edgemoe import dense as dense_module
+    store = tmp_path / "store"
+    code, err = run_cli(monkeypatch, capsys, "convert", str(tiny_model("mixtral")), "-o", str(store), "--bits", "4",
+                        "--quiet")
+    assert code == 0, err
+    dense = store / "dense.safetensors"
+    tensors = load_file(dense)
+    tensors["lm_head"][0, 0] = float("nan")
+    tensors["lm_head"][-1, -1] = float("inf")
+    save_file(tensors, dense)
+    manifest = json.loads((store / "manifest.json").read_text())
+    manifest["dense"]["crc32"] = file_crc32(dense)
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    monkeypatch.setattr(dense_module, "QUANTIZE_BLOCK_BYTES", 4 * tensors["lm_head"].shape[1] * 4)   # 4 rows
+    total = tensors["lm_head"].numel()
+    with pytest.raises(StoreError, match=rf"^{dense}: tensor 'lm_head': 2 non-finite values \(nan or inf\) of {total}"):
+        edgemoe.load(store, dense_bits=4)
+
+
 def test_eval_refuses_a_loss_that_overflows(monkeypatch, capsys, tiny_model, tmp_path):
     """Finite weights can still overflow float32: eval fails naming the tokens, instead of 'perplexity: nan'."""
     path = damaged(tiny_model, tmp_path, "lm_head.weight", slice(None), 3e38)   # the logits overflow float32

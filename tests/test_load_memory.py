@@ -1,0 +1,79 @@
+"""A store's load holds no float copy of what it quantizes, and keeps a bfloat16 embedding as stored
+(docs/scheduling.md, "The RAM budget chosen for you": what the load takes)."""
+
+import numpy as np
+import pytest
+import torch
+
+import edgemoe
+from edgemoe import dense
+from edgemoe.convert import convert
+from edgemoe.dense import GROUP_SIZE, quantize_rows
+from edgemoe.loader import dense_bytes
+from edgemoe.quant import quantize
+from edgemoe.store import read_manifest
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_rows_reads_a_block_at_a_time_and_gives_the_whole_matrixs_codes(monkeypatch, bits, dtype):
+    monkeypatch.setattr(dense, "QUANTIZE_BLOCK_BYTES", 4 * 300 * 64)     # 64 rows of 300 float32 columns
+    matrix = torch.randn(1000, 300, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    reads = []
+
+    def read(start, stop):
+        reads.append((start, stop))
+        return matrix[start:stop]
+
+    copy = quantize_rows(read, (1000, 300), bits, dtype)
+    whole = quantize(matrix.to(dtype), bits, GROUP_SIZE[bits])
+    assert reads == [(r, min(r + 64, 1000)) for r in range(0, 1000, 64)]
+    for name in ("packed", "scale", "zero"):
+        np.testing.assert_array_equal(getattr(copy.qt, name), getattr(whole, name), err_msg=name)
+    assert copy.gemm_dtype == dtype
+
+
+@pytest.fixture(scope="module")
+def bf16_store(tiny_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bf16-store") / "store"
+    convert(tiny_model("qwen3_moe", dtype="bfloat16"), out, bits=4)
+    return out
+
+
+@pytest.mark.parametrize("dense_bits", [None, 4])
+def test_a_bfloat16_embedding_is_kept_as_stored_and_computes_what_its_float32_copy_does(bf16_store, dense_bits):
+    """Computing in float32, a bfloat16 embedding stays bfloat16 (half the bytes: only rows are read,
+    each converted exactly); the logits are those of its float32 copy, bit for bit."""
+    with edgemoe.load(bf16_store, torch.float32, ram=0, dense_bits=dense_bits) as model:
+        assert model.embed.dtype == torch.bfloat16
+        tokens = [3, 17, 5, 9, 1]
+        kept = model.logits(tokens, model.new_cache())
+        model.embed = model.embed.float()
+        widened = model.logits(tokens, model.new_cache())
+    torch.testing.assert_close(kept, widened, rtol=0, atol=0)
+    with edgemoe.load(bf16_store, torch.bfloat16, ram=0, dense_bits=dense_bits) as model:
+        assert model.embed.dtype == torch.bfloat16
+
+
+def test_a_float32_embedding_computed_in_bfloat16_is_still_converted(tiny_model, tmp_path):
+    """Only a widening is skipped: a float32 embedding asked for in bfloat16 is rounded as before."""
+    convert(tiny_model("qwen3_moe"), tmp_path / "store", bits=4)
+    with edgemoe.load(tmp_path / "store", torch.bfloat16, ram=0) as model:
+        assert model.embed.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dense_bits", [None, 8, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_dense_bytes_estimate_is_what_a_bfloat16_store_holds(bf16_store, dense_bits, dtype):
+    from edgemoe.bench import dense_bytes_per_token
+    with edgemoe.load(bf16_store, dtype, ram=0, dense_bits=dense_bits) as model:
+        held = model.embed.nbytes + dense_bytes_per_token(model)
+    assert dense_bytes(read_manifest(bf16_store), dtype, dense_bits or "none")[0] == held
+
+
+def test_loaded_dense_tensors_own_their_memory(bf16_store):
+    """Read with pread, not mapped: no tensor keeps the file's mapping (and every page the load touched)."""
+    with edgemoe.load(bf16_store, torch.bfloat16, ram=0) as model:
+        maps = open("/proc/self/maps").read()
+        assert str(bf16_store / "dense.safetensors") not in maps
+        assert model.embed.dtype == torch.bfloat16
