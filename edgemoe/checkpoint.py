@@ -39,16 +39,20 @@ class TensorInfo:
     nbytes: int = 0
 
 
-FINITE_CHECK_BLOCK = 1 << 22     # elements checked at a time
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every value of a floating tensor is finite. A float64 sum is finite when every term is
+    (an inf or a nan carries through, and float32 or narrower values cannot overflow it): one fast
+    reduction with no temporary, where torch.isfinite of a whole 151,936 x 2,048 embedding would be a
+    297 MiB temporary and several times slower on bfloat16. Only a non-finite sum is checked value by
+    value (a float64 tensor's sum can overflow)."""
+    return bool(torch.isfinite(tensor.sum(dtype=torch.float64))) or bool(torch.isfinite(tensor).all())
 
 
 def check_finite(tensor: torch.Tensor, where: str, error: type[Exception] = CheckpointError) -> torch.Tensor:
     """`tensor` if every value is finite, else `error` naming `where` ("FILE: tensor NAME"). Called once
     on each weight as it is loaded (one cheap pass), so that a NaN or an infinity is refused by name
     there, not met later as a failed sampling step or a nan perplexity."""
-    # In blocks: torch.isfinite of a whole 151,936 x 2,048 embedding would be a 297 MiB temporary at load.
-    if tensor.is_floating_point() and not all(bool(torch.isfinite(block).all())
-                                              for block in tensor.reshape(-1).split(FINITE_CHECK_BLOCK)):
+    if tensor.is_floating_point() and not all_finite(tensor):
         bad = int((~torch.isfinite(tensor)).sum())
         raise error(f"{where}: {bad} non-finite value{'s' if bad > 1 else ''} (nan or inf) of {tensor.numel()}")
     return tensor

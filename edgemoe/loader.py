@@ -23,8 +23,8 @@ from edgemoe.store.memory import (KERNEL_COMPILE_GROWTH, RUNTIME_GROWTH, ram_bud
                                   return_freed_memory)
 
 from .cache import KV_DTYPES
-from .checkpoint import (TORCH_DTYPES, Checkpoint, CheckpointError, check_finite, pread_tensor, read_json,
-                         read_safetensors_header)
+from .checkpoint import (TORCH_DTYPES, Checkpoint, CheckpointError, all_finite, check_finite, pread_tensor,
+                         read_json, read_safetensors_header)
 from .errors import EdgeMoEError
 from .dense import (DENSE_BITS, GROUP_SIZE, QUANTIZE_BLOCK_BYTES, QuantizedLinear, dense_bits_for, quantize_rows,
                     quantized_at_load)
@@ -279,6 +279,8 @@ def read_store_dense(dense_path: Path, bits: int | None, dtype: torch.dtype | No
     try:
         for name in sorted(infos):
             info, where = infos[name], f"{dense_path}: tensor {name!r}"
+            if info.dtype not in TORCH_DTYPES:
+                raise StoreError(f"{where}: dtype {info.dtype} is not supported ({', '.join(TORCH_DTYPES)})")
             stored = TORCH_DTYPES[info.dtype]
             if bits and quantized_at_load(name):
                 kept = compute_dtype(stored, dtype)
@@ -305,7 +307,7 @@ def _finite_rows(fd: int, info, start: int, stop: int, where: str) -> torch.Tens
     row = info.nbytes // info.shape[0]
     rows = pread_tensor(fd, info.file, info.offset + start * row, (stop - start) * row, (stop - start, *info.shape[1:]),
                         TORCH_DTYPES[info.dtype])
-    if not bool(torch.isfinite(rows).all()):
+    if not all_finite(rows):
         check_finite(pread_tensor(fd, info.file, info.offset, info.nbytes, info.shape, TORCH_DTYPES[info.dtype]),
                      where, StoreError)
     return rows
