@@ -1,5 +1,5 @@
-"""A store's load holds no float copy of what it quantizes, and keeps a bfloat16 embedding as stored
-(docs/scheduling.md, "The RAM budget chosen for you": what the load takes)."""
+"""A store's load holds no float copy of what it quantizes and keeps a bfloat16 embedding as stored;
+a closed store lets its experts go (docs/scheduling.md, "The RAM budget chosen for you")."""
 
 import numpy as np
 import pytest
@@ -77,3 +77,24 @@ def test_loaded_dense_tensors_own_their_memory(bf16_store):
         maps = open("/proc/self/maps").read()
         assert str(bf16_store / "dense.safetensors") not in maps
         assert model.embed.dtype == torch.bfloat16
+
+
+def test_closing_a_store_lets_its_experts_go_at_once(bf16_store):
+    """The store sits in reference cycles (callbacks, threads) that only the cyclic collector frees:
+    close() drops its resident experts and pooled buffers itself, so that a process opening another
+    store meanwhile does not hold both (each expert's buffer is freed once nothing refers to it)."""
+    import gc
+    import weakref
+    gc.disable()
+    try:
+        with edgemoe.load(bf16_store, ram="100%") as model:
+            model.logits([3, 17, 5], model.new_cache())
+            store = model.store
+            buffers = [weakref.ref(item.blob.base.obj) for tier in store.cache.tiers for item in tier.items.values()
+                       if item.blob is not None and hasattr(item.blob.base, "obj")]
+            assert store.cache.count() > 0 and buffers
+        assert store.cache.count() == 0 and not store.disk.pool._released
+        del model
+        assert all(ref() is None for ref in buffers)
+    finally:
+        gc.enable()

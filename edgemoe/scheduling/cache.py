@@ -157,6 +157,15 @@ class ExpertCache:
         return {key: tier.name for tier in reversed(self.tiers) for key in tier.items}
 
     # ---- events -----------------------------------------------------------------------------------
+    def clear(self) -> None:
+        """Forget every resident expert (a closed store's), so that their memory is freed now."""
+        for tier in self.tiers:
+            for key in list(tier.items):
+                tier.pop(key)
+        self.pinned.clear()
+        self.preloaded.clear()
+        self.urgent.clear()
+
     def request(self, key: Key):
         """A request for `key`: its item, counted as a hit (or as a miss when it was placed for this
         very request, kind "urgent"), or None when it is not resident (the caller reads and places it)."""

@@ -71,6 +71,11 @@ class BufferPool:
             if len(self._released) > self.keep:
                 self._released.popleft()
 
+    def clear(self) -> None:
+        """Drop every released buffer (a closed store's)."""
+        with self._lock:
+            self._released.clear()
+
 
 def _anonymous(size: int) -> mmap.mmap:
     """Page-aligned memory, as O_DIRECT needs; private, so that madvise(DONTNEED) frees its pages
@@ -227,3 +232,4 @@ class DiskTier:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+        self.pool.clear()

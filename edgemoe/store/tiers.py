@@ -383,6 +383,12 @@ class TieredStore:
         for loader in self._loaders:
             loader.join(timeout=5)
         self.disk.close()
+        # Its experts go now: the store sits in reference cycles (its callbacks, its threads) that
+        # only the cyclic collector frees, and a process that opens another store meanwhile (a
+        # benchmark's next run, a server's reload) would hold both.
+        with self._lock:
+            self._drop_layer_tables()
+            self.cache.clear()
 
     # ---- internals --------------------------------------------------------------------------------
     def _vram_device(self, vram, vram_capacity: int, device) -> torch.device | None:
