@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What an `edgemoe run` holds, over time, as a cgroup charges it: where --ram auto's reserves go.
 
-    python tools/bench_run_memory.py STORE --ram 127MiB [--limit 8GiB] [--tokens 40] [--json OUT]
+    python tools/bench_run_memory.py STORE --ram 127MiB [--limit 8GiB] [--tokens 40] [--flags '...'] [--json OUT]
 
 The run (`edgemoe run STORE -p PROMPT -n TOKENS --stats --ram R`) starts inside a fresh cgroup v1
 memory group whose limit (default 8 GiB) is far above what it takes, so nothing is reclaimed and the
@@ -80,7 +80,7 @@ def measure(args) -> dict:
     try:
         (group / "memory.limit_in_bytes").write_text(str(parse_bytes(args.limit, "--limit")))
         command = [sys.executable, "-u", "-m", "edgemoe", "run", args.store, "-p", PROMPT, "-n", str(args.tokens),
-                   "--stats", "--ram", args.ram]
+                   "--stats", "--ram", args.ram, *args.flags.split()]
         start = time.monotonic()
         process = subprocess.Popen(["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh", *command],
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -114,6 +114,7 @@ def main() -> None:
     parser.add_argument("--ram", required=True, help="the run's --ram")
     parser.add_argument("--limit", default="8GiB", help="the group's limit: far above the run's needs")
     parser.add_argument("--tokens", type=int, default=40)
+    parser.add_argument("--flags", default="", help="more flags for the run, e.g. '--policy lru --preload none'")
     parser.add_argument("--json", type=Path, default=None, help="also write the samples here")
     args = parser.parse_args()
     if not (CGROUP_V1_MEMORY / "cgroup.procs").exists():
