@@ -26,7 +26,7 @@ from .cache import KV_DTYPES
 from .checkpoint import (TORCH_DTYPES, Checkpoint, CheckpointError, all_finite, check_finite, pread_tensor,
                          read_json, read_safetensors_header)
 from .errors import EdgeMoEError
-from .dense import (DENSE_BITS, GROUP_SIZE, QUANTIZE_BLOCK_BYTES, QuantizedLinear, dense_bits_for, quantize_rows,
+from .dense import (DENSE_BITS, GROUP_SIZE, QuantizedLinear, dense_bits_for, quantize_rows,
                     quantized_at_load)
 from .generate import GenerationOptions
 from .kernels.ops import kernels_compiled
@@ -233,7 +233,8 @@ def load_store(path: str | os.PathLike, options: StoreOptions | None = None, dty
         ram, ram_breakdown = auto_ram(manifest, dtype, dense_bits, context, batch, kv_dtype=kv_dtype,
                                       score_windows=score_windows)
     store = TieredStore(path, ram=ram, vram=o.vram, device=o.device, policy=o.policy, io=o.io,
-                        place_popular=o.place_popular, routing_profile=o.routing_profile, manifest=manifest)
+                        place_popular=o.place_popular, routing_profile=o.routing_profile, manifest=manifest,
+                        place_now=False)
     store.ram_breakdown = ram_breakdown
     if o.fallback_below and not store.manifest.fallback:
         store.close()
@@ -247,6 +248,7 @@ def load_store(path: str | os.PathLike, options: StoreOptions | None = None, dty
     bits = None if store.spec.is_encoder_decoder else dense_bits_for(dense_bits, store.manifest, store.spec)
     dense = read_store_dense(dense_path, bits, dtype, store.spec.tie_word_embeddings)
     drop_page_cache(dense_path)   # the tensors are copied out: the file's pages would only double them
+    store.place()    # after the dense weights: the load's passing extra never meets a full cache
     missing = sorted(set(store.spec.dense_shapes()) - set(dense))
     if missing:
         store.close()
@@ -318,8 +320,8 @@ def auto_ram(manifest: Manifest, dtype: torch.dtype | None = None, dense_bits: i
              kv_dtype: str = "float32", score_windows: bool = False) -> tuple[int, dict]:
     """ram="auto": the RAM tier's capacity for this store and run, and its breakdown (ram_budget): the
     memory this process may still take (read under `root`), less what the run holds besides experts."""
-    needs, load_extra = _needs_and_load_extra(manifest, dtype, dense_bits, context, batch, kv_dtype, score_windows)
-    return ram_budget(read_memory_facts(root), manifest.expert_bytes, needs, load_extra)
+    needs = run_needs(manifest, dtype, dense_bits, context, batch, kv_dtype, score_windows)
+    return ram_budget(read_memory_facts(root), manifest.expert_bytes, needs)
 
 
 def run_needs(manifest: Manifest, dtype: torch.dtype | None, dense_bits: int | str | None, context: int | None,
@@ -328,56 +330,41 @@ def run_needs(manifest: Manifest, dtype: torch.dtype | None, dense_bits: int | s
     length) holds besides cached experts, by name, once loaded; "kernel_compile" only where numba's
     cache lacks the kernels (kernels_compiled). score_windows: the run scores every position of a
     `context`-token window in one step (eval), else it generates (activation_bytes)."""
-    return _needs_and_load_extra(manifest, dtype, dense_bits, context, batch, kv_dtype, score_windows)[0]
-
-
-def _needs_and_load_extra(manifest: Manifest, dtype: torch.dtype | None, dense_bits: int | str | None,
-                          context: int | None, batch: int, kv_dtype: str,
-                          score_windows: bool = False) -> tuple[dict[str, int], int]:
-    """run_needs, and what loading the dense weights takes beyond them for a while (ram_budget's
-    load_extra)."""
     spec = manifest.spec
     tokens = min(context or spec.max_position_embeddings, spec.max_position_embeddings)
-    held, peak = dense_bytes(manifest, dtype, dense_bits)
-    return {"dense": held,
+    return {"dense": dense_bytes(manifest, dtype, dense_bits),
             "kv_cache": batch * kv_cache_bytes(spec, tokens, KV_DTYPES[kv_dtype]),
             "activations": batch * activation_bytes(spec, tokens, score_windows),
             "read_buffers": read_buffer_bytes(manifest),
             "runtime": RUNTIME_GROWTH,
-            **({} if kernels_compiled() else {"kernel_compile": KERNEL_COMPILE_GROWTH})}, peak - held
+            **({} if kernels_compiled() else {"kernel_compile": KERNEL_COMPILE_GROWTH})}
 
 
-def dense_bytes(manifest: Manifest, dtype: torch.dtype | None, dense_bits: int | str | None) -> tuple[int, int]:
-    """The dense weights' bytes (held after load, at their peak while loading), as read_store_dense
-    keeps them: vectors in float32, matrices in the compute dtype, an untied embedding as stored where
-    that is narrower (held_as_stored); with dense bits (dense_bits_for) each matrix that quantize_dense
-    replaces as its quantized copy (the embedding, routers and vectors as loaded; a tied LM head's
-    copy too). The peak adds the larger of: the stored bytes of the largest tensor converted on
-    reading (both copies are held for a moment), and the quantizer's block of rows with its float
-    temporaries (estimated at five blocks of QUANTIZE_BLOCK_BYTES)."""
+def dense_bytes(manifest: Manifest, dtype: torch.dtype | None, dense_bits: int | str | None) -> int:
+    """The dense weights' bytes as read_store_dense keeps them: vectors in float32, matrices in the
+    compute dtype, an untied embedding as stored where that is narrower (held_as_stored); with dense
+    bits (dense_bits_for) each matrix that quantize_dense replaces as its quantized copy, routers in
+    float32 (quantize_layer), a tied LM head's quantized copy too."""
     spec = manifest.spec
     bits = dense_bits_for(dense_bits, manifest, spec)
     tied = spec.tie_word_embeddings
-    held = converted = quantizing = 0
+    held = 0
     with safe_open(str(manifest.path / manifest.data["dense"]["file"]), framework="pt") as f:
         for name in f.keys():
             tensor = f.get_slice(name)
             shape, stored = tensor.get_shape(), TORCH_DTYPES.get(tensor.get_dtype(), torch.float32)
             numel = math.prod(shape)
-            kept = (torch.float32 if len(shape) < 2 else stored if held_as_stored(name, stored, dtype, tied)
-                    else compute_dtype(stored, dtype))
             if bits and len(shape) >= 2 and quantized_at_load(name):
                 held += _codes_bytes(shape, bits)
-                quantizing = 5 * QUANTIZE_BLOCK_BYTES
-                continue
-            router_in_float32 = bits and name.endswith(".router")     # quantize_layer's copy
-            held += numel * 4 if router_in_float32 else numel * kept.itemsize
-            if kept != stored:
-                converted = max(converted, numel * stored.itemsize)
-            if bits and name == "embed" and tied:     # a tied LM head's quantized copy
+            elif bits and name.endswith(".router"):
+                held += numel * 4
+            else:
+                kept = (torch.float32 if len(shape) < 2 else stored if held_as_stored(name, stored, dtype, tied)
+                        else compute_dtype(stored, dtype))
+                held += numel * kept.itemsize
+            if bits and name == "embed" and tied:
                 held += _codes_bytes(shape, bits)
-                quantizing = 5 * QUANTIZE_BLOCK_BYTES
-    return held, held + max(converted, quantizing)
+    return held
 
 
 def _codes_bytes(shape, bits: int) -> int:

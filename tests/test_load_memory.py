@@ -68,7 +68,7 @@ def test_the_dense_bytes_estimate_is_what_a_bfloat16_store_holds(bf16_store, den
     from edgemoe.bench import dense_bytes_per_token
     with edgemoe.load(bf16_store, dtype, ram=0, dense_bits=dense_bits) as model:
         held = model.embed.nbytes + dense_bytes_per_token(model)
-    assert dense_bytes(read_manifest(bf16_store), dtype, dense_bits or "none")[0] == held
+    assert dense_bytes(read_manifest(bf16_store), dtype, dense_bits or "none") == held
 
 
 def test_loaded_dense_tensors_own_their_memory(bf16_store):

@@ -73,7 +73,7 @@ def warn_ram_auto(model) -> None:
 def ram_breakdown_text(b: dict) -> str:
     """--ram auto's choice in one line: the budget, then what it was taken from (auto_ram's breakdown)."""
     held = ", ".join(f"{name.replace('_', ' ')} {size(b[name])}"
-                     for name in ("dense", "dense_load_extra", "kv_cache", "activations", "read_buffers", "runtime",
+                     for name in ("dense", "kv_cache", "activations", "read_buffers", "runtime",
                                   "kernel_compile", "margin") if name in b)
     available = "unknown" if b["available"] is None else size(b["available"])
     note = f"; {b['note']}" if "note" in b else ""

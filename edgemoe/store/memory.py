@@ -45,15 +45,14 @@ class MemoryFacts:
     reclaimable: int | None = None
 
 
-def ram_budget(facts: MemoryFacts, expert_bytes: int, needs: dict[str, int], load_extra: int = 0) -> tuple[int, dict]:
+def ram_budget(facts: MemoryFacts, expert_bytes: int, needs: dict[str, int]) -> tuple[int, dict]:
     """The RAM tier's capacity in bytes and why: available - sum(needs) - margin, within
     [0, expert_bytes]. needs: the run's other holdings by name once loaded (dense, kv_cache,
-    activations, read_buffers, runtime; kernel_compile where numba must compile the kernels).
-    load_extra: what loading the dense weights takes for a while beyond needs["dense"]: the cache
-    fills after the load, except a budget that holds every expert, whose experts are placed when the
-    store opens, so such a budget must leave room for it too (then the breakdown's "dense_load_extra").
-    Unknown memory (facts.available None): every expert, as an unbounded cache would hold, with the
-    reason in the breakdown's "note"."""
+    activations, read_buffers, runtime; kernel_compile where numba must compile the kernels). The
+    cache fills only after the dense weights have loaded (edgemoe.loader.load_store), so the load's
+    passing extra (a block of rows being quantized) never meets a full cache. Unknown memory
+    (facts.available None): every expert, as an unbounded cache would hold, with the reason in the
+    breakdown's "note"."""
     breakdown = {"source": facts.source, "limit": facts.limit, "usage": facts.usage,
                  "reclaimable": facts.reclaimable, "available": facts.available, **needs,
                  "expert_bytes": expert_bytes}
@@ -64,9 +63,6 @@ def ram_budget(facts: MemoryFacts, expert_bytes: int, needs: dict[str, int], loa
     margin = MARGIN_FIXED + int(MARGIN_SHARE * facts.available)
     room = facts.available - sum(needs.values()) - margin
     budget = min(max(room, 0), expert_bytes)
-    if budget == expert_bytes and load_extra:     # placed at open, while the dense weights load
-        budget = min(max(room - load_extra, 0), expert_bytes)
-        breakdown["dense_load_extra"] = load_extra   # (in the breakdown where it was taken)
     breakdown.update(margin=margin, budget=budget)
     if budget == 0:
         breakdown["note"] = "no room for experts: every expert is read from disk when used (slow, but it runs)"

@@ -130,14 +130,16 @@ class TieredStore:
     def __init__(self, path, ram: int | str | None = None, vram: int | str | None = 0,
                  device: str | torch.device | None = None, policy: str = "lru", io: str = "direct",
                  place_popular: bool = True, routing_profile: RoutingProfile | None = None, guard: bool = True,
-                 manifest: Manifest | None = None, readers: int | None = None):
+                 manifest: Manifest | None = None, readers: int | None = None, place_now: bool = True):
         """ram, vram: bytes, sizes like "512MiB", or shares of the store's expert bytes like "25%"
         (ram None: unlimited). routing_profile: one to use instead of the store's profile.json
         (a benchmark's, built from the routing it replays). guard: with a RAM capacity (and no VRAM
         tier), measure the scheme against a ghost on-demand LRU cache and fall back when it reads
         more (edgemoe.scheduling.guard). manifest: the store's manifest, already parsed (the converter
         opens the store it writes before its manifest is on disk). readers: reads in flight from the
-        background (None: $EDGEMOE_READERS, else READERS)."""
+        background (None: $EDGEMOE_READERS, else READERS). place_now: place the popular experts (every
+        expert, for a RAM budget that holds them all) here; False leaves it to place(), for a loader
+        that first loads other weights."""
         self.manifest = manifest if manifest is not None else read_manifest(Path(path))
         self.path = self.manifest.path
         self.spec = self.manifest.spec
@@ -185,14 +187,21 @@ class TieredStore:
                          for i in range(self.readers)]
         for loader in self._loaders:
             loader.start()
-        # A RAM budget that holds every expert (the commands' --ram auto on a machine with room for
-        # them) is filled at once; without a budget (None: unlimited) experts are read on first use.
-        fill = holds_all and ram_capacity is not None
-        if place_popular and (self.popularity or fill):
-            self._place_popular(everything=fill)
-            self._choice_start = (0.0, self._needed_bytes_read)   # placement is no layer's read
+        self._placement_due = place_popular
+        self._fill = holds_all and ram_capacity is not None
+        if place_now:
+            self.place()
 
     # ---- public API -------------------------------------------------------------------------------
+    def place(self) -> None:
+        """Place the most popular experts (place_popular), once. A RAM budget that holds every expert
+        (the commands' --ram auto on a machine with room for them) is filled at once; without a
+        budget (None: unlimited) experts are read on first use."""
+        if self._placement_due and (self.popularity or self._fill):
+            self._place_popular(everything=self._fill)
+            self._choice_start = (0.0, self._needed_bytes_read)   # placement is no layer's read
+        self._placement_due = False
+
     def __enter__(self) -> "TieredStore":
         return self
 
