@@ -106,6 +106,7 @@ def edgemoe_run(args, store: Path, limit: int, mode: str) -> dict:
     (record,) = json.loads(done.stdout)
     return {"tok_s": record["decode_tok_s"], "exit": 0, "ram_bytes": record["ram_bytes"],
             "hit_rate": record["hit_rate"], "disk_mib_per_token": record["disk_bytes_per_token"] / 2**20,
+            "limit_tok_s": record["limit_decode_tok_s"],
             "peak": (done.stderr.strip().splitlines() or [""])[-1]}
 
 
@@ -142,7 +143,8 @@ def main() -> None:
                 for mode, e in edge.items():
                     print(f"    edgemoe {mode}: {e['tok_s']:.2f} tok/s (exit {e['exit']}, RAM tier "
                           f"{e.get('ram_bytes', 0) / 2**20:.0f} MiB, hit rate {e.get('hit_rate', 0):.2f}, "
-                          f"{e.get('disk_mib_per_token', 0):.1f} MiB/token read; {e.get('peak', e.get('error'))})",
+                          f"{e.get('disk_mib_per_token', 0):.1f} MiB/token read, bound by the disk at "
+                          f"{e.get('limit_tok_s', 0):.2f} tok/s; {e.get('peak', e.get('error'))})",
                           flush=True)
             results.append({"store": str(store), "gguf": str(gguf), "limit": limit_text, "rounds": rounds})
             _print_summary(results[-1], args.mode)
