@@ -58,20 +58,32 @@ def test_an_mxfp4_scale_that_decodes_to_infinity_is_refused(tiny_model, tmp_path
         edgemoe.load(path)
 
 
-def test_a_store_with_a_non_finite_dense_weight_is_refused_by_name(monkeypatch, capsys, tiny_model, tmp_path):
+def _store_with_damaged_dense(monkeypatch, capsys, tiny_model, tmp_path, damage):
+    """A converted store whose dense tensors `damage(tensors)` changed, its checksum updated as a store
+    written so would have it (the checksum matches, the weights do not): (store, dense file, tensors)."""
     store = tmp_path / "store"
     code, err = run_cli(monkeypatch, capsys, "convert", str(tiny_model("mixtral")), "-o", str(store), "--bits", "4",
                         "--quiet")
     assert code == 0, err
     dense = store / "dense.safetensors"
     tensors = load_file(dense)
-    name = next(n for n in sorted(tensors) if tensors[n].dim() == 2)
-    tensors[name][0, 0] = float("-inf")
+    damage(tensors)
     save_file(tensors, dense)
-    manifest = json.loads((store / "manifest.json").read_text())   # as a store written so would be: its
-    manifest["dense"]["crc32"] = file_crc32(dense)                 # checksum matches, its weight does not
+    manifest = json.loads((store / "manifest.json").read_text())
+    manifest["dense"]["crc32"] = file_crc32(dense)
     (store / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(StoreError, match=rf"^{dense}: tensor '{name}': 1 non-finite value"):
+    return store, dense, tensors
+
+
+def test_a_store_with_a_non_finite_dense_weight_is_refused_by_name(monkeypatch, capsys, tiny_model, tmp_path):
+    names = []
+
+    def damage(tensors):
+        names.append(next(n for n in sorted(tensors) if tensors[n].dim() == 2))
+        tensors[names[0]][0, 0] = float("-inf")
+
+    store, dense, _ = _store_with_damaged_dense(monkeypatch, capsys, tiny_model, tmp_path, damage)
+    with pytest.raises(StoreError, match=rf"^{dense}: tensor '{names[0]}': 1 non-finite value"):
         edgemoe.load(store)
 
 
@@ -80,18 +92,12 @@ def test_a_non_finite_value_in_a_matrix_quantized_at_load_is_refused_with_the_wh
     """--dense-bits reads a matrix a block of rows at a time: bad values in two blocks are counted
     together, as a matrix read whole is."""
     from edgemoe import dense as dense_module
-    store = tmp_path / "store"
-    code, err = run_cli(monkeypatch, capsys, "convert", str(tiny_model("mixtral")), "-o", str(store), "--bits", "4",
-                        "--quiet")
-    assert code == 0, err
-    dense = store / "dense.safetensors"
-    tensors = load_file(dense)
-    tensors["lm_head"][0, 0] = float("nan")
-    tensors["lm_head"][-1, -1] = float("inf")
-    save_file(tensors, dense)
-    manifest = json.loads((store / "manifest.json").read_text())
-    manifest["dense"]["crc32"] = file_crc32(dense)
-    (store / "manifest.json").write_text(json.dumps(manifest))
+
+    def damage(tensors):
+        tensors["lm_head"][0, 0] = float("nan")
+        tensors["lm_head"][-1, -1] = float("inf")
+
+    store, dense, tensors = _store_with_damaged_dense(monkeypatch, capsys, tiny_model, tmp_path, damage)
     monkeypatch.setattr(dense_module, "QUANTIZE_BLOCK_BYTES", 4 * tensors["lm_head"].shape[1] * 4)   # 4 rows
     total = tensors["lm_head"].numel()
     with pytest.raises(StoreError, match=rf"^{dense}: tensor 'lm_head': 2 non-finite values \(nan or inf\) of {total}"):
