@@ -25,6 +25,7 @@ reads with compute perfectly could reach it.
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import statistics
@@ -210,6 +211,21 @@ def leave_memory_group(group: Path) -> tuple[int, int]:
     except OSError as e:
         print(f"--memory-limit: could not remove {group} ({e.strerror}); remove it with rmdir", file=sys.stderr)
     return peak, hits
+
+
+def remove_memory_group(group: Path, seconds: float = 10.0) -> None:
+    """rmdir a cgroup v1 group another process ran in, waiting for it to empty: a process the kernel
+    killed for memory can still be tearing down after its parent saw it end, and rmdir then fails
+    with EBUSY."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            group.rmdir()
+            return
+        except OSError as error:
+            if error.errno != errno.EBUSY or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def _move_charges(group: Path) -> None:

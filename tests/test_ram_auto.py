@@ -1,17 +1,16 @@
 """--ram auto: the RAM tier sized from the memory this process may still take (docs/scheduling.md,
 "The RAM budget chosen for you")."""
 
-import errno
 import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 import edgemoe
+from edgemoe.bench import CGROUP_V1_MEMORY, remove_memory_group
 from edgemoe.convert import convert
 from edgemoe.loader import StoreOptions, auto_ram, dense_bytes, run_needs
 from edgemoe.options import OptionError
@@ -21,7 +20,6 @@ from edgemoe.store.memory import MARGIN_FIXED, MIB, MemoryFacts, ram_budget, rea
 from helpers import run_cli
 
 GIB = 1024 * MIB
-CGROUP_V1 = Path("/sys/fs/cgroup/memory")
 
 
 # ---- the pure computation -----------------------------------------------------------------------
@@ -269,15 +267,15 @@ def test_inspect_prints_the_breakdown(store, monkeypatch, capsys):
 def _cgroup_v1_writable() -> str | None:
     if sys.platform != "linux" or os.geteuid() != 0:
         return "needs Linux and root"
-    if not os.access(CGROUP_V1 / "cgroup.procs", os.W_OK):
-        return f"no writable cgroup v1 memory controller at {CGROUP_V1}"
+    if not os.access(CGROUP_V1_MEMORY / "cgroup.procs", os.W_OK):
+        return f"no writable cgroup v1 memory controller at {CGROUP_V1_MEMORY}"
     return None
 
 
 def _run_confined(store: Path, limit: int | None, *flags: str) -> tuple[int, int, str]:
     """`python -m edgemoe run STORE` in a fresh cgroup v1 memory group (limit bytes, None: unlimited):
     its exit status (negative: killed by that signal), the group's peak charge and its stderr."""
-    group = CGROUP_V1 / f"edgemoe-test-ram-auto-{os.getpid()}"
+    group = CGROUP_V1_MEMORY / f"edgemoe-test-ram-auto-{os.getpid()}"
     group.mkdir()
     try:
         if limit is not None:
@@ -288,21 +286,8 @@ def _run_confined(store: Path, limit: int | None, *flags: str) -> tuple[int, int
                               capture_output=True, text=True, timeout=120)
         return done.returncode, int((group / "memory.max_usage_in_bytes").read_text()), done.stderr
     finally:
-        _remove_group(group)
+        remove_memory_group(group)
 
-
-def _remove_group(group: Path, seconds: float = 10.0) -> None:
-    """rmdir a cgroup v1 group, waiting for it to empty: a process the kernel killed for memory can
-    still be tearing down after bash has returned, and rmdir then fails with EBUSY."""
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            group.rmdir()
-            return
-        except OSError as error:
-            if error.errno != errno.EBUSY or time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
 
 
 @pytest.mark.skipif(_cgroup_v1_writable() is not None, reason=str(_cgroup_v1_writable()))

@@ -30,32 +30,20 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vs_llamacpp import cpu_summary  # noqa: E402
 
+from edgemoe.bench import CGROUP_V1_MEMORY, remove_memory_group  # noqa: E402
 from edgemoe.options import parse_bytes  # noqa: E402
-
-CGROUP_V1 = Path("/sys/fs/cgroup/memory")
-
-
-def drop_from_page_cache(path: Path) -> None:
-    """Evict a file's clean pages (a directory: every file under it), so that a run starts cold."""
-    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+from edgemoe.store.disk import drop_page_cache  # noqa: E402
 
 
 def run_in_group(limit: int, argv: list[str]) -> tuple[subprocess.CompletedProcess, int, int]:
     """argv in a fresh cgroup v1 memory group of `limit` bytes: (the finished process, the group's peak
     charge in bytes, how often it hit the limit)."""
-    group = CGROUP_V1 / f"edgemoe-bench-limits-{os.getpid()}"
+    group = CGROUP_V1_MEMORY / f"edgemoe-bench-limits-{os.getpid()}"
     group.mkdir()
     try:
         (group / "memory.limit_in_bytes").write_text(str(limit))
@@ -64,25 +52,12 @@ def run_in_group(limit: int, argv: list[str]) -> tuple[subprocess.CompletedProce
         peak = int((group / "memory.max_usage_in_bytes").read_text())
         return done, peak, int((group / "memory.failcnt").read_text())
     finally:
-        _remove_group(group)
-
-
-def _remove_group(group: Path, seconds: float = 10.0) -> None:
-    """rmdir a group once the killed process in it has finished tearing down (EBUSY until then)."""
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            group.rmdir()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+        remove_memory_group(group)
 
 
 def llama_run(args, gguf: Path, limit: int) -> dict:
     """llama-bench's decode tokens/s inside the limit (0.0 when it failed), its exit status and peak."""
-    drop_from_page_cache(gguf)
+    drop_page_cache(gguf)
     argv = [args.llama_bench, "-m", str(gguf), "-t", str(args.threads), "-p", "0", "-n", str(args.llama_gen),
             "-r", "2", "-o", "jsonl", *args.llama_flags.split()]
     done, peak, failcnt = run_in_group(limit, argv)

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from edgemoe.bench import CGROUP_V1_MEMORY, drop_store_from_page_cache
+from edgemoe.bench import CGROUP_V1_MEMORY, drop_store_from_page_cache, remove_memory_group
 from edgemoe.options import parse_bytes
 
 PROMPT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
@@ -46,7 +46,7 @@ def run_in_limit(store: str, limit: str, ram: str, args, run_id: int) -> dict:
         peak = int((group / "memory.max_usage_in_bytes").read_text())
         hits = int((group / "memory.failcnt").read_text())
     finally:
-        group.rmdir()
+        remove_memory_group(group)
     record = {"limit": limit, "ram": ram, "rc": done.returncode, "peak_bytes": peak, "limit_hits": hits}
     decode = re.search(r"decode \d+ tokens: ([\d.]+) tok/s", done.stdout + done.stderr)
     auto = re.search(r"--ram auto: ([\d.]+ \w+) of", done.stdout + done.stderr)

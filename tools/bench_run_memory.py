@@ -27,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-from edgemoe.bench import CGROUP_V1_MEMORY, drop_store_from_page_cache
+from edgemoe.bench import CGROUP_V1_MEMORY, drop_store_from_page_cache, remove_memory_group
 from edgemoe.options import parse_bytes
 
 PROMPT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
@@ -94,7 +94,7 @@ def measure(args) -> dict:
             reader.join()
         peak = int((group / "memory.max_usage_in_bytes").read_text())
     finally:
-        group.rmdir()
+        remove_memory_group(group)
     return {"store": args.store, "ram": args.ram, "rc": process.returncode, "max_usage": peak, "marks": marks,
             "stats": [line for line in b"".join(err).decode(errors="replace").splitlines() if "[stats]" in line],
             "samples": samples}
