@@ -4,12 +4,14 @@ token by token in one process (so that the drift between processes stays out of 
 - inlined: the attention block, the MoE block and the experts' layer kernel inlined into the step
   (numba then compiles each again inside it), as the step was compiled before they became
   functions of their own;
+- projections-inlined: the attention block's matrix products inlined at each call site, as they were
+  before they became one function of their own (`cpu_layer._matrix_product`);
 - array-expressions: the MoE block's copies and zeroing, and the zeroed activation codes of the
   projections and of the experts' layer kernel, as array expressions (`rows[a, :] = h`,
   `np.zeros`), as they were written before: in a parallel function numba makes each such expression
   a parallel region of its own.
 
-    python tools/bench_step_variants.py STORE [--variants inlined array-expressions] [--prefill 512]
+    python tools/bench_step_variants.py STORE [--variants inlined projections-inlined array-expressions] [--prefill 512]
                                               [--tokens 300] [--threads 2]
 
 STORE: a store whose model the step kernel runs (grouped-query attention, softmax-routed MoE layers),
@@ -90,14 +92,25 @@ def array_expressions_step():
     namespace = dict(vars(cpu_layer), swiglu_experts_int=experts)
     exec(ARRAY_EXPRESSIONS, namespace)
     moe = numba.njit(**dict(PARALLEL, cache=False))(namespace["_moe_block"])
-    project = rebuilt(cpu_layer._project, EXACT_INLINE, zeroed_codes=np_zeroed_codes)
+    product = rebuilt(cpu_layer._matrix_product, PARALLEL, zeroed_codes=np_zeroed_codes)
+    project = rebuilt(cpu_layer._project, EXACT_INLINE, _matrix_product=product)
+    return rebuilt(cpu_layer.decode_token_kernel, EXACT, _attention_block=attention_block(project), _moe_block=moe)
+
+
+def attention_block(project):
+    """cpu_layer._attention_block rebuilt around another _project."""
     qkv = rebuilt(cpu_layer._gqa_qkv, EXACT_INLINE, _project=project)
     tail = rebuilt(cpu_layer._attention_tail, EXACT_INLINE, _project=project)
-    attention = rebuilt(cpu_layer._attention_block, PARALLEL, _gqa_qkv=qkv, _attention_tail=tail)
-    return rebuilt(cpu_layer.decode_token_kernel, EXACT, _attention_block=attention, _moe_block=moe)
+    return rebuilt(cpu_layer._attention_block, PARALLEL, _gqa_qkv=qkv, _attention_tail=tail)
 
 
-VARIANTS = {"inlined": inlined_step, "array-expressions": array_expressions_step}
+def projections_inlined_step():
+    project = rebuilt(cpu_layer._matrix_product, EXACT_INLINE)   # the same arguments as _project
+    return rebuilt(cpu_layer.decode_token_kernel, EXACT, _attention_block=attention_block(project))
+
+
+VARIANTS = {"inlined": inlined_step, "projections-inlined": projections_inlined_step,
+            "array-expressions": array_expressions_step}
 
 
 def main() -> None:

@@ -185,7 +185,9 @@ def _portable_row_lanes(bits, packed, b0, plane, ngroups, group, xq, x0, scale, 
 @njit_exact
 def _rows(path, bits, g, packed, scale, zero, xq, xstride, xs, qs, t0, t1, r0, r1, out):
     """out[t, r] for rows r0 <= r < r1 and tokens t0 <= t < t1. packed uint8 [R * NG * P] and xq
-    int8 are flat, token t's activations at xq[t * xstride:]; xs float32 [T, NG], qs int64 [T, NG]."""
+    int8 are flat, token t's activations at xq[t * xstride:]; xs float32 [T, NG], qs int64 [T, NG].
+    Callers pass t0 and t1 as int64 values, never as literal constants: numba compiles a callee
+    again for each literal argument (5-9 s each for this one and what it calls)."""
     ngroups = np.uint64(scale.shape[1])
     group = np.uint64(g)
     plane = np.uint64(g * bits // 8)
@@ -336,7 +338,7 @@ def qmatmul_int_kernel(path, bits, g, packed, scale, zero, x, out, nblocks):
     xq, xs, qs = _quantized_activations(x, g, ngroups)
     size = _block_size(rows, nblocks)
     for b in numba.prange(-(-rows // size)):
-        _rows(path, bits, g, packed, scale, zero, xq, ngroups * g, xs, qs, 0, x.shape[0],
+        _rows(path, bits, g, packed, scale, zero, xq, ngroups * g, xs, qs, np.int64(0), x.shape[0],
               b * size, min(rows, (b + 1) * size), out)
 
 
@@ -368,8 +370,8 @@ def swiglu_int_kernel(path, bits, g, gate_p, gate_s, gate_z, up_p, up_s, up_z, x
     size = _block_size(inner, nblocks)
     for b in numba.prange(-(-inner // size)):  # gate and up rows of a block together: xq stays in cache
         r0, r1 = b * size, min(inner, (b + 1) * size)
-        _rows(path, bits, g, gate_p, gate_s, gate_z, xq, xstride, xs, qs, 0, ntok, r0, r1, hg)
-        _rows(path, bits, g, up_p, up_s, up_z, xq, xstride, xs, qs, 0, ntok, r0, r1, hu)
+        _rows(path, bits, g, gate_p, gate_s, gate_z, xq, xstride, xs, qs, np.int64(0), ntok, r0, r1, hg)
+        _rows(path, bits, g, up_p, up_s, up_z, xq, xstride, xs, qs, np.int64(0), ntok, r0, r1, hu)
         for t in range(h.shape[0]):
             for r in range(r0, r1):
                 h[t, r] = silu_mul(hg[t, r], hu[t, r])
@@ -378,7 +380,7 @@ def swiglu_int_kernel(path, bits, g, gate_p, gate_s, gate_z, up_p, up_s, up_z, x
     dim = down_s.shape[0]
     size = _block_size(dim, nblocks)
     for b in numba.prange(-(-dim // size)):
-        _rows(path, dbits, dg, down_p, down_s, down_z, hflat, hq.shape[1], hs, hqs, 0, ntok,
+        _rows(path, dbits, dg, down_p, down_s, down_z, hflat, hq.shape[1], hs, hqs, np.int64(0), ntok,
               b * size, min(dim, (b + 1) * size), out)
 
 

@@ -260,8 +260,8 @@ def _dot_rows(matrix, v, out, r0, r1):
         out[r] = s
 
 
-@njit_exact_inline
-def _project(path, table, m, v, rows, nblocks):
+@njit_exact_parallel
+def _matrix_product(path, table, m, v, rows, nblocks):
     """v float32 [C] @ matrix m's (table[m:m + MATRIX_COLUMNS]) W^T on the integer path -> float32 [R]:
     v quantized to int8 on the matrix's groups, rows in parallel blocks (qmatmul_int_kernel's bits)."""
     bits, g, ng = table[m + BITS], table[m + GROUP], table[m + NGROUPS]
@@ -275,8 +275,18 @@ def _project(path, table, m, v, rows, nblocks):
     out = np.empty((1, rows), np.float32)
     size = _block_size(rows, nblocks)
     for b in numba.prange(-(-rows // size)):
-        _rows(path, bits, g, packed, scale, zero, xq, ng * g, xs, qs, 0, 1, b * size, min(rows, (b + 1) * size), out)
+        _rows(path, bits, g, packed, scale, zero, xq, ng * g, xs, qs, np.int64(0), np.int64(1), b * size,
+              min(rows, (b + 1) * size), out)
     return out[0]
+
+
+@njit_exact_inline
+def _project(path, table, m, v, rows, nblocks):
+    """_matrix_product, called rather than inlined: compiled once, not once a call site (inlined, each
+    site was a parallel region of its own whose module linked and optimized the integer row kernels
+    again: latent attention's six sites took 44 s to compile, now 23). m goes as a plain int64, since
+    numba compiles a callee again for each literal argument."""
+    return _matrix_product(path, table, np.int64(m), v, rows, nblocks)
 
 
 @njit_exact_inline
