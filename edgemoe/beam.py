@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .cache import KVCache
+from .kv_cache import KVCache
 from .generate import Feed, Generation, GenerationOptions, forward_step, last_logits
 from .model import MoEModel
 from .options import finite_number, integer_at_least

@@ -58,7 +58,7 @@ class BenchConfig:
     io: str = "direct"                         # the disk tier's reads (edgemoe.store.disk)
     dtype: object | None = None                # dense weight matrices (None: as the store keeps them)
     dense_bits: int | str | None = "auto"      # the dense projections at load (edgemoe.dense.dense_bits_for)
-    kv_dtype: str = "float32"                   # the KV cache's element type (edgemoe.cache.KV_DTYPES)
+    kv_dtype: str = "float32"                   # the KV cache's element type (edgemoe.kv_cache.KV_DTYPES)
     seed: int = 0
     threads: int | None = None                 # the kernels' threads (None: the cores left free)
     routing_profile: object | None = None      # a RoutingProfile for the predictive mode instead of the store's

@@ -22,7 +22,7 @@ from edgemoe.store.format import DENSE_FILE, MANIFEST, Manifest, StoreError, fil
 from edgemoe.store.memory import (KERNEL_COMPILE_GROWTH, RUNTIME_GROWTH, ram_budget, read_buffer_bytes, read_memory_facts,
                                   return_freed_memory)
 
-from .cache import KV_DTYPES
+from .kv_cache import KV_DTYPES
 from .checkpoint import (TORCH_DTYPES, Checkpoint, CheckpointError, all_finite, check_finite, pread_tensor,
                          read_json, read_safetensors_header)
 from .errors import EdgeMoEError
@@ -407,7 +407,7 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None, threads: int
     context, batch: the tokens of KV cache per sequence (None: the model's context length) and the
     sequences the caller will run at once, reserved by ram="auto" (auto_ram); score_windows: the
     caller scores every position of `context`-token windows (edgemoe.evaluate), not generates, so
-    auto reserves their logits. kv_dtype: the KV cache's "float32" or "bfloat16" (edgemoe.cache.KV_DTYPES)."""
+    auto reserves their logits. kv_dtype: the KV cache's "float32" or "bfloat16" (edgemoe.kv_cache.KV_DTYPES)."""
     if store is not None and options:
         raise TypeError("load: give store=StoreOptions(...) or option keywords, not both")
     if dense_bits not in (None, "auto", "none", *DENSE_BITS):

@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 
 from .attention import QKV_PROJECTIONS
-from .cache import KVCache
+from .kv_cache import KVCache
 from .decode import DecodeEngine
 from .dense import quantize_layer, quantize_matrix
 from .experts import ExpertBatches, ExpertProvider

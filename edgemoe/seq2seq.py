@@ -38,7 +38,7 @@ from typing import Sequence
 
 import torch
 
-from .cache import KVCache
+from .kv_cache import KVCache
 from .errors import EdgeMoEError
 from .experts import ExpertBatches, ExpertProvider
 from .kernels.activations import relu_expert

@@ -51,7 +51,7 @@ import torch
 from edgemoe import kernels
 from edgemoe.quant import QuantizedTensor, quantize
 
-from .cache import KVCache
+from .kv_cache import KVCache
 from .errors import DraftError
 from .experts import Activation, ExpertProvider, WeightSource
 from .generate import (Event, Feed, Generation, GenerationOptions, decode, last_logits, sampling_probs,

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from edgemoe.cache import KVCache
+from edgemoe.kv_cache import KVCache
 from edgemoe.layers import attend
 
 

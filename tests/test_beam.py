@@ -123,7 +123,7 @@ def test_beams_run_in_one_forward_step_reading_each_expert_at_most_once(checkpoi
 def test_caches_are_forked_only_for_a_parent_picked_again(models, prompt, monkeypatch):
     """Each step's beams hold distinct caches; a cache carried on from the step before is a parent's
     first pick, every other one is a fork, and there is one fork per new cache (no copy is wasted)."""
-    from edgemoe.cache import KVCache
+    from edgemoe.kv_cache import KVCache
     ours = models[1]
     forks, steps = [], []
     fork = KVCache.fork

@@ -12,7 +12,7 @@ import torch
 
 import edgemoe
 from edgemoe.convert import convert
-from edgemoe.cache import KVCache
+from edgemoe.kv_cache import KVCache
 from edgemoe.decode import DecodeEngine
 from edgemoe.kernels import int_paths
 from edgemoe.kernels.ops import INT_PATH_ENV

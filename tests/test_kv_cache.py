@@ -1,4 +1,4 @@
-"""The KV cache's element types (edgemoe/cache.py, edgemoe/kernels/kv.py): a bfloat16 cache holds
+"""The KV cache's element types (edgemoe/kv_cache.py, edgemoe/kernels/kv.py): a bfloat16 cache holds
 what torch's float32 -> bfloat16 conversion gives, whether torch or a decode-engine kernel wrote
 it, and hands float32 back; float32 unless the load asks for bfloat16."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import edgemoe
-from edgemoe.cache import KVCache
+from edgemoe.kv_cache import KVCache
 from edgemoe.convert import convert
 from edgemoe.kernels import int_paths
 from edgemoe.kernels.ops import INT_PATH_ENV

@@ -126,7 +126,7 @@ def test_mixed_widths_and_a_grown_cache_keep_the_bits(store_of, monkeypatch):
     that grows past its first capacity inside the steps (its arrays reallocated: the kernel must be
     given the new addresses)."""
     store = store_of("mixtral", bits=8)
-    from edgemoe.cache import KVCache
+    from edgemoe.kv_cache import KVCache
     results = []
     for way in ("step", "generic"):
         with edgemoe.load(store, dense_bits=8, compute="fused-int", preload="none") as model:

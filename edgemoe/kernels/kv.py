@@ -1,7 +1,7 @@
 """KV cache elements inside numba kernels: float32, or bfloat16 held as int16 bit patterns.
 
 numba has no 16-bit float type, so a bfloat16 cache reaches a kernel as an int16 array over the
-same memory (edgemoe.cache.KVCache.layer_arrays). `widen(e)` gives a cache element as float32 and
+same memory (edgemoe.kv_cache.KVCache.layer_arrays). `widen(e)` gives a cache element as float32 and
 `narrow(x, e)` gives float32 x in the element type of e; the kernels call them for every cache read
 and write, and numba compiles one version per cache type.
 
