@@ -19,10 +19,12 @@ layouts)` runs a layer's MoE block (computes_moe: a router in ROUTERS, top-k of 
 softmax of the biased top-k, Phi-3.5-MoE's sparsemixer or DeepSeek's group-limited softmax or
 grouped sigmoid, weights scaled by routed_scaling_factor;
 SwiGLU or GPT-OSS experts; a shared expert, gated (Qwen2-MoE) or not (DeepSeek), where its matrices
-are quantized) in one more call, and `step(x, position, cos, sin, cache, layouts)` runs
-every layer, both blocks each, in one call (computes_token: grouped-query attention and every layer's MoE block
-one that moe() computes). Both give the bits of layer() followed by the model's generic MoE block
-on the integer path (tests/test_resident_step.py); a replayed routing is given to them. The generic
+are quantized) in one more call, and `step(x, position, cos, sin, cache, layouts)` runs the
+layers from step_start on, both blocks each, in one call (computes_token: the layers after the last
+one whose MoE block moe() does not compute, e.g. after DeepSeek's dense first layers, which the model
+runs layer by layer first; either attention kind). Both give the bits of layer() followed by the
+model's generic MoE block on the integer path (tests/test_resident_step.py); a replayed routing is
+given to them. The generic
 block adds a shared expert after layer() by the same kernel (add_shared), so a store gives the same
 bits whether its experts are all resident or not.
 
@@ -84,7 +86,7 @@ class DecodeEngine:
         self.router = router_code(spec)   # None: a router moe() does not compute
         self.jitter = float(getattr(spec.routing, "router_jitter_eps", 0.0))   # sparsemixer's
         self.scaling = np.float32(spec.routed_scaling_factor)
-        self._computes_token = spec.attention.kind == "gqa" and all(self.computes_moe(l) for l in range(len(self.tables)))
+        self.step_start = self._step_start()
 
     @classmethod
     def for_model(cls, spec: ModelSpec, layers: list[dict]) -> "DecodeEngine | None":
@@ -174,29 +176,39 @@ class DecodeEngine:
                                              *arrays)
         return x, h, (logits if table[cpu_layer.ROUTER] else None)
 
+    def _step_start(self) -> int | None:
+        """The first layer of the layers step() runs in one call: those after the last layer whose MoE
+        block moe() does not compute (a dense MLP, as DeepSeek's first layers; an unknown router), if
+        any are left; None if none."""
+        computed = [self.computes_moe(l) for l in range(len(self.tables))]
+        start = len(computed) - computed[::-1].index(False) if False in computed else 0
+        return start if start < len(computed) else None
+
     def computes_token(self) -> bool:
-        """Whether step() can run a token through every layer: grouped-query attention, and every layer
-        a MoE block that moe() computes."""
-        return self._computes_token
+        """Whether step() can run a token through its last layers (step_start on) in one call."""
+        return self.step_start is not None
 
     def step(self, x: torch.Tensor, position: int, cos: torch.Tensor, sin: torch.Tensor, cache,
              layouts: np.ndarray, replayed: tuple[torch.Tensor, torch.Tensor] | None = None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One token through every layer in one kernel call (computes_token): layer() then moe(), layer
-        after layer, with the bits of those calls. x float32 [1, D] is updated in place (the embedding
-        in, the last layer's output out); layouts int64 [L, E, LAYOUT_COLUMNS] (the store's
-        resident_tables); replayed: every layer's (weights [L, A], experts [L, A]) given (a replayed
-        trace), else the routers choose. Returns each layer's MoE input hs [L, D] and router choice
-        (weights [L, A] float32, experts [L, A]), for the hooks and counts that follow."""
-        layers = len(self.tables)
+        """One token through layers step_start, step_start + 1, ... in one kernel call (computes_token):
+        layer() then moe(), layer after layer, with the bits of those calls. x float32 [1, D] is updated
+        in place (layer step_start's input in, the last layer's output out); layouts int64 [S, E,
+        LAYOUT_COLUMNS] (the store's resident_tables of those S layers); replayed: their (weights
+        [S, A], experts [S, A]) given (a replayed trace), else the routers choose. Returns each of
+        those layers' MoE input hs [S, D] and router choice (weights [S, A] float32, experts [S, A]),
+        for the hooks and counts that follow."""
+        start = self.step_start
         kv, like = cache.layer_addresses(position + 1)
-        hs = torch.empty(layers, self.spec.hidden_size, dtype=torch.float32)
-        weights, experts = self._choice(layers, replayed)
-        cpu_layer.decode_token_kernel(_int_path(None), self.stacked_tables, self.dims, self.eps, self.scale, self.clip,
-                                      x.numpy()[0], cos.numpy()[0], sin.numpy()[0], kv, like, position, layouts,
-                                      experts.shape[1], self.router, self.jitter, self.scaling, replayed is not None,
-                                      hs.numpy(),
-                                      weights.numpy(), experts.numpy(), cpu.row_blocks())
+        hs = torch.empty(len(self.tables) - start, self.spec.hidden_size, dtype=torch.float32)
+        weights, experts = self._choice(hs.shape[0], replayed)
+        latent = self.spec.attention.kind == "mla"
+        kernel, clip = (cpu_layer.decode_latent_token_kernel, ()) if latent else (cpu_layer.decode_token_kernel,
+                                                                                 (self.clip,))
+        kernel(_int_path(None), self.stacked_tables[start:], self.dims, self.eps, self.scale, *clip, x.numpy()[0],
+               cos.numpy()[0], sin.numpy()[0], kv[start:], like, position, layouts, experts.shape[1], self.router,
+               self.jitter, self.scaling, replayed is not None, hs.numpy(), weights.numpy(), experts.numpy(),
+               cpu.row_blocks())
         return hs, weights, experts
 
     def _choice(self, layers: int, replayed: tuple[torch.Tensor, torch.Tensor] | None):

@@ -162,9 +162,9 @@ class ExpertProvider(ABC):
         (edgemoe.quantized.StoreExperts), or None: the MoE block then runs through run()."""
         return None
 
-    def resident_step_layouts(self) -> np.ndarray | None:
-        """Every layer's resident_layouts stacked (int64 [L, E, LAYOUT_COLUMNS]), when every layer has
-        them: the decode engine then runs a whole token in one call. None here."""
+    def resident_step_layouts(self, first: int = 0) -> np.ndarray | None:
+        """The resident_layouts of layers first..L-1 stacked (int64 [L - first, E, LAYOUT_COLUMNS]), when
+        each of them has them: the decode engine then runs those layers in one call. None here."""
         return None
 
     def served_resident(self, first_layer: int, chosen: list[list[int]]) -> None:

@@ -294,29 +294,33 @@ class MoEModel(StoreOwner):
         return x
 
     def _resident_step_layouts(self, x: torch.Tensor, segments: Sequence[Segment]):
-        """The experts' layouts when the decode engine runs this step's every layer in one call
-        (DecodeEngine.step: one float32 token of one sequence, every expert resident in RAM, every
-        layer's MoE block one that the engine computes), else None."""
+        """The experts' layouts when the decode engine runs this step's layers from its step_start on in
+        one call (DecodeEngine.step: one float32 token of one sequence, every expert of those layers
+        resident in RAM, their MoE blocks ones that the engine computes), else None."""
         engine = self.decode_engine
         if (engine is None or x.shape[0] != 1 or len(segments) != 1 or x.dtype != torch.float32
                 or not engine.computes_token()):
             return None
-        return self.experts.resident_step_layouts()
+        return self.experts.resident_step_layouts(engine.step_start)
 
     def _resident_step(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        segments: Sequence[Segment], layouts) -> torch.Tensor:
-        """run_layers by the decode engine in one call; then, layer by layer, the hooks and the store's
-        counts see what _mlp would show them (after the compute: nothing is left to read)."""
+        """run_layers: the layers before the engine's step_start (dense ones) one by one, then the rest
+        by the decode engine in one call; then, layer by layer, the hooks and the store's counts see
+        what _mlp would show them (after the compute: nothing is left to read)."""
+        first = self.decode_engine.step_start
+        for l in range(first):
+            x = self._layer(l, x, positions, cos, sin, segments)
         start = time.perf_counter()
         x = x.clone()   # updated in place
         replayed = None
-        if self.routing_override is not None:   # a replayed trace's choice for every layer, given to the kernel
-            choices = [self.routing_override(l, positions) for l in range(self.spec.num_layers)]
+        if self.routing_override is not None:   # a replayed trace's choice for each layer, given to the kernel
+            choices = [self.routing_override(l, positions) for l in range(first, self.spec.num_layers)]
             replayed = (torch.cat([w for w, _ in choices]), torch.cat([e for _, e in choices]))
         hs, weights, experts = self.decode_engine.step(x, segments[0].cache.length, cos, sin, segments[0].cache,
                                                       layouts, replayed)
         self.timings.layers += time.perf_counter() - start
-        self._served_resident(0, hs, weights, experts, positions, segments)
+        self._served_resident(first, hs, weights, experts, positions, segments)
         return x
 
     def _served_resident(self, first_layer: int, hs: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,

@@ -297,17 +297,17 @@ class StoreExperts(ExpertProvider):
             self._kernel_tables[layer] = cached = (table, self._kernel_layouts(layer, range(len(table)), table))
         return cached[1]
 
-    def resident_step_layouts(self) -> np.ndarray | None:
-        tables = self.store.resident_tables() if self.layer_kernel else None
+    def resident_step_layouts(self, first: int = 0) -> np.ndarray | None:
+        tables = self.store.resident_tables(first) if self.layer_kernel else None
         if tables is None:
             return None
         if self._checked_tables is None or self._checked_tables[0] is not tables:   # once per stacked table
-            layers = range(tables.shape[0])
+            layers = range(first, first + tables.shape[0])
             kernel_tables = None
             if self._engine_computes(tables, layers):
                 swiglu = all(self._kernel_kind(l) == "swiglu" for l in layers)
                 kernel_tables = tables if swiglu else np.stack(
-                    [self._kernel_layouts(l, range(tables.shape[1]), tables[l]) for l in layers])
+                    [self._kernel_layouts(l, range(tables.shape[1]), tables[l - first]) for l in layers])
             self._checked_tables = (tables, kernel_tables)
         return self._checked_tables[1]
 

@@ -52,7 +52,7 @@ def decode(path, way, monkeypatch, routing=None, **options):
         for entry in model.store.experts():
             model.store.get(*entry.key)
         if way != "step":
-            monkeypatch.setattr(model.experts, "resident_step_layouts", lambda: None)
+            monkeypatch.setattr(model.experts, "resident_step_layouts", lambda first: None)
         if way == "generic":
             monkeypatch.setattr(model.experts, "resident_layouts", lambda l: None)
         model.routing_override = routing
@@ -133,7 +133,7 @@ def test_mixed_widths_and_a_grown_cache_keep_the_bits(store_of, monkeypatch):
             for entry in model.store.experts():
                 model.store.get(*entry.key)
             if way == "generic":
-                monkeypatch.setattr(model.experts, "resident_step_layouts", lambda: None)
+                monkeypatch.setattr(model.experts, "resident_step_layouts", lambda first: None)
                 monkeypatch.setattr(model.experts, "resident_layouts", lambda l: None)
             spec = model.spec
             cache = KVCache(spec.num_layers, spec.num_kv_heads, spec.key_dim, capacity=2)
@@ -160,15 +160,21 @@ def test_replayed_routing_runs_in_the_engine_with_the_generic_bits(store_of, mon
     same(ours, decode(store, "generic", monkeypatch, routing=replayed))
 
 
-def test_where_a_step_cannot_run_whole_it_runs_layer_by_layer(store_of, monkeypatch):
-    """Latent attention (deepseek_v2) is not the whole-token step's; a store still reading experts has
-    no resident tables: each runs without the one call."""
-    steps = counted(monkeypatch, "step")
-    with edgemoe.load(store_of("deepseek_v2"), dense_bits=8, compute="fused-int") as model:
+def test_the_step_starts_after_the_last_layer_it_cannot_compute(store_of):
+    """DeepSeek's first layer is a dense MLP, which the step's kernel does not compute: its step starts
+    at layer 1. A model whose every layer it computes starts at 0."""
+    with edgemoe.load(store_of("deepseek_v2"), dense_bits=8) as model:
+        assert model.spec.moe_layers[0] is False and model.decode_engine.step_start == 1
         for entry in model.store.experts():
             model.store.get(*entry.key)
-        assert not model.decode_engine.computes_token()
-        model.forward(torch.tensor([3]), [Segment(model.new_cache(), 1)])
+        assert model.experts.resident_step_layouts(1).shape[0] == model.spec.num_layers - 1
+    with edgemoe.load(store_of("mixtral"), dense_bits=8) as model:
+        assert model.decode_engine.step_start == 0
+
+
+def test_where_a_step_cannot_run_whole_it_runs_layer_by_layer(store_of, monkeypatch):
+    """A store still reading experts has no resident tables: its steps run without the one call."""
+    steps = counted(monkeypatch, "step")
     with edgemoe.load(store_of("mixtral"), dense_bits=8, compute="fused-int", preload="none") as model:
         model.store.get(*next(iter(model.store.experts())).key)
         assert model.decode_engine.computes_token() and model.experts.resident_step_layouts() is None
@@ -189,20 +195,26 @@ def test_deepseeks_moe_block_with_its_shared_experts_runs_in_one_call_with_the_g
                                                                                           path, arch, overrides):
     """DeepSeek's MoE layers (after latent attention and a first dense layer; ungated shared experts):
     V2's "greedy" softmax, its weights scaled or not, V2's group-limited softmax and V3's grouped
-    sigmoid with its correction bias. Each MoE layer's block in one call after its attention block,
-    the bits of the generic block after the same attention block (whose router is the same numba
-    code, and which adds the shared expert by the same kernel)."""
+    sigmoid with its correction bias. The layers after the dense one in one call a step (the latent
+    step kernel), or each MoE layer's block in one call after its attention block: the bits of the
+    generic block after the same attention block (whose router is the same numba code, and which
+    adds the shared expert by the same kernel)."""
     monkeypatch.setenv(INT_PATH_ENV, path)
     store = store_of(arch, **overrides)
     options = {"dtype": torch.bfloat16} if overrides.get("dtype") == "bfloat16" else {}
-    moe_blocks = counted(monkeypatch, "moe")
+    steps, moe_blocks = counted(monkeypatch, "step"), counted(monkeypatch, "moe")
+    whole = decode(store, "step", monkeypatch, **options)
+    assert len(steps) == len(STEPS) and not moe_blocks
     by_layer = decode(store, "layer", monkeypatch, **options)
     with edgemoe.load(store) as model:
         routed = sum(model.spec.moe_layers)
         assert model.spec.shared_expert_hidden and not model.spec.shared_expert_gated and routed < model.spec.num_layers
     assert len(moe_blocks) == len(STEPS) * routed
-    same(by_layer, decode(store, "generic", monkeypatch, **options))
-    assert len(moe_blocks) == len(STEPS) * routed
+    generic = decode(store, "generic", monkeypatch, **options)
+    assert len(moe_blocks) == len(STEPS) * routed and len(steps) == len(STEPS)
+    same(whole, by_layer)
+    same(whole, generic)
+    assert whole[1] == len(STEPS) * routed * model.spec.top_k
 
 
 def test_a_shared_expert_is_computed_as_the_torch_block_computes_it(store_of):

@@ -6,17 +6,20 @@ token by token in one process (so that the drift between processes stays out of 
   functions of their own;
 - projections-inlined: the attention block's matrix products inlined at each call site, as they were
   before they became one function of their own (`cpu_layer._matrix_product`);
+- layer-by-layer: no step kernel, each layer's attention block and MoE block in a call of its own
+  (what a model runs when its step cannot run whole), on the same resident experts;
 - array-expressions: the MoE block's copies and zeroing, and the zeroed activation codes of the
   projections and of the experts' layer kernel, as array expressions (`rows[a, :] = h`,
   `np.zeros`), as they were written before: in a parallel function numba makes each such expression
   a parallel region of its own.
 
-    python tools/bench_step_variants.py STORE [--variants inlined projections-inlined array-expressions] [--prefill 512]
-                                              [--tokens 300] [--threads 2]
+    python tools/bench_step_variants.py STORE [--variants inlined projections-inlined array-expressions
+                                              layer-by-layer] [--prefill 512] [--tokens 300] [--threads 2]
 
-STORE: a store whose model the step kernel runs (grouped-query attention, softmax-routed MoE layers),
-every expert made resident; dense matrices at 4 bits; greedy decoding of a random prompt. Prints
-each variant's first step (its compile, on an empty cache) and median token time.
+STORE: a store whose model the step kernel runs (grouped-query attention, softmax-routed MoE layers;
+latent attention for layer-by-layer alone), every expert made resident; dense matrices at 4 bits;
+greedy decoding of a random prompt. Prints each variant's first step (its compile, on an empty
+cache) and median token time.
 """
 
 from __future__ import annotations
@@ -110,7 +113,7 @@ def projections_inlined_step():
 
 
 VARIANTS = {"inlined": inlined_step, "projections-inlined": projections_inlined_step,
-            "array-expressions": array_expressions_step}
+            "array-expressions": array_expressions_step, "layer-by-layer": lambda: None}   # None: no step kernel
 
 
 def main() -> None:
@@ -129,10 +132,15 @@ def main() -> None:
         cache = model.new_cache()
         prompt = torch.randint(0, model.spec.vocab_size, (args.prefill,), generator=torch.Generator().manual_seed(0))
         token = int(model.forward(prompt, [Segment(cache, args.prefill)])[-1].argmax())
+        step_layouts = model.experts.resident_step_layouts
 
         def step(kernel) -> float:
             nonlocal token
-            cpu_layer.decode_token_kernel = kernel   # the engine looks the kernel up on the module at each call
+            if kernel is None:
+                model.experts.resident_step_layouts = lambda first: None
+            else:
+                model.experts.resident_step_layouts = step_layouts
+                cpu_layer.decode_token_kernel = kernel   # the engine looks the kernel up on the module at each call
             start = time.perf_counter()
             token = int(model.forward(torch.tensor([token]), [Segment(cache, 1)])[-1].argmax())
             return time.perf_counter() - start

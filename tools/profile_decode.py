@@ -63,6 +63,8 @@ def instrument() -> None:
         cpu_layer.shared_expert_kernel = timed("experts", cpu_layer.shared_expert_kernel)
     # or every layer of the step in one call (attention and experts not split: --by-layer splits them)
     cpu_layer.decode_token_kernel = timed("all layers", cpu_layer.decode_token_kernel)
+    if hasattr(cpu_layer, "decode_latent_token_kernel"):   # the same for latent attention (DeepSeek)
+        cpu_layer.decode_latent_token_kernel = timed("all layers", cpu_layer.decode_latent_token_kernel)
     kernels.qmatmul_int = timed("dense matmul", kernels.qmatmul_int)      # QuantizedLinear (--dense-bits)
     kernels.dequantize = timed("dense matmul", kernels.dequantize)
     for path, fn in list(quantized.FUSED.items()):
@@ -113,7 +115,7 @@ def main() -> None:
     if args.generic:
         model.decode_engine = None
     if args.by_layer:
-        model.experts.resident_step_layouts = lambda: None
+        model.experts.resident_step_layouts = lambda first: None
     for _ in range(4):                            # warm every path
         token = int(model.forward(torch.tensor([token]), [Segment(cache, 1)], last_only=True)[-1].argmax())
     instrument()

@@ -420,11 +420,20 @@ def _attention_block(path, table, dims, eps, scale, clip, x, cos, sin, keys, val
     _attention_tail(path, table, dims, eps, scale, x, q, k, v, keys, values, pos, h, logits, nblocks)
 
 
-@njit_exact_parallel
+@njit_exact
 def latent_attention_block_kernel(path, table, dims, eps, scale, x, cos, sin, keys, values, pos, h, logits,
                                   nblocks):
     """attention_block_kernel for multi-head latent attention (DeepSeek): cos / sin [R]; the cache
     holds the expanded keys [H, L, N + R] and values [H, L, Dv]."""
+    _latent_attention_block(path, table, dims, eps, scale, np.float32(-1), x, cos, sin, keys, values, pos, h, logits,
+                            nblocks)
+
+
+@njit_exact_parallel
+def _latent_attention_block(path, table, dims, eps, scale, clip, x, cos, sin, keys, values, pos, h, logits, nblocks):
+    """latent_attention_block_kernel's body, compiled once for the kernels that call it. clip is not
+    read (latent attention has none): the arguments are _attention_block's, so that the step's
+    layers call either kind alike."""
     normed = np.empty(dims[DIM_D], np.float32)
     _norm(dims[DIM_NORM], x, table, ATTN_NORM, ATTN_NORM_BIAS, eps, normed)
     q, k, v = _mla_qkv(path, table, dims, eps, normed, cos, sin, nblocks)
@@ -649,22 +658,42 @@ def _add_shared_expert(path, table, h, out, nblocks):
 @njit_exact
 def decode_token_kernel(path, tables, dims, eps, scale, clip, x, cos, sin, kv, kv_like, pos, layouts, top_k,
                         router, jitter, scaling, replayed, hs, weights, experts, nblocks):
-    """One token through every decoder layer in one call, for a model whose layers are all grouped-query
-    attention then a MoE block that moe_block_kernel computes: per layer l, attention_block_kernel with
-    tables[l] (int64 [L, TABLE_COLUMNS]) and the layer's cache, then moe_block_kernel with layouts[l]
-    (int64 [L, E, LAYOUT_COLUMNS]). x float32 [D]: the token's embedding in, the last layer's output
+    """One token through consecutive decoder layers in one call (a model's last layers, from the decode
+    engine's step_start), each grouped-query attention then a MoE block that moe_block_kernel computes:
+    per layer l, attention_block_kernel with tables[l] (int64 [L, TABLE_COLUMNS]) and the layer's
+    cache, then moe_block_kernel with layouts[l]
+    (int64 [L, E, LAYOUT_COLUMNS]). x float32 [D]: the first layer's input in, the last layer's output
     out. kv int64 [L, 3]: each layer's keys and values addresses and its cache capacity, both
     [K, capacity, Dk / Dv] of kv_like's element type (the layer-0 keys array: float32, or int16 bit
     patterns of bfloat16). Out: hs float32 [L, D] (each MoE block's input), weights float32 [L, A]
     and experts int64 [L, A] (each router's choice, strongest first, by `router` as in
     moe_block_kernel with the layer's table's ROUTER_BIAS, jitter and scaling; replayed: given, not chosen).
     The bits of the two kernels called layer by layer."""
+    _token_layers(_attention_block, path, tables, dims, eps, scale, clip, x, cos, sin, kv, kv_like, pos, layouts,
+                  top_k, router, jitter, scaling, replayed, hs, weights, experts, nblocks)
+
+
+@njit_exact
+def decode_latent_token_kernel(path, tables, dims, eps, scale, x, cos, sin, kv, kv_like, pos, layouts, top_k,
+                               router, jitter, scaling, replayed, hs, weights, experts, nblocks):
+    """decode_token_kernel for layers of multi-head latent attention (latent_attention_block_kernel's,
+    cos / sin [R]; kv's caches [H, capacity, N + R / Dv]) then a MoE block: a kernel of its own, so that
+    a model of the other kind never compiles this block."""
+    _token_layers(_latent_attention_block, path, tables, dims, eps, scale, np.float32(-1), x, cos, sin, kv,
+                  kv_like, pos, layouts, top_k, router, jitter, scaling, replayed, hs, weights, experts, nblocks)
+
+
+@njit_exact_inline
+def _token_layers(attention_block, path, tables, dims, eps, scale, clip, x, cos, sin, kv, kv_like, pos, layouts,
+                  top_k, router, jitter, scaling, replayed, hs, weights, experts, nblocks):
+    """The step kernels' loop over their layers, with the attention kind's block function (a compiled
+    function of its own, called: the kernel of the other kind never compiles it)."""
     heads, dk, dv = dims[DIM_K], dims[DIM_DK], dims[DIM_DV]
     logits = np.empty(layouts.shape[1], np.float32)
     for l in range(tables.shape[0]):
         keys = like_view(kv[l, 0], (heads, kv[l, 2], dk), kv_like)
         values = like_view(kv[l, 1], (heads, kv[l, 2], dv), kv_like)
-        _attention_block(path, tables[l], dims, eps, scale, clip, x, cos, sin, keys, values, pos, hs[l], logits,
-                         nblocks)
+        attention_block(path, tables[l], dims, eps, scale, clip, x, cos, sin, keys, values, pos, hs[l], logits,
+                        nblocks)
         _moe_block(path, layouts[l], hs[l], logits, top_k, router, tables[l], jitter, scaling, replayed, x,
                    weights[l], experts[l], nblocks)

@@ -168,7 +168,7 @@ class TieredStore:
         policy = "lru" if holds_all else policy
         guarded = guard and ram_capacity is not None and not vram_capacity and not holds_all
         self._layer_tables: dict[int, np.ndarray | None] = {}   # resident_layer_table's, until an item enters or leaves
-        self._stacked_tables: np.ndarray | None = None             # resident_tables', as long
+        self._stacked_tables: tuple[int, np.ndarray] | None = None   # resident_tables' (first, tables), as long
         self.cache = ExpertCache(
             tiers, lambda: make_policy(policy, self.spec.num_layers, self.popularity, self.routing_profile),
             guard=SchemeGuard(ram_capacity, GUARD_WINDOW_TOKENS * len(self.spec.moe_layer_ids)) if guarded else None,
@@ -237,17 +237,22 @@ class TieredStore:
                 self._layer_tables[layer] = table
         return table
 
-    def resident_tables(self) -> np.ndarray | None:
-        """Every layer's resident_layer_table stacked (int64 [L, E, LAYOUT_COLUMNS]) when every layer
-        has one (a decode step's kernel then runs all of them), else None; made once, dropped as they are."""
-        stacked = self._stacked_tables
-        if stacked is None:
-            tables = [self.resident_layer_table(l) for l in range(self.spec.num_layers)]
-            if any(t is None for t in tables):
+    def resident_tables(self, first: int = 0) -> np.ndarray | None:
+        """The resident_layer_tables of layers first..L-1 stacked (int64 [L - first, E, LAYOUT_COLUMNS])
+        when each of them has one (a decode step's kernel then runs all of them), else None; made once
+        per `first`, dropped as they are."""
+        made = self._stacked_tables
+        if made is not None and made[0] == first:
+            return made[1]
+        layers = range(first, self.spec.num_layers)
+        tables = [self.resident_layer_table(l) for l in layers]
+        if not tables or any(t is None for t in tables):
+            return None
+        with self._lock:
+            if not all(l in self._layer_tables for l in layers):   # an item entered or left meanwhile
                 return None
-            with self._lock:
-                if len(self._layer_tables) == len(tables):   # no item entered or left meanwhile
-                    self._stacked_tables = stacked = np.stack(tables)
+            stacked = np.stack(tables)
+            self._stacked_tables = (first, stacked)
         return stacked
 
     def _drop_layer_tables(self) -> None:
