@@ -6,6 +6,8 @@ token by token in one process (so that the drift between processes stays out of 
   functions of their own;
 - projections-inlined: the attention block's matrix products inlined at each call site, as they were
   before they became one function of their own (`cpu_layer._matrix_product`);
+- loop-written-out: the step's loop over its layers written in the kernel, as it was before both step
+  kernels shared it (`cpu_layer._token_layers`, which takes the attention block as an argument);
 - layer-by-layer: no step kernel, each layer's attention block and MoE block in a call of its own
   (what a model runs when its step cannot run whole), on the same resident experts;
 - array-expressions: the MoE block's copies and zeroing, and the zeroed activation codes of the
@@ -14,7 +16,8 @@ token by token in one process (so that the drift between processes stays out of 
   a parallel region of its own.
 
     python tools/bench_step_variants.py STORE [--variants inlined projections-inlined array-expressions
-                                              layer-by-layer] [--prefill 512] [--tokens 300] [--threads 2]
+                                              loop-written-out layer-by-layer] [--prefill 512] [--tokens 300]
+                                              [--threads 2]
 
 STORE: a store whose model the step kernel runs (grouped-query attention, softmax-routed MoE layers;
 latent attention for layer-by-layer alone), every expert made resident; dense matrices at 4 bits;
@@ -100,6 +103,28 @@ def array_expressions_step():
     return rebuilt(cpu_layer.decode_token_kernel, EXACT, _attention_block=attention_block(project), _moe_block=moe)
 
 
+# decode_token_kernel as it was written before the loop became cpu_layer._token_layers.
+LOOP_WRITTEN_OUT = '''
+def decode_token_kernel(path, tables, dims, eps, scale, clip, x, cos, sin, kv, kv_like, pos, layouts, top_k,
+                        router, jitter, scaling, replayed, hs, weights, experts, nblocks):
+    heads, dk, dv = dims[DIM_K], dims[DIM_DK], dims[DIM_DV]
+    logits = np.empty(layouts.shape[1], np.float32)
+    for l in range(tables.shape[0]):
+        keys = like_view(kv[l, 0], (heads, kv[l, 2], dk), kv_like)
+        values = like_view(kv[l, 1], (heads, kv[l, 2], dv), kv_like)
+        _attention_block(path, tables[l], dims, eps, scale, clip, x, cos, sin, keys, values, pos, hs[l], logits,
+                         nblocks)
+        _moe_block(path, layouts[l], hs[l], logits, top_k, router, tables[l], jitter, scaling, replayed, x,
+                   weights[l], experts[l], nblocks)
+'''
+
+
+def loop_written_out_step():
+    namespace = dict(vars(cpu_layer))
+    exec(LOOP_WRITTEN_OUT, namespace)
+    return numba.njit(**dict(EXACT, cache=False))(namespace["decode_token_kernel"])
+
+
 def attention_block(project):
     """cpu_layer._attention_block rebuilt around another _project."""
     qkv = rebuilt(cpu_layer._gqa_qkv, EXACT_INLINE, _project=project)
@@ -113,7 +138,8 @@ def projections_inlined_step():
 
 
 VARIANTS = {"inlined": inlined_step, "projections-inlined": projections_inlined_step,
-            "array-expressions": array_expressions_step, "layer-by-layer": lambda: None}   # None: no step kernel
+            "array-expressions": array_expressions_step, "loop-written-out": loop_written_out_step,
+            "layer-by-layer": lambda: None}   # None: no step kernel
 
 
 def main() -> None:
