@@ -19,8 +19,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from .kv_cache import KVCache
 from .generate import Feed, Generation, GenerationOptions, forward_step, last_logits
+from .kv_cache import KVCache
 from .model import MoEModel
 from .options import finite_number, integer_at_least
 

@@ -202,10 +202,9 @@ class DecodeEngine:
         kv, like = cache.layer_addresses(position + 1)
         hs = torch.empty(len(self.tables) - start, self.spec.hidden_size, dtype=torch.float32)
         weights, experts = self._choice(hs.shape[0], replayed)
-        latent = self.spec.attention.kind == "mla"
-        kernel, clip = (cpu_layer.decode_latent_token_kernel, ()) if latent else (cpu_layer.decode_token_kernel,
-                                                                                 (self.clip,))
-        kernel(_int_path(None), self.stacked_tables[start:], self.dims, self.eps, self.scale, *clip, x.numpy()[0],
+        kernel = (cpu_layer.decode_latent_token_kernel if self.spec.attention.kind == "mla"
+                  else cpu_layer.decode_token_kernel)
+        kernel(_int_path(None), self.stacked_tables[start:], self.dims, self.eps, self.scale, self.clip, x.numpy()[0],
                cos.numpy()[0], sin.numpy()[0], kv[start:], like, position, layouts, experts.shape[1], self.router,
                self.jitter, self.scaling, replayed is not None, hs.numpy(), weights.numpy(), experts.numpy(),
                cpu.row_blocks())

@@ -22,7 +22,6 @@ from edgemoe.store.format import DENSE_FILE, MANIFEST, Manifest, StoreError, fil
 from edgemoe.store.memory import (KERNEL_COMPILE_GROWTH, RUNTIME_GROWTH, ram_budget, read_buffer_bytes, read_memory_facts,
                                   return_freed_memory)
 
-from .kv_cache import KV_DTYPES
 from .checkpoint import (TORCH_DTYPES, Checkpoint, CheckpointError, all_finite, check_finite, pread_tensor,
                          read_json, read_safetensors_header)
 from .errors import EdgeMoEError
@@ -30,6 +29,7 @@ from .dense import (DENSE_BITS, GROUP_SIZE, QuantizedLinear, dense_bits_for, qua
                     quantized_at_load)
 from .generate import GenerationOptions
 from .kernels.ops import kernels_compiled
+from .kv_cache import KV_DTYPES
 from .experts import DenseExpert, ExpertProvider, InMemoryExperts, expert_activations
 from .model import MoEModel
 from .seq2seq import Seq2SeqModel

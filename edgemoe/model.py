@@ -21,10 +21,10 @@ from typing import Sequence
 import torch
 
 from .attention import QKV_PROJECTIONS
-from .kv_cache import KVCache
 from .decode import DecodeEngine
 from .dense import quantize_layer, quantize_matrix
 from .experts import ExpertBatches, ExpertProvider
+from .kv_cache import KVCache
 from .layers import (attend, attention_mask, layer_norm, linear, rms_norm, rope_tables,
                      route_by_spec, swiglu)
 from .spec import ModelSpec

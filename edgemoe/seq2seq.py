@@ -38,10 +38,10 @@ from typing import Sequence
 
 import torch
 
-from .kv_cache import KVCache
 from .errors import EdgeMoEError
 from .experts import ExpertBatches, ExpertProvider
 from .kernels.activations import relu_expert
+from .kv_cache import KVCache
 from .layers import attend, linear, rms_norm
 from .model import StoreOwner, Timings
 from .spec import ModelSpec

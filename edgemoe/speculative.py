@@ -51,11 +51,11 @@ import torch
 from edgemoe import kernels
 from edgemoe.quant import QuantizedTensor, quantize
 
-from .kv_cache import KVCache
 from .errors import DraftError
 from .experts import Activation, ExpertProvider, WeightSource
 from .generate import (Event, Feed, Generation, GenerationOptions, decode, last_logits, sampling_probs,
                        token_ids)
+from .kv_cache import KVCache
 from .loader import require_decoder_only
 from .model import MoEModel
 from .options import OptionError

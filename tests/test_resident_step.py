@@ -186,7 +186,8 @@ DEEPSEEK_ROUTERS = [("deepseek_v2", {}), ("deepseek_v2", {"routed_scaling_factor
                     ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 3, "topk_group": 2,
                                      "routed_scaling_factor": 2.5}),
                     ("deepseek_v3", {"n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5}),
-                    ("deepseek_v3", {"dtype": "bfloat16"})]   # loaded as bfloat16, as --dtype auto on a BF16 CPU
+                    ("deepseek_v3", {"dtype": "bfloat16"}),   # loaded as bfloat16, as --dtype auto on a BF16 CPU
+                    ("deepseek_v2", {"kv_dtype": "bfloat16"})]   # a bfloat16 KV cache (the latent step's int16 view)
 
 
 @pytest.mark.parametrize("path", int_paths())
@@ -200,8 +201,11 @@ def test_deepseeks_moe_block_with_its_shared_experts_runs_in_one_call_with_the_g
     generic block after the same attention block (whose router is the same numba code, and which
     adds the shared expert by the same kernel)."""
     monkeypatch.setenv(INT_PATH_ENV, path)
+    overrides = dict(overrides)
+    options = {"kv_dtype": overrides.pop("kv_dtype")} if "kv_dtype" in overrides else {}
     store = store_of(arch, **overrides)
-    options = {"dtype": torch.bfloat16} if overrides.get("dtype") == "bfloat16" else {}
+    if overrides.get("dtype") == "bfloat16":
+        options["dtype"] = torch.bfloat16
     steps, moe_blocks = counted(monkeypatch, "step"), counted(monkeypatch, "moe")
     whole = decode(store, "step", monkeypatch, **options)
     assert len(steps) == len(STEPS) and not moe_blocks

@@ -284,8 +284,8 @@ def _matrix_product(path, table, m, v, rows, nblocks):
 def _project(path, table, m, v, rows, nblocks):
     """_matrix_product, called rather than inlined: compiled once, not once a call site (inlined, each
     site was a parallel region of its own whose module linked and optimized the integer row kernels
-    again: latent attention's six sites took 44 s to compile, now 23). m goes as a plain int64, since
-    numba compiles a callee again for each literal argument."""
+    again: latent attention's kernel took 52 s to compile, now 23; tools/bench_compile.py). m goes as
+    a plain int64, since numba compiles a callee again for each literal argument."""
     return _matrix_product(path, table, np.int64(m), v, rows, nblocks)
 
 
@@ -661,26 +661,26 @@ def decode_token_kernel(path, tables, dims, eps, scale, clip, x, cos, sin, kv, k
     """One token through consecutive decoder layers in one call (a model's last layers, from the decode
     engine's step_start), each grouped-query attention then a MoE block that moe_block_kernel computes:
     per layer l, attention_block_kernel with tables[l] (int64 [L, TABLE_COLUMNS]) and the layer's
-    cache, then moe_block_kernel with layouts[l]
-    (int64 [L, E, LAYOUT_COLUMNS]). x float32 [D]: the first layer's input in, the last layer's output
-    out. kv int64 [L, 3]: each layer's keys and values addresses and its cache capacity, both
-    [K, capacity, Dk / Dv] of kv_like's element type (the layer-0 keys array: float32, or int16 bit
-    patterns of bfloat16). Out: hs float32 [L, D] (each MoE block's input), weights float32 [L, A]
-    and experts int64 [L, A] (each router's choice, strongest first, by `router` as in
-    moe_block_kernel with the layer's table's ROUTER_BIAS, jitter and scaling; replayed: given, not chosen).
+    cache, then moe_block_kernel with layouts[l] (int64 [L, E, LAYOUT_COLUMNS]). x float32 [D]: the
+    first layer's input in, the last layer's output out. kv int64 [L, 3]: each layer's keys and
+    values addresses and its cache capacity, both [K, capacity, Dk / Dv] of kv_like's element type
+    (the layer-0 keys array: float32, or int16 bit patterns of bfloat16). Out: hs float32 [L, D]
+    (each MoE block's input), weights float32 [L, A] and experts int64 [L, A] (each router's choice,
+    strongest first, by `router` as in moe_block_kernel with the layer's table's ROUTER_BIAS, jitter
+    and scaling; replayed: given, not chosen).
     The bits of the two kernels called layer by layer."""
     _token_layers(_attention_block, path, tables, dims, eps, scale, clip, x, cos, sin, kv, kv_like, pos, layouts,
                   top_k, router, jitter, scaling, replayed, hs, weights, experts, nblocks)
 
 
 @njit_exact
-def decode_latent_token_kernel(path, tables, dims, eps, scale, x, cos, sin, kv, kv_like, pos, layouts, top_k,
+def decode_latent_token_kernel(path, tables, dims, eps, scale, clip, x, cos, sin, kv, kv_like, pos, layouts, top_k,
                                router, jitter, scaling, replayed, hs, weights, experts, nblocks):
     """decode_token_kernel for layers of multi-head latent attention (latent_attention_block_kernel's,
-    cos / sin [R]; kv's caches [H, capacity, N + R / Dv]) then a MoE block: a kernel of its own, so that
-    a model of the other kind never compiles this block."""
-    _token_layers(_latent_attention_block, path, tables, dims, eps, scale, np.float32(-1), x, cos, sin, kv,
-                  kv_like, pos, layouts, top_k, router, jitter, scaling, replayed, hs, weights, experts, nblocks)
+    cos / sin [R]; kv's caches [H, capacity, N + R / Dv]; clip not read) then a MoE block: a kernel of
+    its own, so that a model of the other kind never compiles this block."""
+    _token_layers(_latent_attention_block, path, tables, dims, eps, scale, clip, x, cos, sin, kv, kv_like, pos,
+                  layouts, top_k, router, jitter, scaling, replayed, hs, weights, experts, nblocks)
 
 
 @njit_exact_inline
