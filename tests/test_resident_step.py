@@ -163,7 +163,7 @@ def test_replayed_routing_runs_in_the_engine_with_the_generic_bits(store_of, mon
 def test_the_step_starts_after_the_last_layer_it_cannot_compute(store_of):
     """DeepSeek's first layer is a dense MLP, which the step's kernel does not compute: its step starts
     at layer 1. A model whose every layer it computes starts at 0."""
-    with edgemoe.load(store_of("deepseek_v2"), dense_bits=8) as model:
+    with edgemoe.load(store_of("deepseek_v2"), dense_bits=8, compute="fused-int", preload="none") as model:
         assert model.spec.moe_layers[0] is False and model.decode_engine.step_start == 1
         for entry in model.store.experts():
             model.store.get(*entry.key)
