@@ -106,15 +106,15 @@ class DecodeEngine:
     def _dims(spec: ModelSpec) -> np.ndarray:
         c = cpu_layer
         dims = np.zeros(c.DIMS, np.int64)
-        dims[[c.DIM_D, c.DIM_H, c.DIM_K, c.DIM_DK, c.DIM_DV]] = (spec.hidden_size, spec.num_heads, spec.num_kv_heads,
-                                                               spec.key_dim, spec.value_dim)
+        dims[[c.DIM_D, c.DIM_H, c.DIM_K, c.DIM_DK, c.DIM_DV]] = (spec.hidden_size, spec.num_heads,
+                                                               *spec.cache_layout)
         dims[c.DIM_QK_NORM] = {None: c.QK_NORM_NONE, "head": c.QK_NORM_HEAD, "proj": c.QK_NORM_PROJ}[spec.qk_norm]
         dims[c.DIM_NORM] = {"rms": c.NORM_RMS, "layer": c.NORM_LAYER}[spec.norm]
         if spec.attention.kind == "mla":
             mla = spec.attention
-            dims[[c.DIM_N, c.DIM_R, c.DIM_CKV, c.DIM_CQ, c.DIM_INTERLEAVE]] = (
+            dims[[c.DIM_N, c.DIM_R, c.DIM_CKV, c.DIM_CQ, c.DIM_INTERLEAVE, c.DIM_V]] = (
                 mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.kv_lora_rank, mla.q_lora_rank,
-                int(spec.rotary.rope_interleave))
+                int(spec.rotary.rope_interleave), mla.v_head_dim)
         return dims
 
     def _float32(self, t: torch.Tensor | None) -> int:

@@ -1,5 +1,6 @@
 """KV cache of one sequence: per layer, keys [K, L, Dk] and values [K, L, Dv], grown by doubling
-(Dk = Dv = Dh except in multi-head latent attention).
+(K kv heads, Dk = Dv = Dh; multi-head latent attention keeps one row of Dk = Ckv + R a position and
+no values: ModelSpec.cache_layout).
 
 A forward step writes each layer's new keys/values at positions [length, length + S) and reads
 [0, length + S); the model then advances `length` once, after the last layer. The cache holds them
@@ -33,6 +34,12 @@ class KVCache:
         self._k: list[torch.Tensor] = [self._empty(capacity, head_dim) for _ in range(num_layers)]
         self._v: list[torch.Tensor] = [self._empty(capacity, self.value_dim) for _ in range(num_layers)]
         self._addresses: tuple[np.ndarray, np.ndarray] | None = None   # layer_addresses', until _grow
+
+    @classmethod
+    def for_spec(cls, spec, dtype: torch.dtype = torch.float32, capacity: int = 64) -> "KVCache":
+        """A cache in the layout the model's attention kind keeps (ModelSpec.cache_layout)."""
+        heads, key_dim, value_dim = spec.cache_layout
+        return cls(spec.num_layers, heads, key_dim, dtype, capacity=capacity, value_dim=value_dim)
 
     def _empty(self, capacity: int, dim: int) -> torch.Tensor:
         return torch.empty(self.num_kv_heads, capacity, dim, dtype=self.dtype, device=self.device)

@@ -377,7 +377,8 @@ def _codes_bytes(shape, bits: int) -> int:
 def kv_cache_bytes(spec: ModelSpec, tokens: int, dtype: torch.dtype = torch.float32) -> int:
     """One sequence's KVCache at `tokens`: it grows by doubling from 64 positions, so its capacity
     may reach twice the tokens held."""
-    per_token = spec.num_layers * spec.num_kv_heads * (spec.key_dim + spec.value_dim) * dtype.itemsize
+    heads, key_dim, value_dim = spec.cache_layout
+    per_token = spec.num_layers * heads * (key_dim + value_dim) * dtype.itemsize
     return per_token * max(64, 2 * tokens)
 
 

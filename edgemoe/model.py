@@ -20,12 +20,12 @@ from typing import Sequence
 
 import torch
 
-from .attention import QKV_PROJECTIONS
+from .attention import ATTEND, QKV_PROJECTIONS
 from .decode import DecodeEngine
 from .dense import quantize_layer, quantize_matrix
 from .experts import ExpertBatches, ExpertProvider
 from .kv_cache import KVCache
-from .layers import (attend, attention_mask, layer_norm, linear, rms_norm, rope_tables,
+from .layers import (attention_mask, layer_norm, linear, rms_norm, rope_tables,
                      route_by_spec, swiglu)
 from .spec import ModelSpec
 from .scheduling.preload import Preloader
@@ -155,6 +155,7 @@ class MoEModel(StoreOwner):
         self.lm_head = dense["embed"] if spec.tie_word_embeddings else dense["lm_head"]
         self.lm_head_bias = dense.get("lm_head_bias")
         self._qkv = QKV_PROJECTIONS[spec.attention.kind]
+        self._attend = ATTEND[spec.attention.kind]
         self.layers = [{key.split(".", 2)[2]: t for key, t in dense.items() if key.startswith(f"layers.{l}.")}
                        for l in range(spec.num_layers)]
         # Observers of each MoE layer's routing: hook(layer, experts [T, A], weights [T, A], positions [T],
@@ -182,8 +183,7 @@ class MoEModel(StoreOwner):
         self.decode_engine = DecodeEngine.for_model(self.spec, self.layers)
 
     def new_cache(self) -> KVCache:
-        s = self.spec
-        return KVCache(s.num_layers, s.num_kv_heads, s.key_dim, dtype=self.kv_dtype, value_dim=s.value_dim)
+        return KVCache.for_spec(self.spec, self.kv_dtype)
 
     @torch.inference_mode()
     def logits(self, token_ids: Sequence[int] | torch.Tensor, cache: KVCache | None = None,
@@ -393,8 +393,7 @@ class MoEModel(StoreOwner):
             end = start + seg.num_tokens
             keys, values = seg.cache.append(l, k[start:end].transpose(0, 1), v[start:end].transpose(0, 1))
             mask = attention_mask(positions[start:end], keys.shape[1], window)
-            outputs.append(attend(q[start:end], keys, values, mask, self.spec.attention_scale,
-                                  w.get("sinks")))   # [S, H*Dv]
+            outputs.append(self._attend(self.spec, w, q[start:end], keys, values, mask))   # [S, H*Dv]
             start = end
         return linear(torch.cat(outputs), w["o"], w.get("o_bias"))
 

@@ -165,6 +165,11 @@ class ModelSpec:
         return self.attention.value_dim(self)
 
     @property
+    def cache_layout(self) -> tuple[int, int, int]:
+        """The KV cache's (heads, key dims, value dims) per layer and position (MLA: its latent)."""
+        return self.attention.cache_layout(self)
+
+    @property
     def rope_dim(self) -> int:
         """Dims per head that the rotary embedding turns (MLA: only the rope part)."""
         return self.attention.rope_dim(self)

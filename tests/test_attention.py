@@ -1,11 +1,14 @@
-"""Attention over the KV cache: the one-query path against torch's own SDPA."""
+"""Attention over the KV cache: the one-query path against torch's own SDPA; latent attention's two
+forms against the attention they stand for."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import edgemoe
+from edgemoe import attention
 from edgemoe.kv_cache import KVCache
-from edgemoe.layers import attend
+from edgemoe.layers import attend, attention_mask
 
 
 @pytest.mark.parametrize("heads, kv_heads, scale", [(16, 4, None), (8, 8, 0.3), (6, 1, None)])
@@ -18,3 +21,36 @@ def test_one_query_reads_the_cache_as_sdpa_would(heads, kv_heads, scale):
     got = attend(q, keys, values, None, scale)
     assert got.shape == (1, heads * 24)
     assert torch.allclose(got, expected.transpose(0, 1).reshape(1, -1), atol=1e-6)
+
+
+@pytest.mark.parametrize("absorbed", [True, False])
+@pytest.mark.parametrize("queries", [1, 4])
+def test_latent_attention_is_attention_over_the_expanded_keys_and_values(tiny_model, monkeypatch, absorbed, queries):
+    """DeepSeek's cache keeps each position's normed latent and rope key (one row of Ckv + R, shared by
+    the heads); mla_attend, absorbing kv_b or expanding the rows through it, must give what attention
+    over the keys and values kv_b expands per head gives (written out here in float64)."""
+    monkeypatch.setattr(attention, "absorbs", lambda spec, tokens: absorbed)
+    with edgemoe.load(tiny_model("deepseek_v2")) as model:
+        spec, w = model.spec, model.layers[0]
+        mla = spec.attention
+        H, N, R, Dv, Ckv = spec.num_heads, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim, mla.kv_lora_rank
+        cache = model.new_cache()
+        assert (cache.num_kv_heads, cache.head_dim, cache.value_dim) == (1, Ckv + R, 0)
+        g = torch.Generator().manual_seed(queries)
+        rows = torch.randn(1, 9, Ckv + R, generator=g)
+        keys, values = cache.append(0, rows, rows.new_empty(1, 9, 0))
+        q = torch.randn(queries, H, N + R, generator=g)            # the last positions' queries
+        mask = attention_mask(torch.arange(9 - queries, 9), 9, None)
+        got = attention.mla_attend(spec, w, q, keys, values, mask)
+    kv_b = w["kv_b"].double().view(H, N + Dv, Ckv)
+    latent, rope = rows[0, :, :Ckv].double(), rows[0, :, Ckv:].double()
+    scale = spec.key_dim ** -0.5 if spec.attention_scale is None else spec.attention_scale
+    expected = []
+    for h in range(H):
+        k = torch.cat((latent @ kv_b[h, :N].T, rope), dim=-1)      # [L, N + R]
+        scores = q[:, h].double() @ k.T * scale
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        expected.append(torch.softmax(scores, dim=-1) @ (latent @ kv_b[h, N:].T))
+    assert got.shape == (queries, H * Dv)
+    assert torch.allclose(got.double(), torch.stack(expected, dim=1).reshape(queries, H * Dv), atol=1e-5)

@@ -9,6 +9,7 @@ import torch
 import transformers
 
 import edgemoe
+from edgemoe import attention
 from edgemoe.generate import GenerationOptions, generate_batch
 
 TOL = 1e-4
@@ -112,6 +113,15 @@ def test_prefill_and_decode_logits_match_transformers(tiny_model, arch, override
     assert (prefill - expected[:9]).abs().max() <= TOL
     assert (decode - expected[9:]).abs().max() <= TOL
     assert cache.length == 13
+
+
+@pytest.mark.parametrize("absorbed", [True, False])
+@pytest.mark.parametrize("arch, overrides", [("deepseek_v2", {}), ("deepseek_v3", {"kv_lora_rank": 48})])
+def test_latent_attention_matches_transformers_absorbed_and_expanded(tiny_model, monkeypatch, arch, overrides, absorbed):
+    """Both forms of attention over the latent cache (edgemoe.attention.mla_attend), each forced for
+    prefill and decode alike: the tiny configs' costs alone would absorb every step."""
+    monkeypatch.setattr(attention, "absorbs", lambda spec, tokens: absorbed)
+    test_prefill_and_decode_logits_match_transformers(tiny_model, arch, overrides)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

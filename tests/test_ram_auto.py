@@ -168,7 +168,8 @@ def test_loading_with_auto_sets_the_capacity_to_the_budget(store):
 def test_run_needs_follow_the_context_the_batch_the_cache_type_and_the_dense_width(store):
     manifest = read_manifest(store)
     spec = manifest.spec
-    per_token = spec.num_layers * spec.num_kv_heads * (spec.key_dim + spec.value_dim) * 4
+    heads, key_dim, value_dim = spec.cache_layout
+    per_token = spec.num_layers * heads * (key_dim + value_dim) * 4
     needs = run_needs(manifest, None, "auto", 100, 3)
     assert needs["kv_cache"] == 3 * per_token * 200              # doubling: room for twice the tokens
     assert run_needs(manifest, None, "auto", 100, 3, "bfloat16")["kv_cache"] == needs["kv_cache"] // 2

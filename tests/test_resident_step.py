@@ -136,7 +136,7 @@ def test_mixed_widths_and_a_grown_cache_keep_the_bits(store_of, monkeypatch):
                 monkeypatch.setattr(model.experts, "resident_step_layouts", lambda first: None)
                 monkeypatch.setattr(model.experts, "resident_layouts", lambda l: None)
             spec = model.spec
-            cache = KVCache(spec.num_layers, spec.num_kv_heads, spec.key_dim, capacity=2)
+            cache = KVCache.for_spec(spec, capacity=2)
             results.append(torch.stack([model.forward(torch.tensor([t]), [Segment(cache, 1)])[-1]
                                         for t in PROMPT + STEPS]))
     assert torch.equal(*results)

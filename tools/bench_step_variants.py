@@ -128,7 +128,8 @@ def loop_written_out_step():
 def attention_block(project):
     """cpu_layer._attention_block rebuilt around another _project."""
     qkv = rebuilt(cpu_layer._gqa_qkv, EXACT_INLINE, _project=project)
-    tail = rebuilt(cpu_layer._attention_tail, EXACT_INLINE, _project=project)
+    output = rebuilt(cpu_layer._output_tail, EXACT_INLINE, _project=project)
+    tail = rebuilt(cpu_layer._attention_tail, EXACT_INLINE, _output_tail=output)
     return rebuilt(cpu_layer._attention_block, PARALLEL, _gqa_qkv=qkv, _attention_tail=tail)
 
 

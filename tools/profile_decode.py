@@ -31,7 +31,6 @@ import torch.nn.functional as F
 import edgemoe
 from edgemoe import kernels, quantized
 from edgemoe.kernels import cpu_layer
-from edgemoe import model as model_module
 from edgemoe.model import Segment
 
 CLOCK = time.perf_counter
@@ -50,10 +49,11 @@ def timed(kind: str, fn):
     return wrapper
 
 
-def instrument() -> None:
+def instrument(model) -> None:
     """Timers around every kernel the decode step calls (module attributes, so the callers see them)."""
     F.linear = timed("dense matmul", F.linear)
-    model_module.attend = timed("attention", model_module.attend)    # over the KV cache, any path
+    # attention over the KV cache, in torch, any path: the model's attention kind's function
+    model._attend = timed("attention", model._attend)
     # the decode engine's one call per layer: norms, projections, rotary, attention, router logits
     cpu_layer.attention_block_kernel = timed("attention block", cpu_layer.attention_block_kernel)
     cpu_layer.latent_attention_block_kernel = timed("attention block", cpu_layer.latent_attention_block_kernel)
@@ -118,7 +118,7 @@ def main() -> None:
         model.experts.resident_step_layouts = lambda first: None
     for _ in range(4):                            # warm every path
         token = int(model.forward(torch.tensor([token]), [Segment(cache, 1)], last_only=True)[-1].argmax())
-    instrument()
+    instrument(model)
     start = CLOCK()
     for _ in range(args.tokens):
         token = int(model.forward(torch.tensor([token]), [Segment(cache, 1)], last_only=True)[-1].argmax())

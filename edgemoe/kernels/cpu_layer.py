@@ -10,9 +10,10 @@ One call does, for a token's hidden state x [D] (the residual stream, updated in
       -> x += o -> h = norm(x) -> router logits = Wr @ h (float32 Wr, when the layer routes)
 
 (attention_block_kernel), or, for multi-head latent attention (latent_attention_block_kernel), q
-from x or through its latent (q_a, RMSNorm, q_b), keys and values expanded per head from kv_a's
-normed latent by kv_b, the rope parts rotated (after DeepSeek's deinterleave where the model
-has it), then the same attention and tail. The phases are inlined functions (numba inlines their
+from x or through its latent (q_a, RMSNorm, q_b), the rope parts rotated (after DeepSeek's
+deinterleave where the model has it), kv_a's normed latent and rotated rope key written into the
+cache as the position's row, each head's query absorbed into the latent space through kv_b's key
+rows, attention over the rows, each head's context through kv_b's value rows, then the same tail. The phases are inlined functions (numba inlines their
 prange loops into the kernel's parallel regions); the blocks that several kernels call
 (_attention_block, _moe_block, cpu_int.swiglu_experts_int) are compiled functions of their own, so
 that each is compiled once. This is where the generic forward makes ~40 torch ops and kernel calls,
@@ -38,7 +39,7 @@ import numba
 import numpy as np
 
 from ._jit import njit_exact, njit_exact_inline, njit_exact_parallel, njit_serial
-from .cpu import _block_size, rms_norm_kernel
+from .cpu import BLOCKS_PER_THREAD, _block_size, rms_norm_kernel
 from .cpu_int import INNER, LAYOUT_COLUMNS, _quantize_row, _rows, swiglu_experts_int, zeroed_codes
 from .kv import _float32_from_bits, narrow, widen
 from .views import float32_view, like_view, uint8_view
@@ -59,10 +60,12 @@ SHARED, SHARED_GATE = 49, 50
 # A group-limited router's expert groups and the groups it keeps (the model's n_group, topk_group).
 GROUPS, KEPT_GROUPS = 51, 52
 TABLE_COLUMNS = 53
-# The model's dimensions (an int64 array). MLA: N / R key dims without / with rotary, Ckv latent rank,
-# Cq query latent rank (0: q straight from x).
-DIM_D, DIM_H, DIM_K, DIM_DK, DIM_DV, DIM_QK_NORM, DIM_NORM, DIM_N, DIM_R, DIM_CKV, DIM_CQ, DIM_INTERLEAVE = range(12)
-DIMS = 12
+# The model's dimensions (an int64 array): K kv heads, Dk / Dv dims of a position's cached keys and
+# values (for MLA the cache's: K = 1, Dk = Ckv + R, Dv = 0). MLA: N / R key dims without / with
+# rotary, Ckv latent rank, Cq query latent rank (0: q straight from x), V value dims per head.
+(DIM_D, DIM_H, DIM_K, DIM_DK, DIM_DV, DIM_QK_NORM, DIM_NORM, DIM_N, DIM_R, DIM_CKV, DIM_CQ, DIM_INTERLEAVE,
+ DIM_V) = range(13)
+DIMS = 13
 QK_NORM_NONE, QK_NORM_HEAD, QK_NORM_PROJ = 0, 1, 2
 NORM_RMS, NORM_LAYER = 0, 1   # the layer norms: RMSNorm, or LayerNorm with a bias (Phi-3.5-MoE)
 # The routers the MoE block computes: softmax then top-k (the weights renormalised or not), top-k of
@@ -323,11 +326,10 @@ def _deinterleaved(v):
 
 
 @njit_exact_inline
-def _mla_qkv(path, table, dims, eps, normed, cos, sin, nblocks):
-    """Multi-head latent attention's q [H * (N + R)], k [H * (N + R)] and v [H * Dv] (attention.mla_qkv):
-    keys and values expanded per head from the normed latent; the rope part of the key, rotated,
-    shared by every head."""
-    heads, n, r, dv, ckv, cq = dims[DIM_H], dims[DIM_N], dims[DIM_R], dims[DIM_DV], dims[DIM_CKV], dims[DIM_CQ]
+def _latent_qkv(path, table, dims, eps, normed, cos, sin, nblocks):
+    """Multi-head latent attention's rotated queries q [H * (N + R)] and the token's cache row
+    [Ckv + R]: the normed latent and the rotated rope key (attention.mla_qkv's bits)."""
+    heads, n, r, ckv, cq = dims[DIM_H], dims[DIM_N], dims[DIM_R], dims[DIM_CKV], dims[DIM_CQ]
     if cq > 0:
         q_latent = _project(path, table, Q_A, normed, cq, nblocks)
         _add_bias(q_latent, table[Q_A_BIAS])
@@ -337,45 +339,121 @@ def _mla_qkv(path, table, dims, eps, normed, cos, sin, nblocks):
         q = _project(path, table, QKV, normed, heads * (n + r), nblocks)
     kv_a = _project(path, table, KV_A, normed, ckv + r, nblocks)
     _add_bias(kv_a, table[KV_A_BIAS])
-    latent = kv_a[:ckv].copy()
-    _rms_row(latent, _vector(table[KV_A_NORM], ckv), eps, latent)
-    kv = _project(path, table, KV_B, latent, heads * (n + dv), nblocks)
+    row = np.empty(ckv + r, np.float32)
+    _rms_row(kv_a[:ckv], _vector(table[KV_A_NORM], ckv), eps, row[:ckv])
     k_rope = kv_a[ckv:].copy()
     if dims[DIM_INTERLEAVE]:
         k_rope = _deinterleaved(k_rope)
     _rope_heads(k_rope, 1, r, cos, sin)
-    k = np.empty(heads * (n + r), np.float32)
-    v = np.empty(heads * dv, np.float32)
-    # Copies as loops: in the parallel kernel that inlines this, each slice assignment would be a
-    # parallel region of its own (three or four a head).
+    for d in range(r):   # loops, not slice assignments: each would be a parallel region of its own
+        row[ckv + d] = k_rope[d]
     for hd in range(heads):
-        base, at = hd * (n + r), hd * (n + dv)
+        base = hd * (n + r)
         if dims[DIM_INTERLEAVE]:
             q_rope = _deinterleaved(q[base + n:base + n + r])
             for d in range(r):
                 q[base + n + d] = q_rope[d]
         _rope_heads(q[base + n:base + n + r], 1, r, cos, sin)
-        for d in range(n):
-            k[base + d] = kv[at + d]
+    return q, row
+
+
+@njit_exact_inline
+def _absorbed_queries(table, dims, q):
+    """Each head's query in the latent's space, [H, Ckv + R]: W_kb,h^T q_nope,h (kv_b's key rows of
+    head h times the head's query dims without rotary), then its rotated rope part as it is. Heads in
+    parallel. Straight from the codes: with a_i = q_i * scale_i,g, a group's columns get
+    sum_i a_i * code_i,c - sum_i a_i * zero_i,g, a multiply-add per weight and no decoded row. The
+    codes and sums are sliced per plane, not indexed through one offset: so the inner loop vectorizes."""
+    heads, n, r, dv, ckv = dims[DIM_H], dims[DIM_N], dims[DIM_R], dims[DIM_V], dims[DIM_CKV]
+    bits, g, ng = table[KV_B + BITS], table[KV_B + GROUP], table[KV_B + NGROUPS]
+    per_byte, plane = 8 // bits, g * bits // 8
+    rows, row_bytes = heads * (n + dv), ng * plane
+    packed = uint8_view(table[KV_B + PACKED], rows * row_bytes)
+    scale = float32_view(table[KV_B + SCALE], rows, ng)
+    zero = float32_view(table[KV_B + ZERO], rows, ng)
+    mask = np.int32((1 << bits) - 1)
+    absorbed = np.empty((heads, ckv + r), np.float32)
+    for hd in numba.prange(heads):
+        sums = np.empty(ng * g, np.float32)   # the padded columns too: the codes fill whole groups
+        for c in range(ng * g):
+            sums[c] = 0
+        for gi in range(ng):
+            zero_sum = np.float32(0)
+            for i in range(n):
+                w = hd * (n + dv) + i
+                a = q[hd * (n + r) + i] * scale[w, gi]
+                zero_sum += a * zero[w, gi]
+                codes = packed[w * row_bytes + gi * plane:w * row_bytes + (gi + 1) * plane]
+                for j in range(per_byte):
+                    plane_sums = sums[gi * g + j * plane:gi * g + (j + 1) * plane]
+                    shift = np.int32(j * bits)
+                    for k in range(plane):
+                        plane_sums[k] += a * np.float32((np.int32(codes[k]) >> shift) & mask)
+            for c in range(gi * g, (gi + 1) * g):
+                sums[c] -= zero_sum
+        for c in range(ckv):
+            absorbed[hd, c] = sums[c]
         for d in range(r):
-            k[base + n + d] = k_rope[d]
+            absorbed[hd, ckv + d] = q[hd * (n + r) + n + d]
+    return absorbed
+
+
+@njit_exact_inline
+def _latent_attend(absorbed, rows, j0, j1, scale, ckv, nblocks):
+    """The heads' absorbed queries [H, Ckv + R] over the cached rows [j0, j1) of [L, Ckv + R]: each
+    head's softmax-weighted sum of the latents, [H, Ckv]. Every head reads the same rows, so the heads
+    are split into one group per thread, each group reading the rows once (_attend_group)."""
+    heads = absorbed.shape[0]
+    context = np.empty((heads, ckv), np.float32)
+    groups = min(heads, max(1, nblocks // BLOCKS_PER_THREAD))   # the threads (cpu.row_blocks)
+    per_group = -(-heads // groups)
+    no_sinks = np.empty(heads, np.float32)
+    for b in numba.prange(groups):
+        h0, h1 = b * per_group, min(heads, (b + 1) * per_group)
+        if h0 < h1:
+            scores = np.empty((h1 - h0, j1 - j0), np.float32)
+            _attend_group(absorbed[h0:h1], rows, rows, j0, j1, scale, no_sinks[h0:h1], False, scores,
+                          context[h0:h1])   # values: the rows' first Ckv dims, as context has Ckv columns
+    return context
+
+
+@njit_exact_inline
+def _latent_values(path, table, dims, context):
+    """Each head's attention output [H * Dv]: its context [Ckv] through kv_b's value rows of head h,
+    on the integer path (the context quantized to int8 on kv_b's groups, as the generic expansion
+    quantizes each latent). Heads in parallel."""
+    heads, n, dv = dims[DIM_H], dims[DIM_N], dims[DIM_V]
+    bits, g, ng = table[KV_B + BITS], table[KV_B + GROUP], table[KV_B + NGROUPS]
+    rows = heads * (n + dv)
+    packed = uint8_view(table[KV_B + PACKED], rows * ng * (g * bits // 8))
+    scale = float32_view(table[KV_B + SCALE], rows, ng)
+    zero = float32_view(table[KV_B + ZERO], rows, ng)
+    codes = zeroed_codes(heads, ng * g)
+    flat = codes.reshape(heads * ng * g)
+    xs = np.empty((heads, ng), np.float32)
+    qs = np.empty((heads, ng), np.int64)
+    out = np.empty((heads, rows), np.float32)   # head h's row: only its value rows are written
+    attended = np.empty(heads * dv, np.float32)
+    for hd in numba.prange(heads):
+        _quantize_row(context[hd], g, codes[hd], xs[hd], qs[hd])
+        first = hd * (n + dv) + n
+        _rows(path, bits, g, packed, scale, zero, flat, ng * g, xs, qs, np.int64(hd), np.int64(hd + 1),
+              np.int64(first), np.int64(first + dv), out)
         for d in range(dv):
-            v[hd * dv + d] = kv[at + n + d]
-    return q, k, v
+            attended[hd * dv + d] = out[hd, first + d]
+    return attended
 
 
 @njit_exact_inline
 def _attention_tail(path, table, dims, eps, scale, x, q, k, v, keys, values, pos, h, logits, nblocks):
-    """From rotated q, k, v of one token: k, v into the cache at pos, attention, o (+ bias), x += o,
-    h = norm(x), router logits (if the layer routes)."""
-    dim, heads, kv_heads, dk, dv = dims[DIM_D], dims[DIM_H], dims[DIM_K], dims[DIM_DK], dims[DIM_DV]
+    """From rotated q, k, v of one token: k, v into the cache at pos, attention, then _output_tail."""
+    heads, kv_heads, dk, dv = dims[DIM_H], dims[DIM_K], dims[DIM_DK], dims[DIM_DV]
     for kh in range(kv_heads):
         for d in range(dk):
             keys[kh, pos, d] = narrow(k[kh * dk + d], keys[kh, pos, d])
         for d in range(dv):
             values[kh, pos, d] = narrow(v[kh * dv + d], values[kh, pos, d])
-    window = table[WINDOW]
-    j0 = max(0, pos + 1 - window) if window > 0 else 0
+    j0 = _first_position(table, pos)
     has_sink = table[SINKS] != 0
     sinks = _vector(table[SINKS], heads) if has_sink else np.empty(heads, np.float32)   # not read: no sinks
     attended = np.empty(heads * dv, np.float32)
@@ -387,6 +465,21 @@ def _attention_tail(path, table, dims, eps, scale, x, q, k, v, keys, values, pos
         h0, h1 = kh * group, (kh + 1) * group
         _attend_group(by_head[h0:h1], keys[kh], values[kh], j0, pos + 1, scale, sinks[h0:h1], has_sink, scores,
                       by_head_out[h0:h1])
+    _output_tail(path, table, dims, eps, x, attended, h, logits, nblocks)
+
+
+@njit_exact_inline
+def _first_position(table, pos):
+    """The first cached position a token at pos attends to (its layer's sliding window, if any)."""
+    window = table[WINDOW]
+    return max(0, pos + 1 - window) if window > 0 else 0
+
+
+@njit_exact_inline
+def _output_tail(path, table, dims, eps, x, attended, h, logits, nblocks):
+    """From the heads' attention outputs attended [H * Dv]: o (+ bias), x += o, h = norm(x), router
+    logits (if the layer routes)."""
+    dim = dims[DIM_D]
     o = _project(path, table, O, attended, dim, nblocks)
     _add_bias(o, table[O_BIAS])
     for c in range(dim):
@@ -424,20 +517,26 @@ def _attention_block(path, table, dims, eps, scale, clip, x, cos, sin, keys, val
 def latent_attention_block_kernel(path, table, dims, eps, scale, x, cos, sin, keys, values, pos, h, logits,
                                   nblocks):
     """attention_block_kernel for multi-head latent attention (DeepSeek): cos / sin [R]; the cache
-    holds the expanded keys [H, L, N + R] and values [H, L, Dv]."""
+    holds each position's latent row, keys [1, L, Ckv + R] (values [1, L, 0]: none)."""
     _latent_attention_block(path, table, dims, eps, scale, np.float32(-1), x, cos, sin, keys, values, pos, h, logits,
                             nblocks)
 
 
 @njit_exact_parallel
 def _latent_attention_block(path, table, dims, eps, scale, clip, x, cos, sin, keys, values, pos, h, logits, nblocks):
-    """latent_attention_block_kernel's body, compiled once for the kernels that call it. clip is not
-    read (latent attention has none): the arguments are _attention_block's, so that the step's
-    layers call either kind alike."""
+    """latent_attention_block_kernel's body, compiled once for the kernels that call it: the token's
+    latent row into the cache at pos, the heads' queries absorbed into the latent space, attention over
+    the rows, each head's context through kv_b's value rows, then the output tail. clip and values are
+    not read: the arguments are _attention_block's, so that the step's layers call either kind alike."""
     normed = np.empty(dims[DIM_D], np.float32)
     _norm(dims[DIM_NORM], x, table, ATTN_NORM, ATTN_NORM_BIAS, eps, normed)
-    q, k, v = _mla_qkv(path, table, dims, eps, normed, cos, sin, nblocks)
-    _attention_tail(path, table, dims, eps, scale, x, q, k, v, keys, values, pos, h, logits, nblocks)
+    q, row = _latent_qkv(path, table, dims, eps, normed, cos, sin, nblocks)
+    rows = keys[0]
+    for d in range(row.shape[0]):
+        rows[pos, d] = narrow(row[d], rows[pos, d])
+    context = _latent_attend(_absorbed_queries(table, dims, q), rows, _first_position(table, pos), pos + 1, scale,
+                             dims[DIM_CKV], nblocks)
+    _output_tail(path, table, dims, eps, x, _latent_values(path, table, dims, context), h, logits, nblocks)
 
 
 @njit_exact
@@ -677,8 +776,8 @@ def decode_token_kernel(path, tables, dims, eps, scale, clip, x, cos, sin, kv, k
 def decode_latent_token_kernel(path, tables, dims, eps, scale, clip, x, cos, sin, kv, kv_like, pos, layouts, top_k,
                                router, jitter, scaling, replayed, hs, weights, experts, nblocks):
     """decode_token_kernel for layers of multi-head latent attention (latent_attention_block_kernel's,
-    cos / sin [R]; kv's caches [H, capacity, N + R / Dv]; clip not read) then a MoE block: a kernel of
-    its own, so that a model of the other kind never compiles this block."""
+    cos / sin [R]; kv's caches [1, capacity, Ckv + R] and [1, capacity, 0]; clip not read) then a MoE
+    block: a kernel of its own, so that a model of the other kind never compiles this block."""
     _token_layers(_latent_attention_block, path, tables, dims, eps, scale, clip, x, cos, sin, kv, kv_like, pos,
                   layouts, top_k, router, jitter, scaling, replayed, hs, weights, experts, nblocks)
 

@@ -166,6 +166,10 @@ class Attention(Part):
     def rope_dim(self, spec) -> int:
         return spec.head_dim
 
+    def cache_layout(self, spec) -> tuple[int, int, int]:
+        """What the KV cache holds per layer and position: (heads, key dims, value dims)."""
+        return spec.num_kv_heads, spec.head_dim, spec.head_dim
+
     def shapes(self, spec) -> dict[str, tuple[int, ...]]:
         """A layer's attention roles (canonical names without "layers.{l}.", edgemoe/spec.py) and shapes."""
         D, Dh = spec.hidden_size, spec.head_dim

@@ -29,8 +29,8 @@ TOPK_METHODS = ("greedy", "group_limited_greedy")
 @register
 @dataclass(frozen=True, kw_only=True)
 class LatentAttention(Attention):
-    """Multi-head latent attention (edgemoe/attention.py mla_qkv; canonical roles in edgemoe/spec.py):
-    keys and values expanded per head from a latent of kv_lora_rank dims, queries from one of
+    """Multi-head latent attention (edgemoe/attention.py mla_qkv, mla_attend; canonical roles in
+    edgemoe/spec.py): keys and values expanded per head from a latent of kv_lora_rank dims, queries from one of
     q_lora_rank dims (0: a plain q projection); per head, qk_nope_head_dim query/key dims without
     rotary embedding and qk_rope_head_dim with, v_head_dim value dims."""
 
@@ -49,6 +49,10 @@ class LatentAttention(Attention):
 
     def rope_dim(self, spec):
         return self.qk_rope_head_dim
+
+    def cache_layout(self, spec):
+        """The normed latent and the rotated rope key, shared by every head (edgemoe/attention.py mla_attend)."""
+        return 1, self.kv_lora_rank + self.qk_rope_head_dim, 0
 
     def shapes(self, spec):
         D, H, Cq, Ckv = spec.hidden_size, spec.num_heads, self.q_lora_rank, self.kv_lora_rank
