@@ -6,6 +6,8 @@ token by token in one process (so that the drift between processes stays out of 
   functions of their own;
 - projections-inlined: the attention block's matrix products inlined at each call site, as they were
   before they became one function of their own (`cpu_layer._matrix_product`);
+- attention-in-one-function: the attention block one parallel function, its three compiled parts
+  (`_gqa_projections`, `_cached_attention`, `_output`) inlined into it, as it was before the split;
 - loop-written-out: the step's loop over its layers written in the kernel, as it was before both step
   kernels shared it (`cpu_layer._token_layers`, which takes the attention block as an argument);
 - layer-by-layer: no step kernel, each layer's attention block and MoE block in a call of its own
@@ -15,7 +17,7 @@ token by token in one process (so that the drift between processes stays out of 
   `np.zeros`), as they were written before: in a parallel function numba makes each such expression
   a parallel region of its own.
 
-    python tools/bench_step_variants.py STORE [--variants inlined projections-inlined array-expressions
+    python tools/bench_step_variants.py STORE [--variants inlined projections-inlined attention-in-one-function array-expressions
                                               loop-written-out layer-by-layer] [--prefill 512] [--tokens 300]
                                               [--threads 2]
 
@@ -84,7 +86,7 @@ def rebuilt(fn, options: dict, **globals_replaced):
 def inlined_step():
     experts = rebuilt(cpu_int.swiglu_experts_int, EXACT_INLINE)
     moe = rebuilt(cpu_layer._moe_block, EXACT_INLINE, swiglu_experts_int=experts)
-    attention = rebuilt(cpu_layer._attention_block, EXACT_INLINE)
+    attention = attention_block(cpu_layer._project, EXACT_INLINE)
     return rebuilt(cpu_layer.decode_token_kernel, PARALLEL, _attention_block=attention, _moe_block=moe)
 
 
@@ -125,12 +127,18 @@ def loop_written_out_step():
     return numba.njit(**dict(EXACT, cache=False))(namespace["decode_token_kernel"])
 
 
-def attention_block(project):
-    """cpu_layer._attention_block rebuilt around another _project."""
+def attention_block(project, options=PARALLEL):
+    """cpu_layer._attention_block as one function (`options`: compiled, or inlined into its caller)
+    with its three compiled parts inlined into it, as it was written before they were split (so that
+    another cache element type compiles only the part that reads the cache), around `project`."""
     qkv = rebuilt(cpu_layer._gqa_qkv, EXACT_INLINE, _project=project)
-    output = rebuilt(cpu_layer._output_tail, EXACT_INLINE, _project=project)
-    tail = rebuilt(cpu_layer._attention_tail, EXACT_INLINE, _output_tail=output)
-    return rebuilt(cpu_layer._attention_block, PARALLEL, _gqa_qkv=qkv, _attention_tail=tail)
+    parts = {name: rebuilt(getattr(cpu_layer, name), EXACT_INLINE, _project=project, _gqa_qkv=qkv)
+             for name in ("_gqa_projections", "_cached_attention", "_output")}
+    return rebuilt(cpu_layer._attention_block, options, **parts)
+
+
+def attention_in_one_function_step():
+    return rebuilt(cpu_layer.decode_token_kernel, EXACT, _attention_block=attention_block(cpu_layer._project))
 
 
 def projections_inlined_step():
@@ -139,6 +147,7 @@ def projections_inlined_step():
 
 
 VARIANTS = {"inlined": inlined_step, "projections-inlined": projections_inlined_step,
+            "attention-in-one-function": attention_in_one_function_step,
             "array-expressions": array_expressions_step, "loop-written-out": loop_written_out_step,
             "layer-by-layer": lambda: None}   # None: no step kernel
 

@@ -444,9 +444,11 @@ def _latent_values(path, table, dims, context):
     return attended
 
 
-@njit_exact_inline
-def _attention_tail(path, table, dims, eps, scale, x, q, k, v, keys, values, pos, h, logits, nblocks):
-    """From rotated q, k, v of one token: k, v into the cache at pos, attention, then _output_tail."""
+@njit_exact_parallel
+def _cached_attention(table, dims, scale, q, k, v, keys, values, pos):
+    """Rotated q, k, v of one token: k, v into the cache at pos, then each query head's attention over
+    its kv head's positions -> [H * Dv]. The part of the block that reads the cache: the only one
+    numba compiles again for another cache element type."""
     heads, kv_heads, dk, dv = dims[DIM_H], dims[DIM_K], dims[DIM_DK], dims[DIM_DV]
     for kh in range(kv_heads):
         for d in range(dk):
@@ -465,7 +467,7 @@ def _attention_tail(path, table, dims, eps, scale, x, q, k, v, keys, values, pos
         h0, h1 = kh * group, (kh + 1) * group
         _attend_group(by_head[h0:h1], keys[kh], values[kh], j0, pos + 1, scale, sinks[h0:h1], has_sink, scores,
                       by_head_out[h0:h1])
-    _output_tail(path, table, dims, eps, x, attended, h, logits, nblocks)
+    return attended
 
 
 @njit_exact_inline
@@ -475,10 +477,10 @@ def _first_position(table, pos):
     return max(0, pos + 1 - window) if window > 0 else 0
 
 
-@njit_exact_inline
-def _output_tail(path, table, dims, eps, x, attended, h, logits, nblocks):
+@njit_exact_parallel
+def _output(path, table, dims, eps, x, attended, h, logits, nblocks):
     """From the heads' attention outputs attended [H * Dv]: o (+ bias), x += o, h = norm(x), router
-    logits (if the layer routes)."""
+    logits (if the layer routes). Compiled once for both attention kinds and every cache element type."""
     dim = dims[DIM_D]
     o = _project(path, table, O, attended, dim, nblocks)
     _add_bias(o, table[O_BIAS])
@@ -494,6 +496,14 @@ def _output_tail(path, table, dims, eps, x, attended, h, logits, nblocks):
 
 
 @njit_exact
+def _gqa_projections(path, table, dims, eps, clip, x, cos, sin, nblocks):
+    """The attention norm of x, then _gqa_qkv: rotated q, k, v."""
+    normed = np.empty(dims[DIM_D], np.float32)
+    _norm(dims[DIM_NORM], x, table, ATTN_NORM, ATTN_NORM_BIAS, eps, normed)
+    return _gqa_qkv(path, table, dims, eps, clip, normed, cos, sin, nblocks)
+
+
+@njit_exact
 def attention_block_kernel(path, table, dims, eps, scale, clip, x, cos, sin, keys, values, pos, h, logits,
                            nblocks):
     """Grouped-query attention. x float32 [D] (updated: x + attention), keys / values [K, L, Dk / Dv]
@@ -503,14 +513,14 @@ def attention_block_kernel(path, table, dims, eps, scale, clip, x, cos, sin, key
     _attention_block(path, table, dims, eps, scale, clip, x, cos, sin, keys, values, pos, h, logits, nblocks)
 
 
-@njit_exact_parallel
+@njit_exact
 def _attention_block(path, table, dims, eps, scale, clip, x, cos, sin, keys, values, pos, h, logits, nblocks):
     """attention_block_kernel's body, compiled once for the kernels that call it (decode_token_kernel
-    too): inlined, numba compiled it again inside each of them."""
-    normed = np.empty(dims[DIM_D], np.float32)
-    _norm(dims[DIM_NORM], x, table, ATTN_NORM, ATTN_NORM_BIAS, eps, normed)
-    q, k, v = _gqa_qkv(path, table, dims, eps, clip, normed, cos, sin, nblocks)
-    _attention_tail(path, table, dims, eps, scale, x, q, k, v, keys, values, pos, h, logits, nblocks)
+    too): inlined, numba compiled it again inside each of them. Three compiled parts, so that another
+    cache element type compiles only the one that reads the cache (_cached_attention)."""
+    q, k, v = _gqa_projections(path, table, dims, eps, clip, x, cos, sin, nblocks)
+    _output(path, table, dims, eps, x, _cached_attention(table, dims, scale, q, k, v, keys, values, pos), h, logits,
+            nblocks)
 
 
 @njit_exact
@@ -522,21 +532,42 @@ def latent_attention_block_kernel(path, table, dims, eps, scale, x, cos, sin, ke
                             nblocks)
 
 
-@njit_exact_parallel
+@njit_exact
 def _latent_attention_block(path, table, dims, eps, scale, clip, x, cos, sin, keys, values, pos, h, logits, nblocks):
-    """latent_attention_block_kernel's body, compiled once for the kernels that call it: the token's
-    latent row into the cache at pos, the heads' queries absorbed into the latent space, attention over
-    the rows, each head's context through kv_b's value rows, then the output tail. clip and values are
-    not read: the arguments are _attention_block's, so that the step's layers call either kind alike."""
+    """latent_attention_block_kernel's body, compiled once for the kernels that call it: the heads'
+    queries absorbed into the latent space and the token's latent row (_latent_projections), the row
+    into the cache at pos and attention over the rows (_cached_latent_attention, the one part another
+    cache element type compiles again), each head's context through kv_b's value rows, then the
+    output (_latent_output). clip and values are not read: the arguments are _attention_block's,
+    so that the step's layers call either kind alike."""
+    absorbed, row = _latent_projections(path, table, dims, eps, x, cos, sin, nblocks)
+    context = _cached_latent_attention(absorbed, row, keys, pos, _first_position(table, pos), scale, dims[DIM_CKV],
+                                       nblocks)
+    _latent_output(path, table, dims, eps, x, context, h, logits, nblocks)
+
+
+@njit_exact_parallel
+def _latent_projections(path, table, dims, eps, x, cos, sin, nblocks):
+    """The attention norm of x, _latent_qkv, the queries absorbed: (absorbed [H, Ckv + R], row [Ckv + R])."""
     normed = np.empty(dims[DIM_D], np.float32)
     _norm(dims[DIM_NORM], x, table, ATTN_NORM, ATTN_NORM_BIAS, eps, normed)
     q, row = _latent_qkv(path, table, dims, eps, normed, cos, sin, nblocks)
+    return _absorbed_queries(table, dims, q), row
+
+
+@njit_exact_parallel
+def _cached_latent_attention(absorbed, row, keys, pos, j0, scale, ckv, nblocks):
+    """row into the cache's rows keys[0] at pos, then _latent_attend over [j0, pos] -> [H, Ckv]."""
     rows = keys[0]
     for d in range(row.shape[0]):
         rows[pos, d] = narrow(row[d], rows[pos, d])
-    context = _latent_attend(_absorbed_queries(table, dims, q), rows, _first_position(table, pos), pos + 1, scale,
-                             dims[DIM_CKV], nblocks)
-    _output_tail(path, table, dims, eps, x, _latent_values(path, table, dims, context), h, logits, nblocks)
+    return _latent_attend(absorbed, rows, j0, pos + 1, scale, ckv, nblocks)
+
+
+@njit_exact_parallel
+def _latent_output(path, table, dims, eps, x, context, h, logits, nblocks):
+    """Each head's context through kv_b's value rows, then _output."""
+    _output(path, table, dims, eps, x, _latent_values(path, table, dims, context), h, logits, nblocks)
 
 
 @njit_exact
