@@ -170,7 +170,8 @@ class DecodeEngine:
         arrays = (x.numpy()[0], cos.numpy()[0], sin.numpy()[0], keys, values, position, h.numpy()[0],
                   logits.numpy()[0], cpu.row_blocks())
         if self.spec.attention.kind == "mla":
-            cpu_layer.latent_attention_block_kernel(_int_path(None), table, self.dims, self.eps, self.scale, *arrays)
+            cpu_layer.latent_attention_block_kernel(_int_path(None), table, self.dims, self.eps, self.scale, self.clip,
+                                                    *arrays)
         else:
             cpu_layer.attention_block_kernel(_int_path(None), table, self.dims, self.eps, self.scale, self.clip,
                                              *arrays)

@@ -87,7 +87,7 @@ def inlined_step():
     experts = rebuilt(cpu_int.swiglu_experts_int, EXACT_INLINE)
     moe = rebuilt(cpu_layer._moe_block, EXACT_INLINE, swiglu_experts_int=experts)
     attention = attention_block(cpu_layer._project, EXACT_INLINE)
-    return rebuilt(cpu_layer.decode_token_kernel, PARALLEL, _attention_block=attention, _moe_block=moe)
+    return rebuilt(cpu_layer.decode_token_kernel, PARALLEL, attention_block_kernel=attention, _moe_block=moe)
 
 
 @numba.njit(**dict(EXACT_INLINE, cache=False))
@@ -102,7 +102,7 @@ def array_expressions_step():
     moe = numba.njit(**dict(PARALLEL, cache=False))(namespace["_moe_block"])
     product = rebuilt(cpu_layer._matrix_product, PARALLEL, zeroed_codes=np_zeroed_codes)
     project = rebuilt(cpu_layer._project, EXACT_INLINE, _matrix_product=product)
-    return rebuilt(cpu_layer.decode_token_kernel, EXACT, _attention_block=attention_block(project), _moe_block=moe)
+    return rebuilt(cpu_layer.decode_token_kernel, EXACT, attention_block_kernel=attention_block(project), _moe_block=moe)
 
 
 # decode_token_kernel as it was written before the loop became cpu_layer._token_layers.
@@ -114,7 +114,7 @@ def decode_token_kernel(path, tables, dims, eps, scale, clip, x, cos, sin, kv, k
     for l in range(tables.shape[0]):
         keys = like_view(kv[l, 0], (heads, kv[l, 2], dk), kv_like)
         values = like_view(kv[l, 1], (heads, kv[l, 2], dv), kv_like)
-        _attention_block(path, tables[l], dims, eps, scale, clip, x, cos, sin, keys, values, pos, hs[l], logits,
+        attention_block_kernel(path, tables[l], dims, eps, scale, clip, x, cos, sin, keys, values, pos, hs[l], logits,
                          nblocks)
         _moe_block(path, layouts[l], hs[l], logits, top_k, router, tables[l], jitter, scaling, replayed, x,
                    weights[l], experts[l], nblocks)
@@ -128,22 +128,22 @@ def loop_written_out_step():
 
 
 def attention_block(project, options=PARALLEL):
-    """cpu_layer._attention_block as one function (`options`: compiled, or inlined into its caller)
+    """cpu_layer.attention_block_kernel as one function (`options`: compiled, or inlined into its caller)
     with its three compiled parts inlined into it, as it was written before they were split (so that
     another cache element type compiles only the part that reads the cache), around `project`."""
     qkv = rebuilt(cpu_layer._gqa_qkv, EXACT_INLINE, _project=project)
     parts = {name: rebuilt(getattr(cpu_layer, name), EXACT_INLINE, _project=project, _gqa_qkv=qkv)
              for name in ("_gqa_projections", "_cached_attention", "_output")}
-    return rebuilt(cpu_layer._attention_block, options, **parts)
+    return rebuilt(cpu_layer.attention_block_kernel, options, **parts)
 
 
 def attention_in_one_function_step():
-    return rebuilt(cpu_layer.decode_token_kernel, EXACT, _attention_block=attention_block(cpu_layer._project))
+    return rebuilt(cpu_layer.decode_token_kernel, EXACT, attention_block_kernel=attention_block(cpu_layer._project))
 
 
 def projections_inlined_step():
     project = rebuilt(cpu_layer._matrix_product, EXACT_INLINE)   # the same arguments as _project
-    return rebuilt(cpu_layer.decode_token_kernel, EXACT, _attention_block=attention_block(project))
+    return rebuilt(cpu_layer.decode_token_kernel, EXACT, attention_block_kernel=attention_block(project))
 
 
 VARIANTS = {"inlined": inlined_step, "projections-inlined": projections_inlined_step,

@@ -15,7 +15,7 @@ deinterleave where the model has it), kv_a's normed latent and rotated rope key 
 cache as the position's row, each head's query absorbed into the latent space through kv_b's key
 rows, attention over the rows, each head's context through kv_b's value rows, then the same tail. The phases are inlined functions (numba inlines their
 prange loops into the kernel's parallel regions); the blocks that several kernels call
-(_attention_block, _moe_block, cpu_int.swiglu_experts_int) are compiled functions of their own, so
+(attention_block_kernel, _moe_block, cpu_int.swiglu_experts_int) are compiled functions of their own, so
 that each is compiled once. This is where the generic forward makes ~40 torch ops and kernel calls,
 each with its Python around it.
 The projections, RMSNorms, biases, clip, rotary and residual give the generic path's bits (the same
@@ -504,41 +504,28 @@ def _gqa_projections(path, table, dims, eps, clip, x, cos, sin, nblocks):
 
 
 @njit_exact
-def attention_block_kernel(path, table, dims, eps, scale, clip, x, cos, sin, keys, values, pos, h, logits,
-                           nblocks):
+def attention_block_kernel(path, table, dims, eps, scale, clip, x, cos, sin, keys, values, pos, h, logits, nblocks):
     """Grouped-query attention. x float32 [D] (updated: x + attention), keys / values [K, L, Dk / Dv]
     float32, or bfloat16 as int16 bit patterns (edgemoe/kernels/kv.py; position pos written), cos / sin
     float32 [Dk] of the position, h float32 [D] (out: the MoE block's normed input), logits float32 [E]
-    (out, if table[ROUTER]); clip < 0: none. See the module docstring."""
-    _attention_block(path, table, dims, eps, scale, clip, x, cos, sin, keys, values, pos, h, logits, nblocks)
-
-
-@njit_exact
-def _attention_block(path, table, dims, eps, scale, clip, x, cos, sin, keys, values, pos, h, logits, nblocks):
-    """attention_block_kernel's body, compiled once for the kernels that call it (decode_token_kernel
-    too): inlined, numba compiled it again inside each of them. Three compiled parts, so that another
-    cache element type compiles only the one that reads the cache (_cached_attention)."""
+    (out, if table[ROUTER]); clip < 0: none. See the module docstring.
+    Called, not inlined, by the step kernel too (decode_token_kernel): inlined, numba compiled it again
+    inside it. Three compiled parts, so that another cache element type compiles only the one that
+    reads the cache (_cached_attention)."""
     q, k, v = _gqa_projections(path, table, dims, eps, clip, x, cos, sin, nblocks)
     _output(path, table, dims, eps, x, _cached_attention(table, dims, scale, q, k, v, keys, values, pos), h, logits,
             nblocks)
 
 
 @njit_exact
-def latent_attention_block_kernel(path, table, dims, eps, scale, x, cos, sin, keys, values, pos, h, logits,
+def latent_attention_block_kernel(path, table, dims, eps, scale, clip, x, cos, sin, keys, values, pos, h, logits,
                                   nblocks):
     """attention_block_kernel for multi-head latent attention (DeepSeek): cos / sin [R]; the cache
-    holds each position's latent row, keys [1, L, Ckv + R] (values [1, L, 0]: none)."""
-    _latent_attention_block(path, table, dims, eps, scale, np.float32(-1), x, cos, sin, keys, values, pos, h, logits,
-                            nblocks)
-
-
-@njit_exact
-def _latent_attention_block(path, table, dims, eps, scale, clip, x, cos, sin, keys, values, pos, h, logits, nblocks):
-    """latent_attention_block_kernel's body, compiled once for the kernels that call it: the heads'
+    holds each position's latent row, keys [1, L, Ckv + R] (values [1, L, 0]: none). The heads'
     queries absorbed into the latent space and the token's latent row (_latent_projections), the row
     into the cache at pos and attention over the rows (_cached_latent_attention, the one part another
     cache element type compiles again), each head's context through kv_b's value rows, then the
-    output (_latent_output). clip and values are not read: the arguments are _attention_block's,
+    output (_latent_output). clip and values are not read: the arguments are attention_block_kernel's,
     so that the step's layers call either kind alike."""
     absorbed, row = _latent_projections(path, table, dims, eps, x, cos, sin, nblocks)
     context = _cached_latent_attention(absorbed, row, keys, pos, _first_position(table, pos), scale, dims[DIM_CKV],
@@ -718,7 +705,7 @@ def moe_block_kernel(path, layouts, h, logits, top_k, router, table, jitter, sca
 @njit_exact_parallel
 def _moe_block(path, layouts, h, logits, top_k, router, table, jitter, scaling, replayed, x, weights, experts,
                nblocks):
-    """moe_block_kernel's body, compiled once for the kernels that call it, as _attention_block."""
+    """moe_block_kernel's body, compiled once for the kernels that call it, as attention_block_kernel."""
     if not replayed:
         _route(router, logits, table, jitter, top_k, weights, experts)
         if scaling != 1:   # as layers.choose_experts scales a float32 tensor
@@ -799,7 +786,7 @@ def decode_token_kernel(path, tables, dims, eps, scale, clip, x, cos, sin, kv, k
     strongest first, by `router` as in moe_block_kernel with the layer's table's ROUTER_BIAS, jitter
     and scaling; replayed: given, not chosen).
     The bits of the two kernels called layer by layer."""
-    _token_layers(_attention_block, path, tables, dims, eps, scale, clip, x, cos, sin, kv, kv_like, pos, layouts,
+    _token_layers(attention_block_kernel, path, tables, dims, eps, scale, clip, x, cos, sin, kv, kv_like, pos, layouts,
                   top_k, router, jitter, scaling, replayed, hs, weights, experts, nblocks)
 
 
@@ -809,7 +796,7 @@ def decode_latent_token_kernel(path, tables, dims, eps, scale, clip, x, cos, sin
     """decode_token_kernel for layers of multi-head latent attention (latent_attention_block_kernel's,
     cos / sin [R]; kv's caches [1, capacity, Ckv + R] and [1, capacity, 0]; clip not read) then a MoE
     block: a kernel of its own, so that a model of the other kind never compiles this block."""
-    _token_layers(_latent_attention_block, path, tables, dims, eps, scale, clip, x, cos, sin, kv, kv_like, pos,
+    _token_layers(latent_attention_block_kernel, path, tables, dims, eps, scale, clip, x, cos, sin, kv, kv_like, pos,
                   layouts, top_k, router, jitter, scaling, replayed, hs, weights, experts, nblocks)
 
 
