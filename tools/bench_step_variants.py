@@ -47,7 +47,7 @@ PARALLEL = dict(EXACT, parallel=True)
 
 # The MoE block as it was written with array expressions (cpu_layer's names in scope).
 ARRAY_EXPRESSIONS = '''
-def _moe_block(path, layouts, h, logits, top_k, router, table, jitter, scaling, replayed, x, weights, experts, nblocks):
+def moe_block_kernel(path, layouts, h, logits, top_k, router, table, jitter, scaling, replayed, x, weights, experts, nblocks):
     if not replayed:
         _route(router, logits, table, jitter, top_k, weights, experts)
         if scaling != 1:
@@ -85,9 +85,9 @@ def rebuilt(fn, options: dict, **globals_replaced):
 
 def inlined_step():
     experts = rebuilt(cpu_int.swiglu_experts_int, EXACT_INLINE)
-    moe = rebuilt(cpu_layer._moe_block, EXACT_INLINE, swiglu_experts_int=experts)
+    moe = rebuilt(cpu_layer.moe_block_kernel, EXACT_INLINE, swiglu_experts_int=experts)
     attention = attention_block(cpu_layer._project, EXACT_INLINE)
-    return rebuilt(cpu_layer.decode_token_kernel, PARALLEL, attention_block_kernel=attention, _moe_block=moe)
+    return rebuilt(cpu_layer.decode_token_kernel, PARALLEL, attention_block_kernel=attention, moe_block_kernel=moe)
 
 
 @numba.njit(**dict(EXACT_INLINE, cache=False))
@@ -99,10 +99,10 @@ def array_expressions_step():
     experts = rebuilt(cpu_int.swiglu_experts_int, PARALLEL, zeroed_codes=np_zeroed_codes)
     namespace = dict(vars(cpu_layer), swiglu_experts_int=experts)
     exec(ARRAY_EXPRESSIONS, namespace)
-    moe = numba.njit(**dict(PARALLEL, cache=False))(namespace["_moe_block"])
+    moe = numba.njit(**dict(PARALLEL, cache=False))(namespace["moe_block_kernel"])
     product = rebuilt(cpu_layer._matrix_product, PARALLEL, zeroed_codes=np_zeroed_codes)
     project = rebuilt(cpu_layer._project, EXACT_INLINE, _matrix_product=product)
-    return rebuilt(cpu_layer.decode_token_kernel, EXACT, attention_block_kernel=attention_block(project), _moe_block=moe)
+    return rebuilt(cpu_layer.decode_token_kernel, EXACT, attention_block_kernel=attention_block(project), moe_block_kernel=moe)
 
 
 # decode_token_kernel as it was written before the loop became cpu_layer._token_layers.
@@ -116,7 +116,7 @@ def decode_token_kernel(path, tables, dims, eps, scale, clip, x, cos, sin, kv, k
         values = like_view(kv[l, 1], (heads, kv[l, 2], dv), kv_like)
         attention_block_kernel(path, tables[l], dims, eps, scale, clip, x, cos, sin, keys, values, pos, hs[l], logits,
                          nblocks)
-        _moe_block(path, layouts[l], hs[l], logits, top_k, router, tables[l], jitter, scaling, replayed, x,
+        moe_block_kernel(path, layouts[l], hs[l], logits, top_k, router, tables[l], jitter, scaling, replayed, x,
                    weights[l], experts[l], nblocks)
 '''
 

@@ -15,7 +15,7 @@ deinterleave where the model has it), kv_a's normed latent and rotated rope key 
 cache as the position's row, each head's query absorbed into the latent space through kv_b's key
 rows, attention over the rows, each head's context through kv_b's value rows, then the same tail. The phases are inlined functions (numba inlines their
 prange loops into the kernel's parallel regions); the blocks that several kernels call
-(attention_block_kernel, _moe_block, cpu_int.swiglu_experts_int) are compiled functions of their own, so
+(attention_block_kernel, moe_block_kernel, cpu_int.swiglu_experts_int) are compiled functions of their own, so
 that each is compiled once. This is where the generic forward makes ~40 torch ops and kernel calls,
 each with its Python around it.
 The projections, RMSNorms, biases, clip, rotary and residual give the generic path's bits (the same
@@ -683,7 +683,7 @@ def _route(router, logits, table, jitter, top_k, weights, experts):
         softmax_topk_kernel(logits, top_k, router == SOFTMAX_NORMALIZED, weights, experts)
 
 
-@njit_exact
+@njit_exact_parallel
 def moe_block_kernel(path, layouts, h, logits, top_k, router, table, jitter, scaling, replayed, x, weights, experts,
                      nblocks):
     """A one-token MoE block whose experts are all resident, on the integer path, in one call: the
@@ -698,14 +698,8 @@ def moe_block_kernel(path, layouts, h, logits, top_k, router, table, jitter, sca
     The bits of the generic MoE block on the same choice (edgemoe.experts.ExpertBatches orders a
     step's pairs by expert; edgemoe.quantized's weighted sum adds them in that order, then the
     shared expert, then the residual), where Python around each piece cost a fine-grained layer more
-    than its experts' compute."""
-    _moe_block(path, layouts, h, logits, top_k, router, table, jitter, scaling, replayed, x, weights, experts, nblocks)
-
-
-@njit_exact_parallel
-def _moe_block(path, layouts, h, logits, top_k, router, table, jitter, scaling, replayed, x, weights, experts,
-               nblocks):
-    """moe_block_kernel's body, compiled once for the kernels that call it, as attention_block_kernel."""
+    than its experts' compute.
+    Called, not inlined, by the step kernels too, as attention_block_kernel."""
     if not replayed:
         _route(router, logits, table, jitter, top_k, weights, experts)
         if scaling != 1:   # as layers.choose_experts scales a float32 tensor
@@ -812,5 +806,5 @@ def _token_layers(attention_block, path, tables, dims, eps, scale, clip, x, cos,
         values = like_view(kv[l, 1], (heads, kv[l, 2], dv), kv_like)
         attention_block(path, tables[l], dims, eps, scale, clip, x, cos, sin, keys, values, pos, hs[l], logits,
                         nblocks)
-        _moe_block(path, layouts[l], hs[l], logits, top_k, router, tables[l], jitter, scaling, replayed, x,
+        moe_block_kernel(path, layouts[l], hs[l], logits, top_k, router, tables[l], jitter, scaling, replayed, x,
                    weights[l], experts[l], nblocks)
