@@ -161,10 +161,6 @@ class ModelSpec:
         return self.attention.key_dim(self)
 
     @property
-    def value_dim(self) -> int:
-        return self.attention.value_dim(self)
-
-    @property
     def cache_layout(self) -> tuple[int, int, int]:
         """The KV cache's (heads, key dims, value dims) per layer and position (MLA: its latent)."""
         return self.attention.cache_layout(self)

@@ -102,7 +102,8 @@ def array_expressions_step():
     moe = numba.njit(**dict(PARALLEL, cache=False))(namespace["moe_block_kernel"])
     product = rebuilt(cpu_layer._matrix_product, PARALLEL, zeroed_codes=np_zeroed_codes)
     project = rebuilt(cpu_layer._project, EXACT_INLINE, _matrix_product=product)
-    return rebuilt(cpu_layer.decode_token_kernel, EXACT, attention_block_kernel=attention_block(project), moe_block_kernel=moe)
+    return rebuilt(cpu_layer.decode_token_kernel, EXACT, attention_block_kernel=attention_block(project),
+                   moe_block_kernel=moe)
 
 
 # decode_token_kernel as it was written before the loop became cpu_layer._token_layers.

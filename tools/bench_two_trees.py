@@ -51,6 +51,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dense-bits", default="auto", choices=["auto", "none", "8", "4"])
     args = parser.parse_args()
+    if not (args.before / "edgemoe" / "__init__.py").is_file():
+        parser.error(f"--before {args.before}: no edgemoe/__init__.py there (give a source tree's root)")
     torch.set_num_threads(args.threads)
     numba.set_num_threads(args.threads)
     import edgemoe

@@ -13,10 +13,10 @@ One call does, for a token's hidden state x [D] (the residual stream, updated in
 from x or through its latent (q_a, RMSNorm, q_b), the rope parts rotated (after DeepSeek's
 deinterleave where the model has it), kv_a's normed latent and rotated rope key written into the
 cache as the position's row, each head's query absorbed into the latent space through kv_b's key
-rows, attention over the rows, each head's context through kv_b's value rows, then the same tail. The phases are inlined functions (numba inlines their
-prange loops into the kernel's parallel regions); the blocks that several kernels call
-(attention_block_kernel, moe_block_kernel, cpu_int.swiglu_experts_int) are compiled functions of their own, so
-that each is compiled once. This is where the generic forward makes ~40 torch ops and kernel calls,
+rows, attention over the rows, each head's context through kv_b's value rows, then the same tail.
+The phases are inlined functions (numba inlines their prange loops into the kernel's parallel
+regions); the blocks that several kernels call (attention_block_kernel, moe_block_kernel,
+cpu_int.swiglu_experts_int) are compiled functions of their own, so that each is compiled once. This is where the generic forward makes ~40 torch ops and kernel calls,
 each with its Python around it.
 The projections, RMSNorms, biases, clip, rotary and residual give the generic path's bits (the same
 integer kernel rows, _rows; the same norm loop; elementwise float32 ops in torch's order, compiled
@@ -417,7 +417,7 @@ def _latent_attend(absorbed, rows, j0, j1, scale, ckv, nblocks):
     return context
 
 
-@njit_exact_inline
+@njit_exact_parallel
 def _latent_values(path, table, dims, context):
     """Each head's attention output [H * Dv]: its context [Ckv] through kv_b's value rows of head h,
     on the integer path (the context quantized to int8 on kv_b's groups, as the generic expansion
@@ -524,13 +524,13 @@ def latent_attention_block_kernel(path, table, dims, eps, scale, clip, x, cos, s
     holds each position's latent row, keys [1, L, Ckv + R] (values [1, L, 0]: none). The heads'
     queries absorbed into the latent space and the token's latent row (_latent_projections), the row
     into the cache at pos and attention over the rows (_cached_latent_attention, the one part another
-    cache element type compiles again), each head's context through kv_b's value rows, then the
-    output (_latent_output). clip and values are not read: the arguments are attention_block_kernel's,
+    cache element type compiles again), each head's context through kv_b's value rows
+    (_latent_values), then the output (_output). clip and values are not read: the arguments are attention_block_kernel's,
     so that the step's layers call either kind alike."""
     absorbed, row = _latent_projections(path, table, dims, eps, x, cos, sin, nblocks)
     context = _cached_latent_attention(absorbed, row, keys, pos, _first_position(table, pos), scale, dims[DIM_CKV],
                                        nblocks)
-    _latent_output(path, table, dims, eps, x, context, h, logits, nblocks)
+    _output(path, table, dims, eps, x, _latent_values(path, table, dims, context), h, logits, nblocks)
 
 
 @njit_exact_parallel
@@ -549,12 +549,6 @@ def _cached_latent_attention(absorbed, row, keys, pos, j0, scale, ckv, nblocks):
     for d in range(row.shape[0]):
         rows[pos, d] = narrow(row[d], rows[pos, d])
     return _latent_attend(absorbed, rows, j0, pos + 1, scale, ckv, nblocks)
-
-
-@njit_exact_parallel
-def _latent_output(path, table, dims, eps, x, context, h, logits, nblocks):
-    """Each head's context through kv_b's value rows, then _output."""
-    _output(path, table, dims, eps, x, _latent_values(path, table, dims, context), h, logits, nblocks)
 
 
 @njit_exact
@@ -807,4 +801,4 @@ def _token_layers(attention_block, path, tables, dims, eps, scale, clip, x, cos,
         attention_block(path, tables[l], dims, eps, scale, clip, x, cos, sin, keys, values, pos, hs[l], logits,
                         nblocks)
         moe_block_kernel(path, layouts[l], hs[l], logits, top_k, router, tables[l], jitter, scaling, replayed, x,
-                   weights[l], experts[l], nblocks)
+                         weights[l], experts[l], nblocks)

@@ -160,9 +160,6 @@ class Attention(Part):
     def key_dim(self, spec) -> int:
         return spec.head_dim
 
-    def value_dim(self, spec) -> int:
-        return spec.head_dim
-
     def rope_dim(self, spec) -> int:
         return spec.head_dim
 

@@ -44,9 +44,6 @@ class LatentAttention(Attention):
     def key_dim(self, spec):
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
-    def value_dim(self, spec):
-        return self.v_head_dim
-
     def rope_dim(self, spec):
         return self.qk_rope_head_dim
 
