@@ -12,7 +12,7 @@ import torch
 
 import edgemoe
 from edgemoe.convert import QualityBudget, convert
-from edgemoe.convert.budget import BudgetSearch, Calibration
+from edgemoe.convert.budget import BATCH_TOKENS, BudgetSearch, Calibration
 
 from test_budget import TEXT
 
@@ -51,19 +51,25 @@ def test_the_streamed_search_chooses_what_the_whole_model_search_chose(tiny_mode
 
 def test_a_layer_by_layer_evaluation_is_each_windows_whole_forward_pass(tiny_model):
     """The loss of a mix, evaluated layer by layer from work files, equals (bit for bit) the one of
-    each window's forward pass through the whole twin; so does the reference computed layer by
-    layer from experts read lazily against the one of the model loaded whole."""
+    each batch of windows' forward pass through the whole twin, and that of each window's own
+    forward pass but for the rounding of batched products; the reference computed layer by layer
+    from experts read lazily equals the one of the model loaded whole."""
     checkpoint = tiny_model("mixtral", num_hidden_layers=3, num_local_experts=8)
     model = edgemoe.load(checkpoint)
     ids = torch.tensor(model.tokenizer.encode(TEXT * 2, add_special_tokens=False))
     calibration = Calibration(model, ids, context=48, metric="kl")
+    every = range(len(calibration.windows))
+    batches = calibration.batches(every, BATCH_TOKENS)
+    assert max(len(b) for b in batches) > 1      # windows do share a layer's calls
     with BudgetSearch(model, calibration) as search:
         mix = {key: (2, 4, 8)[(key[0] + key[1]) % 3] for key in search.keys}
         layered = search.loss(mix)
         search.experts.release()
-        whole = calibration.loss({i: calibration.window_loss(i, calibration.predict(search._quantized, i))
-                                  for i in range(len(calibration.windows))})
-    assert layered == whole
+        whole = {i: calibration.window_loss(i, logits) for batch in batches
+                 for i, logits in zip(batch, calibration.predict_batch(search._quantized, batch))}
+        alone = {i: calibration.window_loss(i, calibration.predict(search._quantized, i)) for i in every}
+    assert layered == calibration.loss(whole)
+    assert calibration.loss(alone) == pytest.approx(layered, rel=1e-5)
     from edgemoe.checkpoint import Checkpoint
     from edgemoe.loader import model_from_checkpoint, plan_checkpoint
     ckpt = Checkpoint(checkpoint)

@@ -42,7 +42,9 @@ calibration: bounded memory"): each layer's experts are read once, packed at eve
 file (and, with lazy experts, the unquantized reference run through that layer for every window),
 and every evaluation runs layer by layer, the windows' hidden states and the layer-input cache in
 work files: memory holds the dense weights and one layer's experts, plus per window the reference's
-log-probabilities (kl) or top-1 ids.
+log-probabilities (kl) or top-1 ids. A layer's calls take several windows at once (Calibration.batches:
+a window always with the same others, so its bits do not depend on the pass), and the quantized
+experts multiply in the type the store's "dequant" path uses on this machine, as the reference's do.
 
 Shapes: T tokens per window, V vocab, D hidden; a key is (layer, expert).
 """
@@ -61,7 +63,7 @@ from edgemoe import kernels
 from edgemoe.quant import quantize
 
 from edgemoe.experts import DenseExpert, ExpertProvider, InMemoryExperts
-from edgemoe.loader import CheckpointExperts
+from edgemoe.loader import CheckpointExperts, expert_gemm_dtype
 from edgemoe.model import MoEModel, Segment
 from edgemoe.seq2seq import Seq2SeqModel, text_to_text
 from edgemoe.spec import ModelSpec
@@ -73,16 +75,21 @@ METRICS = ("ppl", "top1", "kl")
 IMPORTANCE_METHODS = ("local", "exact")
 # Experts on each side of the cut that local importance re-ranks by their exact importance.
 BOUNDARY = 8
+# Windows go through a layer together, up to this many tokens a call: a layer's matrix products on
+# more rows at once (docs/budget.md, "Cheaper passes"); a window's batch is fixed (Calibration.batches).
+BATCH_TOKENS = 1024
 Key = tuple[int, int]
 
 
 class MixedWidthExperts(ExpertProvider):
     """Every expert packed at every width in `packed` (a work file); `widths` says which one each
     expert uses now. Dequantized weights are held for one layer and one evaluation at a time: a
-    layer-by-layer pass serves every window from them before the next layer's are read."""
+    layer-by-layer pass serves every window from them before the next layer's are read. They are
+    dequantized to `gemm_dtype`, the type the store's "dequant" path multiplies in on this machine
+    (edgemoe.loader.expert_gemm_dtype), so that the twin computes as its unquantized reference does."""
 
-    def __init__(self, packed: PackedExperts):
-        self.packed = packed
+    def __init__(self, packed: PackedExperts, gemm_dtype: torch.dtype = torch.float32):
+        self.packed, self.gemm_dtype = packed, gemm_dtype
         self.activations: dict = {}
         self.widths: dict[Key, int] = {}
         self._layer, self._held = None, {}
@@ -106,7 +113,7 @@ class MixedWidthExperts(ExpertProvider):
             self._layer = key[0]
         item = key, bits
         if item not in self._held:
-            weights = {role: kernels.dequantize(qt) for role, qt in self.packed.get(*item).items()}
+            weights = {role: kernels.dequantize(qt, self.gemm_dtype) for role, qt in self.packed.get(*item).items()}
             self._held[item] = DenseExpert(**weights, activation=self.activations[key])
         return self._held[item]
 
@@ -177,8 +184,11 @@ class Calibration:
         self.reference: list[torch.Tensor] = []
         self.reference_nll: list[float] = []     # per window, summed over its tokens
         if not isinstance(reference, ModelSpec):
-            for i in range(len(self.windows)):
-                self.add_reference(i, self.predict(reference, i))
+            pending = {}      # a block's two halves come batch after batch: added in window order
+            for batch in self.batches(range(len(self.windows)), BATCH_TOKENS):
+                pending.update(zip(batch, self.predict_batch(reference, batch)))
+                while len(self.reference) in pending:
+                    self.add_reference(len(self.reference), pending.pop(len(self.reference)))
 
     @property
     def has_reference(self) -> bool:
@@ -199,6 +209,18 @@ class Calibration:
             return model.teacher_forced(self.pairs[i])
         return model.logits(self.windows[i])[:-1]
 
+    @torch.inference_mode()
+    def predict_batch(self, model: MoEModel | Seq2SeqModel, batch: list[int]) -> list[torch.Tensor]:
+        """predict for each window of `batch` (one of batches()), a decoder-only model's windows run as
+        one batch of sequences: the bits the search's layer-by-layer pass computes for them."""
+        if self.pairs:
+            return [self.predict(model, i) for i in batch]
+        sizes = [self.windows[i].numel() for i in batch]
+        positions = torch.cat([torch.arange(n) for n in sizes])
+        segments = [Segment(model.new_cache(), n) for n in sizes]
+        hidden = model.run_layers(model.embeddings(torch.cat([self.windows[i] for i in batch])), positions, segments)
+        return [model.head(h)[:-1] for h in hidden.split(sizes)]
+
     def window_loss(self, i: int, logits: torch.Tensor) -> float:
         """This window's loss from logits [T, V] aligned with its targets (predict), summed over its
         tokens (for ppl: NLL minus the reference's NLL)."""
@@ -217,6 +239,18 @@ class Calibration:
         if len(every) < 2:
             return every, every
         return every[0::2], every[1::2]
+
+    def batches(self, windows, tokens: int) -> list[list[int]]:
+        """`windows` in batches of up to `tokens` tokens (one window at least) to run through a layer
+        together. A window's batch is the windows of its own half (halves) in its block of
+        consecutive windows, whichever of them are asked for: a pass over all the windows and a pass
+        over its half put it in the same batch, so it computes the same bits in both (a batched
+        matrix product may round a row differently with other rows beside it)."""
+        per_batch = max(1, tokens // self.windows[0].numel())
+        batches: dict[tuple[int, int], list[int]] = {}
+        for i in windows:
+            batches.setdefault((i // (2 * per_batch), i % 2), []).append(i)
+        return list(batches.values())
 
     def loss(self, per_window: dict[int, float]) -> tuple[float, float]:
         """(estimate, upper confidence bound) of the metric from per-window sums (window -> sum)."""
@@ -278,11 +312,15 @@ class BudgetSearch:
     checkpoint (CheckpointExperts, model_from_checkpoint(lazy_experts=True)): with a Calibration that
     awaits its reference (built from the spec), the reference is run layer by layer as the experts
     are read. workdir: where the work files go (a directory made inside it, removed by close()).
-    Use as a context manager, or close() it."""
+    batch_tokens: windows go through a layer's calls together up to this many tokens (0: one window
+    a call, as before batching). gemm_dtype: the type the quantized experts multiply in (default the
+    store's "dequant" path's on this machine; float32 as before). Use as a context manager, or
+    close() it."""
 
     def __init__(self, model: MoEModel | Seq2SeqModel, calibration: Calibration, group_size: int | None = None,
                  method: str = "rtn", progress: Callable[[str, int, int], None] | None = None,
-                 importance: str = "local", workdir=None, sensitivity_groups: int | None = None):
+                 importance: str = "local", workdir=None, sensitivity_groups: int | None = None,
+                 batch_tokens: int = BATCH_TOKENS, gemm_dtype: torch.dtype | None = None):
         if not isinstance(model.experts, (InMemoryExperts, CheckpointExperts)):
             raise ValueError("budget search: load the checkpoint directory, not a store")
         if importance not in IMPORTANCE_METHODS:
@@ -303,7 +341,9 @@ class BudgetSearch:
         self.layer_loss: dict[int, float] = {}
         self.boundary: dict[Key, float] = {}
         self._work = WorkDirectory(workdir)
-        self.experts = MixedWidthExperts(PackedExperts(self._work.path / "packed.bin"))
+        self.batch_tokens = batch_tokens
+        self.experts = MixedWidthExperts(PackedExperts(self._work.path / "packed.bin"),
+                                         gemm_dtype or expert_gemm_dtype(model.dense_weights()))
         self._quantized = type(model)(spec, model.dense_weights(), self.experts)
         if self._resumable:
             sizes, dtype = [w.numel() for w in calibration.windows], self._quantized.dtype
@@ -403,16 +443,20 @@ class BudgetSearch:
     @torch.inference_mode()
     def _through_layer(self, layer: int, windows, record_inputs: bool = False) -> None:
         """Each window's hidden states through `layer` (its own attention, a fresh KV cache: what
-        its whole forward pass computes there)."""
+        its whole forward pass computes there), in batches of windows (Calibration.batches)."""
         m = self._quantized
         m.threads.step()
-        for i in windows:
-            x = self._states.read(i)
+        for batch in self.calib.batches(windows, self.batch_tokens):
+            states = [self._states.read(i) for i in batch]
             if record_inputs:
-                self._inputs.write(i, x, layer)
-            n = x.shape[0]
-            self._states.write(i, m.run_layers(x, torch.arange(n), [Segment(m.new_cache(), n)], start=layer,
-                                               stop=layer + 1))
+                for i, x in zip(batch, states):
+                    self._inputs.write(i, x, layer)
+            sizes = [x.shape[0] for x in states]
+            positions = torch.cat([torch.arange(n) for n in sizes])
+            segments = [Segment(m.new_cache(), n) for n in sizes]
+            out = m.run_layers(torch.cat(states), positions, segments, start=layer, stop=layer + 1)
+            for i, x in zip(batch, out.split(sizes)):
+                self._states.write(i, x)
 
     @torch.inference_mode()
     def _logits(self, i: int) -> torch.Tensor:
