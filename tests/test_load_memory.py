@@ -1,6 +1,10 @@
 """A store's load holds no float copy of what it quantizes and keeps a bfloat16 embedding as stored;
 a closed store lets its experts go (docs/scheduling.md, "The RAM budget chosen for you")."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +14,7 @@ from edgemoe import dense
 from edgemoe.convert import convert
 from edgemoe.dense import GROUP_SIZE, quantize_rows
 from edgemoe.loader import dense_bytes
+from edgemoe.precision import native_types
 from edgemoe.quant import quantize
 from edgemoe.store import read_manifest
 
@@ -98,3 +103,33 @@ def test_closing_a_store_lets_its_experts_go_at_once(bf16_store):
         assert all(ref() is None for ref in buffers)
     finally:
         gc.enable()
+
+
+
+BFLOAT16_SHAPES = """
+import sys
+if sys.argv[1] == "edgemoe":
+    import edgemoe
+import torch
+def rss():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) * 1024
+torch.set_num_threads(1)
+up, down = torch.randn(2048, 512).bfloat16(), torch.randn(512, 2048).bfloat16()
+before = rss()
+for rows in range(1, 301):        # an expert's products at a row count of their own each time
+    torch.nn.functional.linear(torch.nn.functional.linear(torch.randn(rows, 512).bfloat16(), up), down)
+print(rss() - before)
+"""
+
+
+@pytest.mark.skipif(torch.bfloat16 not in native_types(),
+                    reason="this CPU has no native bfloat16 products: the dense matrices and the experts' "
+                           "GEMMs are float32 here, and oneDNN's bfloat16 kernels are not used")
+def test_bfloat16_products_of_ever_new_shapes_pile_up_less_memory_under_edgemoe():
+    """oneDNN keeps every bfloat16 product shape it has seen (1024 by default); importing edgemoe
+    bounds that cache, so 300 expert batches of as many row counts grow the process by less
+    (measured on an AVX-512 BF16 EPYC: 404 MiB without, 256 with the bound at 32)."""
+    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
+    growth = {how: int(subprocess.run([sys.executable, "-c", BFLOAT16_SHAPES, how], env=env, check=True,
+                                      capture_output=True, text=True).stdout) for how in ("edgemoe", "plain")}
+    assert growth["plain"] - growth["edgemoe"] > 64 << 20
