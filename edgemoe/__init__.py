@@ -12,9 +12,9 @@ import os
 from .errors import CheckpointError, EdgeMoEError, UnsupportedModelError
 
 # torch's bfloat16 matrix products go through oneDNN, which keeps every product shape it has seen
-# (1024 by default, a megabyte or so each): a prefill's or a budget search's expert batches, whose row
-# counts vary call after call, grew a convert by 1.3 GB (docs/budget.md, "Cheaper passes"). A user's
-# own setting is kept.
+# (1024 by default, a megabyte or so each): expert batches, whose row counts vary call after call (a
+# prefill's, a budget search's), grew a search's process by 1.3 GB (docs/budget.md, "Cheaper
+# passes"). A user's own setting is kept.
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "32")
 
 __version__ = "0.1.0"
