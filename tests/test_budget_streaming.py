@@ -81,6 +81,26 @@ def test_a_layer_by_layer_evaluation_is_each_windows_whole_forward_pass(tiny_mod
     ckpt.close()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_windows_loss_has_the_same_bits_in_a_pass_over_its_half_as_over_all_windows(tiny_model, dtype):
+    """A window meets the same batch whichever pass computes it (Calibration.batches), so the loss the
+    search keeps for it is the one a pass over only its half gives: in float32 and in bfloat16
+    (the twin's experts multiply in the dense matrices' type)."""
+    model = edgemoe.load(tiny_model("mixtral", num_hidden_layers=3, num_local_experts=8), dtype=dtype)
+    ids = torch.tensor(model.tokenizer.encode(TEXT * 2, add_special_tokens=False))
+    calibration = Calibration(model, ids, context=48, metric="kl")
+    ranking, choosing = calibration.halves()
+    assert max(len(b) for b in calibration.batches(ranking, BATCH_TOKENS)) > 1
+    with BudgetSearch(model, calibration) as over_all, BudgetSearch(model, calibration) as over_halves:
+        assert over_all.experts.gemm_dtype == dtype
+        mix = {key: (2, 4, 8)[(key[0] + key[1]) % 3] for key in over_all.keys}
+        over_all.loss(mix)
+        evaluations = over_all.evaluations
+        for half in (ranking, choosing):
+            assert over_all.loss(mix, windows=half) == over_halves.loss(mix, windows=half)
+        assert over_all.evaluations == evaluations and over_halves.evaluations == 2
+
+
 def test_an_interrupted_convert_leaves_no_work_file_and_no_store(tiny_model, tmp_path):
     """Interrupted mid-search (its packed experts and layer inputs on disk), the convert removes
     them with the partial store; a finished store holds none of them."""

@@ -81,6 +81,12 @@ BATCH_TOKENS = 1024
 Key = tuple[int, int]
 
 
+def sequences(model: MoEModel, sizes: list[int]) -> tuple[torch.Tensor, list[Segment]]:
+    """(positions, segments) of windows of these sizes run as one batch, each from position 0 with a
+    fresh KV cache of its own: what each window's own forward pass sees."""
+    return torch.cat([torch.arange(n) for n in sizes]), [Segment(model.new_cache(), n) for n in sizes]
+
+
 class MixedWidthExperts(ExpertProvider):
     """Every expert packed at every width in `packed` (a work file); `widths` says which one each
     expert uses now. Dequantized weights are held for one layer and one evaluation at a time: a
@@ -216,9 +222,8 @@ class Calibration:
         if self.pairs:
             return [self.predict(model, i) for i in batch]
         sizes = [self.windows[i].numel() for i in batch]
-        positions = torch.cat([torch.arange(n) for n in sizes])
-        segments = [Segment(model.new_cache(), n) for n in sizes]
-        hidden = model.run_layers(model.embeddings(torch.cat([self.windows[i] for i in batch])), positions, segments)
+        hidden = model.run_layers(model.embeddings(torch.cat([self.windows[i] for i in batch])),
+                                  *sequences(model, sizes))
         return [model.head(h)[:-1] for h in hidden.split(sizes)]
 
     def window_loss(self, i: int, logits: torch.Tensor) -> float:
@@ -452,9 +457,7 @@ class BudgetSearch:
                 for i, x in zip(batch, states):
                     self._inputs.write(i, x, layer)
             sizes = [x.shape[0] for x in states]
-            positions = torch.cat([torch.arange(n) for n in sizes])
-            segments = [Segment(m.new_cache(), n) for n in sizes]
-            out = m.run_layers(torch.cat(states), positions, segments, start=layer, stop=layer + 1)
+            out = m.run_layers(torch.cat(states), *sequences(m, sizes), start=layer, stop=layer + 1)
             for i, x in zip(batch, out.split(sizes)):
                 self._states.write(i, x)
 
