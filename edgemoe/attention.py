@@ -33,15 +33,16 @@ from .spec import ModelSpec
 def gqa_qkv(spec: ModelSpec, w: dict, x: torch.Tensor, cos: torch.Tensor,
             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q, k, v = _projections(spec, w, x)          # [T, H*Dh], [T, K*Dh], [T, K*Dh]
-    if spec.qk_norm == "proj":
+    attention = spec.attention
+    if attention.qk_norm == "proj":
         q, k = rms_norm(q, w["q_norm"], spec.rms_norm_eps), rms_norm(k, w["k_norm"], spec.rms_norm_eps)
-    if spec.clip_qkv is not None:
-        q, k, v = (t.clamp(-spec.clip_qkv, spec.clip_qkv) for t in (q, k, v))
+    if attention.clip_qkv is not None:
+        q, k, v = (t.clamp(-attention.clip_qkv, attention.clip_qkv) for t in (q, k, v))
     T = x.shape[0]
     q = q.view(T, spec.num_heads, spec.head_dim)
     k = k.view(T, spec.num_kv_heads, spec.head_dim)
     v = v.view(T, spec.num_kv_heads, spec.head_dim)
-    if spec.qk_norm == "head":
+    if attention.qk_norm == "head":
         q, k = rms_norm(q, w["q_norm"], spec.rms_norm_eps), rms_norm(k, w["k_norm"], spec.rms_norm_eps)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
@@ -60,7 +61,7 @@ def _projections(spec: ModelSpec, w: dict, x: torch.Tensor) -> tuple[torch.Tenso
 def gqa_attend(spec: ModelSpec, w: dict, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                mask: torch.Tensor | None) -> torch.Tensor:
     """q [S, H, Dh] over the cached keys / values [K, L, Dh] -> [S, H * Dh] (GPT-OSS's sinks included)."""
-    return attend(q, keys, values, mask, spec.attention_scale, w.get("sinks"))
+    return attend(q, keys, values, mask, spec.attention.attention_scale, w.get("sinks"))
 
 
 def mla_qkv(spec: ModelSpec, w: dict, x: torch.Tensor, cos: torch.Tensor,
@@ -92,7 +93,7 @@ def mla_attend(spec: ModelSpec, w: dict, q: torch.Tensor, keys: torch.Tensor, va
     less (docs/architecture.md, "Multi-head latent attention")."""
     mla = spec.attention
     S, H, N, Dv, Ckv = q.shape[0], spec.num_heads, mla.qk_nope_head_dim, mla.v_head_dim, mla.kv_lora_rank
-    scale = spec.key_dim ** -0.5 if spec.attention_scale is None else spec.attention_scale
+    scale = mla.softmax_scale(spec)
     if absorbs(spec, S):
         kv_b = float_weight(w["kv_b"]).view(H, N + Dv, Ckv)
         q_latent = torch.einsum("shn,hnc->shc", q[..., :N], kv_b[:, :N])

@@ -80,8 +80,9 @@ class DecodeEngine:
         self.tables = [self._table(l, w) for l, w in enumerate(layers)]
         self.stacked_tables = np.stack(self.tables)   # step()'s: every layer's table in one array
         self.dims = self._dims(spec)
-        self.scale = np.float32(spec.key_dim ** -0.5 if spec.attention_scale is None else spec.attention_scale)
-        self.clip = np.float32(-1 if spec.clip_qkv is None else spec.clip_qkv)
+        self.scale = np.float32(spec.attention.softmax_scale(spec))
+        clip = spec.attention.clip_qkv
+        self.clip = np.float32(-1 if clip is None else clip)
         self.eps = float(spec.rms_norm_eps)   # a float64, as the generic path's norms take it
         self.router = router_code(spec)   # None: a router moe() does not compute
         self.jitter = float(getattr(spec.routing, "router_jitter_eps", 0.0))   # sparsemixer's
@@ -108,7 +109,7 @@ class DecodeEngine:
         dims = np.zeros(c.DIMS, np.int64)
         dims[[c.DIM_D, c.DIM_H, c.DIM_K, c.DIM_DK, c.DIM_DV]] = (spec.hidden_size, spec.num_heads,
                                                                *spec.cache_layout)
-        dims[c.DIM_QK_NORM] = {None: c.QK_NORM_NONE, "head": c.QK_NORM_HEAD, "proj": c.QK_NORM_PROJ}[spec.qk_norm]
+        dims[c.DIM_QK_NORM] = {None: c.QK_NORM_NONE, "head": c.QK_NORM_HEAD, "proj": c.QK_NORM_PROJ}[spec.attention.qk_norm]
         dims[c.DIM_NORM] = {"rms": c.NORM_RMS, "layer": c.NORM_LAYER}[spec.norm]
         if spec.attention.kind == "mla":
             mla = spec.attention

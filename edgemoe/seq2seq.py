@@ -250,9 +250,11 @@ class Seq2SeqModel(StoreOwner):
 
     def _attend(self, w: dict, prefix: str, h: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
-        """Attention of h [T, D]'s queries (w[prefix + "q"]) over keys, values [H, L, Dh], unscaled, plus bias."""
+        """Attention of h [T, D]'s queries (w[prefix + "q"]) over keys, values [H, L, Dh], plus bias
+        (T5's scale: 1, q.k unscaled)."""
         q = self._heads(linear(h, w[prefix + "q"])).transpose(0, 1)          # [T, H, Dh]
-        return linear(attend(q, keys, values, bias, scale=1.0), w[prefix + "o"])
+        scale = self.spec.attention.softmax_scale(self.spec)
+        return linear(attend(q, keys, values, bias, scale=scale), w[prefix + "o"])
 
     def _feed_forward(self, l: int, w: dict, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if not self.spec.moe_layers[l]:

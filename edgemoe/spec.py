@@ -82,26 +82,21 @@ class ModelSpec:
     # architecture file declares (theta's frequencies, YaRN, LongRoPE), holding that kind's parameters.
     rotary: Any
     # How a layer makes its queries, keys and values: an Attention (edgemoe/models/common.py) of the kind
-    # the architecture file declares (grouped-query; DeepSeek's multi-head latent attention, its ranks).
+    # the architecture file declares (grouped-query; DeepSeek's multi-head latent attention, its ranks),
+    # with its family's quirks (q/k/v and output biases, q/k norms, clipping, softmax scale, sinks).
     attention: Any
     # The layer stacks: a Stacks (edgemoe/models/common.py), one decoder stack, or an encoder then a
     # decoder (Switch Transformers: its file's kind, with the first encoder_layers of num_layers).
     stacks: Any
     dense_hidden: int = 0
     shared_expert_hidden: int = 0         # 0: no shared expert
-    qkv_bias: bool = False
-    qk_norm: str | None = None            # None, "head" (per head, Qwen3) or "proj" (whole projection, OLMoE)
-    clip_qkv: float | None = None
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
     # Optional parts of newer architectures; the defaults are the Llama-style model above.
     norm: str = "rms"                     # "rms" (RMSNorm) or "layer" (LayerNorm with bias, Phi-3.5-MoE)
-    o_bias: bool = False                  # bias on the attention output projection
     lm_head_bias: bool = False
-    attention_scale: float | None = None  # softmax scale of q.k; None = 1/sqrt(key dims)
     routed_scaling_factor: float = 1.0    # multiplies the routed experts' weights
     shared_expert_gated: bool = True      # shared expert behind a sigmoid gate (Qwen2-MoE) or always on
-    attention_sinks: bool = False         # a learned per-head logit joins each softmax (GPT-OSS)
     skipped_layers: int = 0               # checkpoint layers after the decoder's that generation does not
                                           # use (DeepSeek-V3's multi-token prediction): their tensors are skipped
 
@@ -194,10 +189,6 @@ class ModelSpec:
             shapes.update({p + "attn_norm": (D,), p + "mlp_norm": (D,)})
             norms += [p + "attn_norm", p + "mlp_norm"]
             shapes.update({p + role: shape for role, shape in self.attention.shapes(self).items()})
-            if self.o_bias:
-                shapes[p + "o_bias"] = (D,)
-            if self.attention_sinks:
-                shapes[p + "sinks"] = (self.num_heads,)
             shapes.update({p + role: shape for role, shape in self._mlp_shapes(l).items()})
         if self.norm == "layer":
             shapes.update({name + "_bias": (D,) for name in norms})

@@ -3,6 +3,7 @@ tokens, DeepSeek's MoE-layer rule, multi-token prediction tensors skipped, and t
 refuse (one error naming config.json and the field)."""
 
 import json
+import math
 import shutil
 from dataclasses import MISSING, fields
 
@@ -214,6 +215,61 @@ def test_each_part_kind_is_its_name_and_parameters_in_the_manifest_and_reads_as_
     for name in {f.name for f in fields(part) if f.default is MISSING}:   # the kind's own parameters
         with pytest.raises(TypeError, match=name):
             ModelSpec.from_dict({k: v for k, v in written.items() if k != name})
+
+
+# Each family's attention quirks, as its architecture file sets them on its attention part (the rest
+# at Llama's defaults: no biases, norms, clipping or sinks, softmax scale 1/sqrt(key dims)).
+ATTENTION_QUIRKS = {
+    "mixtral": ({}, {}),
+    "qwen2_moe": ({}, dict(qkv_bias=True)),
+    "qwen3_moe": ({}, dict(qk_norm="head")),
+    "olmoe": ({"clip_qkv": 0.5}, dict(qk_norm="proj", clip_qkv=0.5)),
+    "phimoe": ({"attention_bias": True}, dict(qkv_bias=True, o_bias=True)),
+    # YaRN (transformers' default for GPT-OSS) sets the scale: without mscale_all_dim, 1/sqrt(head_dim 16)
+    "gpt_oss": ({}, dict(qkv_bias=True, o_bias=True, attention_sinks=True, attention_scale=0.25)),
+    "deepseek_v2": ({"attention_bias": True}, dict(qkv_bias=True, o_bias=True)),
+    "switch_transformers": ({}, dict(attention_scale=1.0)),
+}
+ATTENTION_DEFAULTS = dict(qkv_bias=False, qk_norm=None, clip_qkv=None, o_bias=False, attention_scale=None,
+                          attention_sinks=False)
+
+
+@pytest.mark.parametrize("arch", ATTENTION_QUIRKS)
+def test_attention_quirks_are_the_attention_parts_and_keep_their_manifest_keys(tiny_model, arch):
+    """The architecture file sets its quirks on its attention part (ModelSpec has no field for them), and
+    a manifest holds them under the keys it always did, beside "attention"."""
+    overrides, quirks = ATTENTION_QUIRKS[arch]
+    spec = edgemoe.models.parse_spec(json.loads((tiny_model(arch, **overrides) / "config.json").read_text()))
+    expected = {**ATTENTION_DEFAULTS, **quirks}
+    assert {name: getattr(spec.attention, name) for name in ATTENTION_DEFAULTS} == expected
+    assert not set(ATTENTION_DEFAULTS) & {f.name for f in fields(ModelSpec)}
+    written = json.loads(json.dumps(spec.to_dict()))
+    assert {name: written[name] for name in ATTENTION_DEFAULTS} == expected
+    assert ModelSpec.from_dict(written) == spec
+
+
+def test_a_yarn_softmax_scale_is_on_the_attention_part(tiny_model):
+    """DeepSeek's YaRN multiplies the softmax scale by mscale(factor, mscale_all_dim)^2: 0.1 ln 4 + 1."""
+    rope = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 64}
+    spec = edgemoe.models.parse_spec(json.loads((tiny_model("deepseek_v3", rope_parameters=rope)
+                                                 / "config.json").read_text()))
+    expected = spec.key_dim ** -0.5 * (0.1 * math.log(4.0) + 1) ** 2
+    assert spec.attention.attention_scale == pytest.approx(expected, rel=1e-12)
+    assert spec.attention.softmax_scale(spec) == spec.attention.attention_scale
+
+
+def test_a_manifest_with_an_unknown_qk_norm_is_refused_naming_it(tiny_model, tmp_path):
+    from edgemoe.convert import convert
+    from edgemoe.store import StoreError
+    from edgemoe.store.format import MANIFEST
+
+    convert(tiny_model("qwen3_moe"), tmp_path / "s", bits=4)
+    manifest = json.loads((tmp_path / "s" / MANIFEST).read_text())
+    manifest["spec"]["qk_norm"] = "layer"
+    (tmp_path / "s" / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(StoreError, match=r"manifest.json: spec: .*qk_norm='layer'"):
+        edgemoe.load(tmp_path / "s")
 
 
 @pytest.mark.parametrize("kind", ["softmax", "sigmoid_group", "sparsemixer", "topk_softmax"])

@@ -44,7 +44,7 @@ def test_latent_attention_is_attention_over_the_expanded_keys_and_values(tiny_mo
         got = attention.mla_attend(spec, w, q, keys, values, mask)
     kv_b = w["kv_b"].double().view(H, N + Dv, Ckv)
     latent, rope = rows[0, :, :Ckv].double(), rows[0, :, Ckv:].double()
-    scale = spec.key_dim ** -0.5 if spec.attention_scale is None else spec.attention_scale
+    scale = spec.key_dim ** -0.5 if spec.attention.attention_scale is None else spec.attention.attention_scale
     expected = []
     for h in range(H):
         k = torch.cat((latent @ kv_b[h, :N].T, rope), dim=-1)      # [L, N + R]

@@ -212,7 +212,7 @@ def test_manifest_spec_without_the_new_fields_reads_as_swiglu(tiny_model, tmp_pa
         data["spec"].pop(name, None)   # a SwiGLU model's manifest now lists no swiglu_* parameters
     (tmp_path / "s" / MANIFEST).write_text(json.dumps(data))
     spec = read_manifest(tmp_path / "s").spec
-    assert spec.expert_activation == "swiglu" and not spec.attention_sinks
+    assert spec.expert_activation == "swiglu" and not spec.attention.attention_sinks
     assert spec == ModelSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
 
 

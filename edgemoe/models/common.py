@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..errors import CheckpointError
 from ..spec import config_bool, config_float, config_int, config_str, rope_theta
 
 
@@ -151,11 +152,24 @@ class Attention(Part):
     """How a layer makes its queries, keys and values: ModelSpec.attention, computed by
     edgemoe/attention.py's QKV_PROJECTIONS[kind]. This kind, grouped-query attention (q, k, v, o of
     head_dim per head, num_kv_heads key/value heads), is every architecture's unless its file declares
-    another as a subclass (DeepSeek's multi-head latent attention)."""
+    another as a subclass (DeepSeek's multi-head latent attention).
+    Its parameters are the attention quirks of the families that use it; the defaults are Llama's
+    (Mixtral's), so an architecture file sets only its own."""
 
     key = "attention"
     default = "gqa"
     kind = "gqa"
+    qkv_bias: bool = False                 # biases on the q, k, v projections (latent: on q_a, kv_a)
+    qk_norm: str | None = None             # RMSNorm of queries and keys: None, "head" (each head's,
+                                           # Qwen3) or "proj" (the whole projection's, OLMoE)
+    clip_qkv: float | None = None          # q, k, v clamped to [-clip_qkv, clip_qkv] (OLMoE)
+    o_bias: bool = False                   # bias on the output projection
+    attention_scale: float | None = None   # softmax scale of q.k; None: 1/sqrt(key dims)
+    attention_sinks: bool = False          # a learned per-head logit joins each softmax (GPT-OSS)
+
+    def __post_init__(self):
+        if self.qk_norm not in QK_NORMS:
+            raise CheckpointError(f"qk_norm={self.qk_norm!r} (expected one of {QK_NORMS})")
 
     def key_dim(self, spec) -> int:
         return spec.head_dim
@@ -163,22 +177,38 @@ class Attention(Part):
     def rope_dim(self, spec) -> int:
         return spec.head_dim
 
+    def softmax_scale(self, spec) -> float:
+        """What q.k is multiplied by before the softmax."""
+        return self.key_dim(spec) ** -0.5 if self.attention_scale is None else self.attention_scale
+
     def cache_layout(self, spec) -> tuple[int, int, int]:
         """What the KV cache holds per layer and position: (heads, key dims, value dims)."""
         return spec.num_kv_heads, spec.head_dim, spec.head_dim
 
     def shapes(self, spec) -> dict[str, tuple[int, ...]]:
         """A layer's attention roles (canonical names without "layers.{l}.", edgemoe/spec.py) and shapes."""
+        shapes = self.projection_shapes(spec)
+        if self.o_bias:
+            shapes["o_bias"] = (spec.hidden_size,)
+        if self.attention_sinks:
+            shapes["sinks"] = (spec.num_heads,)
+        return shapes
+
+    def projection_shapes(self, spec) -> dict[str, tuple[int, ...]]:
+        """The kind's own roles: its projections, their biases and norms."""
         D, Dh = spec.hidden_size, spec.head_dim
         q_out, kv_out = spec.num_heads * Dh, spec.num_kv_heads * Dh
         shapes = {"q": (q_out, D), "k": (kv_out, D), "v": (kv_out, D), "o": (D, q_out)}
-        if spec.qkv_bias:
+        if self.qkv_bias:
             shapes.update({"q_bias": (q_out,), "k_bias": (kv_out,), "v_bias": (kv_out,)})
-        if spec.qk_norm == "head":
+        if self.qk_norm == "head":
             shapes.update({"q_norm": (Dh,), "k_norm": (Dh,)})
-        elif spec.qk_norm == "proj":
+        elif self.qk_norm == "proj":
             shapes.update({"q_norm": (q_out,), "k_norm": (kv_out,)})
         return shapes
+
+
+QK_NORMS = (None, "head", "proj")
 
 
 @register
@@ -211,9 +241,10 @@ def qwen_style_routing(config: dict) -> dict:
                 routing=SoftmaxTopK(), expert_kind=SwiGLU())
 
 
-def attention_fields(config: dict, rope_types: tuple[str, ...] = ("default",)) -> dict:
+def attention_fields(config: dict, rope_types: tuple[str, ...] = ("default",),
+                     attention: Attention = Attention()) -> dict:
     """ModelSpec fields that every supported architecture reads the same way from config.json
-    (rotary types other than `rope_types` are refused)."""
+    (rotary types other than `rope_types` are refused), with the architecture's `attention` part."""
     hidden = config_int(config, "hidden_size")
     heads = config_int(config, "num_attention_heads")
     num_layers = config_int(config, "num_hidden_layers")
@@ -226,7 +257,7 @@ def attention_fields(config: dict, rope_types: tuple[str, ...] = ("default",)) -
         head_dim=config_int(config, "head_dim", default=hidden // heads),
         rms_norm_eps=config_float(config, "rms_norm_eps", default=1e-6, above=0),
         rotary=Rotary(rope_theta=rope_theta(config, rope_types)),
-        attention=Attention(),
+        attention=attention,
         stacks=Stacks(),
         max_position_embeddings=config_int(config, "max_position_embeddings", default=4096),
         tie_word_embeddings=config_bool(config, "tie_word_embeddings", default=False),
@@ -234,9 +265,10 @@ def attention_fields(config: dict, rope_types: tuple[str, ...] = ("default",)) -
     )
 
 
-def llama_style_names(num_layers: int, tie_word_embeddings: bool, *, qkv_bias: bool = False,
-                      qk_norm: bool = False) -> dict[str, str]:
-    """Canonical -> checkpoint names for the Llama-style parts (embeddings, attention, norms)."""
+def llama_style_names(num_layers: int, tie_word_embeddings: bool, attention: Attention | None = None) -> dict[str, str]:
+    """Canonical -> checkpoint names for the Llama-style parts (embeddings, attention with the biases,
+    q/k norms and sinks its `attention` part has, norms)."""
+    attention = attention or Attention()
     names = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight"}
     if not tie_word_embeddings:
         names["lm_head"] = "lm_head.weight"
@@ -246,12 +278,16 @@ def llama_style_names(num_layers: int, tie_word_embeddings: bool, *, qkv_bias: b
         names[dst + "mlp_norm"] = src + "post_attention_layernorm.weight"
         for role in "qkvo":
             names[dst + role] = src + f"self_attn.{role}_proj.weight"
-        if qkv_bias:
+        if attention.qkv_bias:
             for role in "qkv":
                 names[dst + f"{role}_bias"] = src + f"self_attn.{role}_proj.bias"
-        if qk_norm:
+        if attention.qk_norm:
             names[dst + "q_norm"] = src + "self_attn.q_norm.weight"
             names[dst + "k_norm"] = src + "self_attn.k_norm.weight"
+        if attention.o_bias:
+            names[dst + "o_bias"] = src + "self_attn.o_proj.bias"
+        if attention.attention_sinks:
+            names[dst + "sinks"] = src + "self_attn.sinks"
     return names
 
 

@@ -51,7 +51,7 @@ class LatentAttention(Attention):
         """The normed latent and the rotated rope key, shared by every head (edgemoe/attention.py mla_attend)."""
         return 1, self.kv_lora_rank + self.qk_rope_head_dim, 0
 
-    def shapes(self, spec):
+    def projection_shapes(self, spec):
         D, H, Cq, Ckv = spec.hidden_size, spec.num_heads, self.q_lora_rank, self.kv_lora_rank
         R, Dv = self.qk_rope_head_dim, self.v_head_dim
         q_out = H * self.key_dim(spec)
@@ -61,7 +61,7 @@ class LatentAttention(Attention):
             shapes.update({"q_a": (Cq, D), "q_a_norm": (Cq,), "q_b": (q_out, Cq)})
         else:
             shapes["q"] = (q_out, D)
-        if spec.qkv_bias:
+        if self.qkv_bias:
             shapes["kv_a_bias"] = (Ckv + R,)
             if Cq:
                 shapes["q_a_bias"] = (Cq,)
@@ -140,20 +140,21 @@ def mla_fields(config: dict, rope_interleave: bool) -> dict:
     num_layers = fields["num_layers"]
     # Every head has its own key and value (expanded from the latent): K = H, whatever
     # num_key_value_heads says; head_dim is the key's (nope + rope) dims.
-    fields.update(num_kv_heads=fields["num_heads"], head_dim=nope + rope,
-                  attention=LatentAttention(q_lora_rank=config_int(config, "q_lora_rank", default=0, minimum=0),
-                                            kv_lora_rank=config_int(config, "kv_lora_rank"), qk_nope_head_dim=nope,
-                                            qk_rope_head_dim=rope, v_head_dim=config_int(config, "v_head_dim")))
+    bias = config_bool(config, "attention_bias", default=False)
+    attention = LatentAttention(q_lora_rank=config_int(config, "q_lora_rank", default=0, minimum=0),
+                                kv_lora_rank=config_int(config, "kv_lora_rank"), qk_nope_head_dim=nope,
+                                qk_rope_head_dim=rope, v_head_dim=config_int(config, "v_head_dim"),
+                                qkv_bias=bias, o_bias=bias)
+    fields.update(num_kv_heads=fields["num_heads"], head_dim=nope + rope, attention=attention)
     params = rope_parameters(config)
     if params["rope_type"] == "yarn":
-        fields.update(yarn_fields(config, params, rope_dim=rope, key_dim=nope + rope, base=fields["rotary"].rope_theta))
+        fields.update(yarn_fields(config, params, rope_dim=rope, attention=attention, key_dim=nope + rope,
+                                  base=fields["rotary"].rope_theta))
     fields["rotary"] = replace(fields["rotary"], rope_interleave=rope_interleave)
     shared = config_int(config, "n_shared_experts", default=0, minimum=0)
     expert_hidden = config_int(config, "moe_intermediate_size")
     return dict(
         expert_kind=SwiGLU(),
-        qkv_bias=config_bool(config, "attention_bias", default=False),
-        o_bias=config_bool(config, "attention_bias", default=False),
         num_experts=config_int(config, "n_routed_experts", "num_experts", "num_local_experts"),
         top_k=config_int(config, "num_experts_per_tok"),
         expert_hidden=expert_hidden,
@@ -199,10 +200,12 @@ def mla_names(spec: ModelSpec, names: dict[str, str]) -> None:
             roles.update(q_a="q_a_proj.weight", q_a_norm="q_a_layernorm.weight", q_b="q_b_proj.weight")
         else:
             roles["q"] = "q_proj.weight"
-        if spec.qkv_bias:
-            roles.update(kv_a_bias="kv_a_proj_with_mqa.bias", o_bias="o_proj.bias")
+        if spec.attention.qkv_bias:
+            roles["kv_a_bias"] = "kv_a_proj_with_mqa.bias"
             if spec.attention.q_lora_rank:
                 roles["q_a_bias"] = "q_a_proj.bias"
+        if spec.attention.o_bias:
+            roles["o_bias"] = "o_proj.bias"
         names.update({dst + role: src + name for role, name in roles.items()})
 
 

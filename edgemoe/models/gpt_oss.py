@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .common import ExpertKind, Router, attention_fields, llama_style_names, register
+from .common import Attention, ExpertKind, Router, attention_fields, llama_style_names, register
 from .yarn import yarn_fields
 from ..errors import CheckpointError
 from ..spec import (ExpertNames, ModelSpec, TensorNames, config_bool, config_float, config_int, config_list,
@@ -84,14 +84,16 @@ def check_quantization(config: dict) -> None:
 
 def parse_config(config: dict) -> ModelSpec:
     check_quantization(config)
-    fields = attention_fields(config, rope_types=("default", "yarn"))
+    bias = config_bool(config, "attention_bias", default=True)
+    attention = Attention(qkv_bias=bias, o_bias=bias, attention_sinks=True)
+    fields = attention_fields(config, rope_types=("default", "yarn"), attention=attention)
     fields["rms_norm_eps"] = config_float(config, "rms_norm_eps", default=1e-5, above=0)
     params = rope_parameters(config)
     if params["rope_type"] == "yarn":
         head_dim = fields["head_dim"]
-        fields.update(yarn_fields(config, params, rope_dim=head_dim, key_dim=head_dim, base=fields["rotary"].rope_theta))
+        fields.update(yarn_fields(config, params, rope_dim=head_dim, attention=attention, key_dim=head_dim,
+                                  base=fields["rotary"].rope_theta))
     num_layers = fields["num_layers"]
-    bias = config_bool(config, "attention_bias", default=True)
     return ModelSpec(
         model_type=MODEL_TYPE,
         num_experts=config_int(config, "num_local_experts", "num_experts"),
@@ -100,9 +102,6 @@ def parse_config(config: dict) -> ModelSpec:
         expert_hidden=config_int(config, "intermediate_size"),
         moe_layers=(True,) * num_layers,
         sliding_windows=sliding_windows(config, num_layers),
-        qkv_bias=bias,
-        o_bias=bias,
-        attention_sinks=True,
         routing=TopKSoftmax(),
         expert_kind=GptOssExperts(swiglu_alpha=config_float(config, "swiglu_alpha", default=1.702, above=0),
                                   swiglu_limit=config_float(config, "swiglu_limit", default=7.0, above=0)),
@@ -111,13 +110,10 @@ def parse_config(config: dict) -> ModelSpec:
 
 
 def tensor_names(spec: ModelSpec) -> TensorNames:
-    names = llama_style_names(spec.num_layers, spec.tie_word_embeddings, qkv_bias=spec.qkv_bias)
+    names = llama_style_names(spec.num_layers, spec.tie_word_embeddings, spec.attention)
     experts = {}
     for l in range(spec.num_layers):
         src, dst = f"model.layers.{l}.", f"layers.{l}."
-        if spec.o_bias:
-            names[dst + "o_bias"] = src + "self_attn.o_proj.bias"
-        names[dst + "sinks"] = src + "self_attn.sinks"
         names[dst + "router"] = src + "mlp.router.weight"
         names[dst + "router_bias"] = src + "mlp.router.bias"
         names[dst + "expert_gate_up_bias"] = src + "mlp.experts.gate_up_proj_bias"

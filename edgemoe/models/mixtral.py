@@ -31,7 +31,7 @@ def parse_config(config: dict) -> ModelSpec:
 
 
 def tensor_names(spec: ModelSpec) -> TensorNames:
-    names = llama_style_names(spec.num_layers, spec.tie_word_embeddings)
+    names = llama_style_names(spec.num_layers, spec.tie_word_embeddings, spec.attention)
     experts = {}
     for l in range(spec.num_layers):
         moe = f"model.layers.{l}.block_sparse_moe."

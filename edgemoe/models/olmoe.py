@@ -4,14 +4,16 @@ clipping of q/k/v, top-k weights not renormalised by default; every layer MoE.
 
 from __future__ import annotations
 
-from .common import attention_fields, llama_style_names, qwen_style_mlp_names, qwen_style_routing
+from .common import Attention, attention_fields, llama_style_names, qwen_style_mlp_names, qwen_style_routing
 from ..spec import ModelSpec, TensorNames, config_bool, config_float, config_int
 
 MODEL_TYPE = "olmoe"
 
 
 def parse_config(config: dict) -> ModelSpec:
-    fields = attention_fields(config)
+    attention = Attention(qkv_bias=config_bool(config, "attention_bias", default=False), qk_norm="proj",
+                          clip_qkv=config_float(config, "clip_qkv", default=None, above=0))
+    fields = attention_fields(config, attention=attention)
     num_layers = fields["num_layers"]
     return ModelSpec(
         model_type=MODEL_TYPE,
@@ -19,13 +21,10 @@ def parse_config(config: dict) -> ModelSpec:
         expert_hidden=config_int(config, "intermediate_size"),
         moe_layers=(True,) * num_layers,
         sliding_windows=(None,) * num_layers,
-        qkv_bias=config_bool(config, "attention_bias", default=False),
-        qk_norm="proj",
-        clip_qkv=config_float(config, "clip_qkv", default=None, above=0),
         **fields,
     )
 
 
 def tensor_names(spec: ModelSpec) -> TensorNames:
-    names = llama_style_names(spec.num_layers, spec.tie_word_embeddings, qkv_bias=spec.qkv_bias, qk_norm=True)
+    names = llama_style_names(spec.num_layers, spec.tie_word_embeddings, spec.attention)
     return TensorNames(names, qwen_style_mlp_names(spec, names))

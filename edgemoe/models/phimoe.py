@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .common import Rotary, Router, SwiGLU, attention_fields, register
+from .common import Attention, Rotary, Router, SwiGLU, attention_fields, register
 from .mixtral import tensor_names as mixtral_names
 from ..errors import CheckpointError
 from ..spec import ModelSpec, TensorNames, config_bool, config_float, config_int, config_list, rope_parameters
@@ -74,11 +74,11 @@ class LongRope(Rotary):
 
 
 def parse_config(config: dict) -> ModelSpec:
-    fields = attention_fields(config, rope_types=("default", "longrope"))
+    bias = config_bool(config, "attention_bias", default=False)
+    fields = attention_fields(config, rope_types=("default", "longrope"), attention=Attention(qkv_bias=bias, o_bias=bias))
     if rope_parameters(config)["rope_type"] == "longrope":
         fields["rotary"] = long_rope(config, fields["head_dim"], fields["rotary"].rope_theta)
     num_layers = fields["num_layers"]
-    bias = config_bool(config, "attention_bias", default=False)
     fields["rms_norm_eps"] = config_float(config, "rms_norm_eps", default=1e-5, above=0)  # the LayerNorms' eps
     return ModelSpec(
         model_type=MODEL_TYPE,
@@ -89,8 +89,6 @@ def parse_config(config: dict) -> ModelSpec:
         moe_layers=(True,) * num_layers,
         sliding_windows=(config_int(config, "sliding_window", default=None),) * num_layers,
         norm="layer",
-        qkv_bias=bias,
-        o_bias=bias,
         lm_head_bias=config_bool(config, "lm_head_bias", default=False),
         routing=SparseMixer(router_jitter_eps=config_float(config, "router_jitter_noise", default=0.01, minimum=0)),
         expert_kind=SwiGLU(),
@@ -106,10 +104,6 @@ def tensor_names(spec: ModelSpec) -> TensorNames:
         src, dst = f"model.layers.{l}.", f"layers.{l}."
         dense[dst + "attn_norm_bias"] = src + "input_layernorm.bias"
         dense[dst + "mlp_norm_bias"] = src + "post_attention_layernorm.bias"
-        if spec.qkv_bias:
-            dense.update({dst + f"{role}_bias": src + f"self_attn.{role}_proj.bias" for role in "qkv"})
-        if spec.o_bias:
-            dense[dst + "o_bias"] = src + "self_attn.o_proj.bias"
     if spec.lm_head_bias:
         dense["lm_head_bias"] = "lm_head.bias"
     return names

@@ -7,7 +7,7 @@ mlp.shared_expert.{gate,up,down}_proj.weight, mlp.shared_expert_gate.weight [1, 
 
 from __future__ import annotations
 
-from .common import attention_fields, llama_style_names, qwen_style_mlp_names, qwen_style_routing
+from .common import Attention, attention_fields, llama_style_names, qwen_style_mlp_names, qwen_style_routing
 from ..spec import ModelSpec, TensorNames, config_bool, config_int, config_list
 
 MODEL_TYPE = "qwen2_moe"
@@ -32,7 +32,8 @@ def sliding_windows(config: dict, num_layers: int) -> tuple[int | None, ...]:
 
 
 def parse_config(config: dict) -> ModelSpec:
-    fields = attention_fields(config)
+    # older configs have no "qkv_bias" key: their biases are always present
+    fields = attention_fields(config, attention=Attention(qkv_bias=config_bool(config, "qkv_bias", default=True)))
     num_layers = fields["num_layers"]
     return ModelSpec(
         model_type=MODEL_TYPE,
@@ -42,13 +43,12 @@ def parse_config(config: dict) -> ModelSpec:
         sliding_windows=sliding_windows(config, num_layers),
         dense_hidden=config_int(config, "intermediate_size"),
         shared_expert_hidden=config_int(config, "shared_expert_intermediate_size", minimum=0),
-        qkv_bias=config_bool(config, "qkv_bias", default=True),  # older configs have no key: biases always present
         **fields,
     )
 
 
 def tensor_names(spec: ModelSpec) -> TensorNames:
-    names = llama_style_names(spec.num_layers, spec.tie_word_embeddings, qkv_bias=spec.qkv_bias)
+    names = llama_style_names(spec.num_layers, spec.tie_word_embeddings, spec.attention)
     experts = qwen_style_mlp_names(spec, names)
     for l in experts:
         src, dst = f"model.layers.{l}.mlp.", f"layers.{l}."

@@ -118,7 +118,7 @@ def parse_config(config: dict) -> ModelSpec:
         head_dim=config_int(config, "d_kv"),
         rms_norm_eps=config_float(config, "layer_norm_epsilon", default=1e-6, above=0),
         rotary=Rotary(),               # unused: positions enter through the relative-position bias
-        attention=Attention(),         # T5's q, k, v, o (edgemoe/seq2seq.py computes them)
+        attention=Attention(attention_scale=1.0),   # T5's q, k, v, o, q.k unscaled (edgemoe/seq2seq.py)
         max_position_embeddings=CONTEXT_LENGTH,
         num_experts=config_int(config, "num_experts"),
         top_k=1,
@@ -130,7 +130,6 @@ def parse_config(config: dict) -> ModelSpec:
         dense_hidden=d_ff,
         tie_word_embeddings=config_bool(config, "tie_word_embeddings", default=True),
         hidden_act="relu",
-        attention_scale=1.0,           # T5 does not scale q.k
         expert_kind=ReluExperts(),
         stacks=EncoderDecoder(
             encoder_layers=encoder,

@@ -12,12 +12,12 @@ Shapes: R rotary dims per head.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..spec import config_bool, config_float, config_int
-from .common import Rotary, register
+from .common import Attention, Rotary, register
 
 
 @register
@@ -60,8 +60,10 @@ def yarn_inv_freq(dim: int, base: float, factor: float, context: int, beta_fast:
     return (1.0 / (factor * freqs)) * (1 - extrapolated) + (1.0 / freqs) * extrapolated
 
 
-def yarn_fields(config: dict, params: dict, rope_dim: int, key_dim: int, base: float) -> dict:
-    """ModelSpec fields (rotary, attention_scale) of a "yarn" config."""
+def yarn_fields(config: dict, params: dict, rope_dim: int, attention: Attention, key_dim: int,
+                base: float) -> dict:
+    """ModelSpec fields of a "yarn" config: its rotary part, and `attention` with its softmax scale
+    (for queries and keys of key_dim dims)."""
     where = params["field"]
     context = (config_int(config, "original_max_position_embeddings", default=None)
                or config_int(params, "original_max_position_embeddings", default=None, section=where)
@@ -81,4 +83,4 @@ def yarn_fields(config: dict, params: dict, rope_dim: int, key_dim: int, base: f
     if scale_all:
         softmax_scale *= mscale(factor, scale_all) ** 2
     rotary = Yarn(rope_theta=base, rope_inv_freq=tuple(inv_freq.tolist()), rope_attention_factor=float(attention_factor))
-    return dict(rotary=rotary, attention_scale=softmax_scale)
+    return dict(rotary=rotary, attention=replace(attention, attention_scale=softmax_scale))
