@@ -45,8 +45,8 @@ def counted(monkeypatch, method):
 def decode(path, way, monkeypatch, routing=None, **options):
     """Prefill, then one-token steps, every expert resident first; `way`: "step" (the default), "layer"
     (no whole-token call), "generic" (neither: the engine's attention block, then StoreExperts.run);
-    routing: a replayed trace's (the model's routing_override). Returns the steps' logits, the RAM hits
-    and what the hooks saw."""
+    routing: a replayed trace's (the model's routing_override). Returns the steps' logits, the store's
+    counts (RAM hits, bytes requested) and what the hooks saw."""
     seen = []
     with edgemoe.load(path, dense_bits=8, compute="fused-int", preload="none", **options) as model:
         for entry in model.store.experts():
@@ -62,13 +62,14 @@ def decode(path, way, monkeypatch, routing=None, **options):
         cache = model.new_cache()
         model.forward(torch.tensor(PROMPT), [Segment(cache, len(PROMPT))])
         seen.clear()
-        hits = model.store.stats.ram.hits
+        stats = model.store.stats
+        hits, requested = stats.ram.hits, stats.requested_bytes
         logits = torch.stack([model.forward(torch.tensor([t]), [Segment(cache, 1)])[-1] for t in STEPS])
-        return logits, model.store.stats.ram.hits - hits, seen
+        return logits, (stats.ram.hits - hits, stats.requested_bytes - requested), seen
 
 
 def same(a, b):
-    """Two runs' logits, hits and hook records, bit for bit."""
+    """Two runs' logits, store counts and hook records, bit for bit."""
     assert torch.equal(a[0], b[0])
     assert a[1] == b[1]
     assert len(a[2]) == len(b[2])
@@ -102,7 +103,7 @@ def test_a_step_in_one_call_gives_the_layer_by_layer_bits(store_of, monkeypatch,
     assert len(moe_blocks) == len(STEPS) * layers
     same(whole, by_layer)
     same(whole, generic)
-    assert whole[1] == len(STEPS) * layers * top_k
+    assert whole[1][0] == len(STEPS) * layers * top_k and whole[1][1] > 0
 
 
 @pytest.mark.parametrize("path", int_paths())
@@ -218,7 +219,7 @@ def test_deepseeks_moe_block_with_its_shared_experts_runs_in_one_call_with_the_g
     assert len(moe_blocks) == len(STEPS) * routed and len(steps) == len(STEPS)
     same(whole, by_layer)
     same(whole, generic)
-    assert whole[1] == len(STEPS) * routed * model.spec.top_k
+    assert whole[1][0] == len(STEPS) * routed * model.spec.top_k and whole[1][1] > 0
 
 
 def test_a_shared_expert_is_computed_as_the_torch_block_computes_it(store_of):

@@ -183,6 +183,20 @@ class ExpertCache:
                 return tier.items[key]
         return None
 
+    def count_hits(self, keys) -> None:
+        """Requests for `keys`, every one resident, counted as request() counts them, while every expert
+        is resident and none is ever read again (TieredStore.served_resident): the policies are not
+        told, since they only choose victims and there will be none (one touch per key, through every
+        candidate of the adaptive policy, cost a fine-grained model's decode step more than its
+        attention: docs/benchmarks.md). Keys placed by a preload or for an urgent request are counted
+        one by one, as request() does."""
+        if self.preloaded or self.urgent:
+            for key in keys:
+                self.request(key)
+            return
+        for tier in self.tiers:
+            tier.stats.hits += sum(map(tier.items.__contains__, keys))
+
     def place(self, item, kind: str):
         """Cache a freshly read item in the fastest tier it fits; returns what the caller should use
         (the item as it entered its tier). kind: "demand" (asked for now: a miss and a use),

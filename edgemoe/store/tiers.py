@@ -141,6 +141,7 @@ class TieredStore:
         expert, for a RAM budget that holds them all) here; False leaves it to place(), for a loader
         that first loads other weights."""
         self.manifest = manifest if manifest is not None else read_manifest(Path(path))
+        self._lengths = {key: entry.length for key, entry in self.manifest.experts.items()}   # served_resident's
         self.path = self.manifest.path
         self.spec = self.manifest.spec
         ram_capacity = parse_bytes(ram, "ram=", share_of=self.manifest.expert_bytes)
@@ -366,17 +367,15 @@ class TieredStore:
 
     def served_resident(self, first_layer: int, chosen: list[list[int]]) -> None:
         """Layers first_layer, first_layer + 1, ... computed the experts chosen[0], chosen[1], ...
-        (each ascending) while every expert was resident (resident_layer_table): what begin_layer and
-        get_resident would record for them, layer after layer (the policies told the layer, a hit per
-        request), under one lock. Nothing is read, awaited or timed: there is nothing to read."""
+        (each ascending) while every expert was resident (resident_layer_table): the counts begin_layer
+        and get_resident would make for them (a hit per request, the bytes requested), in bulk under
+        one lock. Nothing is read, awaited, timed or evicted any more, so neither the policies nor the
+        guard are told (ExpertCache.count_hits)."""
+        keys = [(layer, e) for layer, experts in enumerate(chosen, first_layer) for e in experts]
         with self._lock:
             self._weak = set()
-            for layer, experts in enumerate(chosen, first_layer):
-                lengths = {(layer, e): self.manifest.experts[(layer, e)].length for e in experts}
-                self.cache.begin_layer(layer, lengths, self.stats.full_width_bytes_read)
-                for key, length in lengths.items():
-                    self.stats.requested_bytes += length
-                    self.cache.request(key)
+            self.stats.requested_bytes += sum(map(self._lengths.__getitem__, keys))
+            self.cache.count_hits(keys)
 
     def cancel_preloads(self, layer: int) -> None:
         """Drop the queued predictions for `layer` (not reads under way): its real routing is known now."""
