@@ -186,10 +186,10 @@ class ExpertCache:
     def count_hits(self, keys) -> None:
         """Requests for `keys`, every one resident, counted as request() counts them, while every expert
         is resident and none is ever read again (TieredStore.served_resident): the policies are not
-        told, since they only choose victims and there will be none (one touch per key, through every
-        candidate of the adaptive policy, cost a fine-grained model's decode step more than its
-        attention: docs/benchmarks.md). Keys placed by a preload or for an urgent request are counted
-        one by one, as request() does."""
+        told, since they only choose victims and there will be none (a touch per key, through every
+        candidate of the adaptive policy, cost a fine-grained model's decode step 2-7%:
+        docs/benchmarks.md, "thirteenth part"). Keys placed by a preload or for an urgent request are
+        counted one by one, as request() does."""
         if self.preloaded or self.urgent:
             for key in keys:
                 self.request(key)
