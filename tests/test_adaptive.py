@@ -239,13 +239,14 @@ def test_a_guarded_adaptive_scheme_reads_about_what_adaptive_eviction_alone_does
     assert guarded["reads_per_token"] <= 1.1 * on_demand and guarded["reads_per_token"] < lru
 
 
+@pytest.mark.parametrize("tiers", [(("vram", 2), ("ram", 8)), (("ram", 8),)])
 @pytest.mark.parametrize("policy", sorted(POLICIES))
-def test_hits_counted_in_bulk_are_what_requests_one_by_one_count(policy):
+def test_hits_counted_in_bulk_are_what_requests_one_by_one_count(policy, tiers):
     """ExpertCache.count_hits, what a decode step with every expert resident records: the counters
-    request() leaves for each key, in two tiers, a preloaded key's use and an urgent key's miss
-    included; then (nothing preloaded or urgent left) by tier alone."""
+    request() leaves for each key, in two tiers or one, a preloaded key's use and an urgent key's
+    miss included; then with nothing preloaded or urgent left."""
     def filled():
-        cache = ExpertCache([("vram", 2), ("ram", 8)], lambda: POLICIES[policy](2))
+        cache = ExpertCache(tiers, lambda: POLICIES[policy](2))
         for key in [(0, 0), (0, 1), (1, 0), (1, 1)]:
             cache.place(sim._Expert(key), "placement")
         cache.place(sim._Expert((1, 2)), "preload")
@@ -253,12 +254,13 @@ def test_hits_counted_in_bulk_are_what_requests_one_by_one_count(policy):
         return cache
 
     one_by_one, bulk = filled(), filled()
-    assert {key: tier for key, tier in one_by_one.resident().items()} == bulk.resident()
-    assert set(one_by_one.resident().values()) == {"vram", "ram"}
-    for keys in ([(0, 0), (0, 1), (1, 0), (1, 2), (1, 3), (1, 0)], [(1, 1), (0, 0), (1, 2), (1, 3)]):
-        for key in keys:
-            one_by_one.request(key)
-        bulk.count_hits(keys)
+    assert one_by_one.resident() == bulk.resident()
+    assert set(one_by_one.resident().values()) == {name for name, _ in tiers}
+    for chosen in ([[0, 1], [0, 2, 3, 0]], [[0], [1, 2, 3]]):
+        for layer, experts in enumerate(chosen):
+            for expert in experts:
+                one_by_one.request((layer, expert))
+        bulk.count_hits(0, chosen)
         assert one_by_one.stats == bulk.stats
         assert one_by_one.stats.preloads_used == 1 and one_by_one.stats.misses == 1
-    assert bulk.stats.hits == 9 and bulk.stats.tiers["vram"].hits > 0 and bulk.stats.tiers["ram"].hits > 0
+    assert bulk.stats.hits == 9 and all(tier.hits > 0 for tier in bulk.stats.tiers.values())

@@ -75,6 +75,24 @@ def test_per_expert_widths_and_compression(checkpoint, tmp_path):
     assert inspect_store(tmp_path / "mixed")["widths"] == {k: v for k, v in widths.items()}
 
 
+def test_a_layers_requested_bytes_are_its_experts_blob_lengths_at_mixed_and_one_width(checkpoint, tmp_path):
+    """LayerLengths, which served_resident sums a step's requested bytes with: per layer, the chosen
+    experts' blob lengths, whether the layer's widths differ (2/4/8 by expert) or not (one layer at 4)."""
+    from edgemoe.store.tiers import LayerLengths
+
+    spec = edgemoe.load(checkpoint).spec
+    uniform = spec.moe_layer_ids[0]
+    widths = {(l, e): 4 if l == uniform else (2, 4, 8)[(l + e) % 3]
+              for l in spec.moe_layer_ids for e in range(spec.num_experts)}
+    convert(checkpoint, tmp_path / "mixed", widths=widths)
+    manifest = read_manifest(tmp_path / "mixed")
+    lengths = LayerLengths(manifest)
+    assert lengths.same[uniform] is not None and lengths.same[spec.moe_layer_ids[1]] is None
+    for layer in spec.moe_layer_ids:
+        for chosen in ([0], [1, 2], list(range(spec.num_experts))):
+            assert lengths.of(layer, chosen) == sum(manifest.experts[(layer, e)].length for e in chosen)
+
+
 def test_bad_width_file_names_the_file_and_layer(checkpoint, tmp_path):
     (tmp_path / "w.json").write_text(json.dumps({"widths": {"0": [4, 3]}}))
     from edgemoe.convert import read_widths
