@@ -295,6 +295,8 @@ def limit_tok_s(disk_bytes: float, memory_bytes: float, bw: Bandwidths) -> float
 
 def run_once(store_path: Path, mode: str, prompt: list[int], config: BenchConfig, bw: Bandwidths) -> dict:
     """One cold run of one mode: prefill `prompt`, then decode; the raw figures of the record."""
+    from .model import Segment
+
     if config.cold:
         drop_store_from_page_cache(store_path)
     start = time.perf_counter()
@@ -309,7 +311,9 @@ def run_once(store_path: Path, mode: str, prompt: list[int], config: BenchConfig
         chunk_reads = []
         for i in range(0, len(prompt), chunk):
             reads = store.disk.reads
-            logits = model.logits(prompt[i:i + chunk], cache)
+            piece = torch.tensor(prompt[i:i + chunk])
+            # The last position's logits only, as generation computes a prompt's (and llama-bench's)
+            logits = model.forward(piece, [Segment(cache, piece.numel())], last_only=True)
             chunk_reads.append(store.disk.reads - reads)
         token = int(logits[-1].argmax())
         ttft = time.perf_counter() - start
