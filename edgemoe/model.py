@@ -330,12 +330,23 @@ class MoEModel(StoreOwner):
         and the hooks' calls _mlp would have made, layer after layer (after the compute: with every
         expert resident nothing is left to read)."""
         self.experts.served_resident(first_layer, [sorted(set(chosen)) for chosen in experts.tolist()])
-        if self.moe_input_hooks or self.routing_hooks:   # each layer's rows as [1, ...] views
+        moe_input_hooks, routing_hooks = self._hooks_while_resident()
+        if moe_input_hooks or routing_hooks:   # each layer's rows as [1, ...] views
             for l, (h, chosen, weight) in enumerate(zip(hs.split(1), experts.split(1), weights.split(1)), first_layer):
-                for hook in self.moe_input_hooks:
+                for hook in moe_input_hooks:
                     hook(l, h)
-                for hook in self.routing_hooks:
+                for hook in routing_hooks:
                     hook(l, chosen, weight, positions, segments)
+
+    def _hooks_while_resident(self) -> tuple[list, list]:
+        """The MoE-input and routing hooks a step with every expert resident calls: all but the
+        preloader's, which return at once then (there is nothing to predict or read), and whose calls
+        with a layer's rows each cost a fine-grained model's token about 2% (docs/benchmarks.md)."""
+        preloader = self.preloader
+        if preloader is None:
+            return self.moe_input_hooks, self.routing_hooks
+        return ([hook for hook in self.moe_input_hooks if hook != preloader.moe_input_hook],
+                [hook for hook in self.routing_hooks if hook != preloader.routing_hook])
 
     def _resident_moe(self, l: int):
         """Layer l's expert layouts when the decode engine computes its MoE block (DecodeEngine.moe:

@@ -48,7 +48,7 @@ def decode(path, way, monkeypatch, routing=None, **options):
     routing: a replayed trace's (the model's routing_override). Returns the steps' logits, the store's
     counts (RAM hits, bytes requested) and what the hooks saw."""
     seen = []
-    with edgemoe.load(path, dense_bits=8, compute="fused-int", preload="none", **options) as model:
+    with edgemoe.load(path, **{"dense_bits": 8, "compute": "fused-int", "preload": "none", **options}) as model:
         for entry in model.store.experts():
             model.store.get(*entry.key)
         if way != "step":
@@ -291,3 +291,26 @@ def test_the_engines_numba_routers_choose_as_the_model_files_routers(router):
             cpu_layer.topk_softmax_kernel(logits.numpy()[0], bias.numpy(), 2, weights.numpy(), experts.numpy())
         assert experts.tolist() == reference[1][0].tolist()
         assert torch.allclose(weights, reference[0][0], rtol=1e-6, atol=0)
+
+
+def test_a_resident_step_leaves_the_preloader_out_and_decodes_as_without_it(store_of, monkeypatch):
+    """With every expert resident the preloader has nothing to predict or read: the decode engine's
+    steps (the whole token's call, or a layer's MoE block) do not call its hooks (each would return at
+    once), decode the same bits and store counts as a model without a preloader, and still call
+    every other hook (decode's own)."""
+    from edgemoe.scheduling.preload import Preloader
+
+    store = store_of("qwen3_moe", num_experts=16, num_experts_per_tok=8)
+    calls = []
+    monkeypatch.setattr(Preloader, "on_routing", lambda self, *args: calls.append("routing"))
+    monkeypatch.setattr(Preloader, "on_moe_input", lambda self, *args: calls.append("input"))
+    with edgemoe.load(store) as model:
+        layers = len(model.spec.moe_layer_ids)
+    steps = counted(monkeypatch, "step")
+    with_preloader = decode(store, "step", monkeypatch, preload="lookahead")
+    assert len(steps) == len(STEPS)
+    assert calls.count("routing") == calls.count("input") == layers   # the prompt's pass only, not a step
+    same(with_preloader, decode(store, "step", monkeypatch))
+    calls.clear()
+    decode(store, "generic", monkeypatch, preload="lookahead")   # StoreExperts.run's path calls them
+    assert calls.count("routing") == calls.count("input") == layers * (1 + len(STEPS))
