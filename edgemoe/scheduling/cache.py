@@ -186,11 +186,11 @@ class ExpertCache:
     def count_hits(self, first_layer: int, chosen: list[list[int]]) -> None:
         """Requests for the experts chosen[0] of first_layer, chosen[1] of the next layer, ..., every
         one resident, counted as request() counts them, while every expert is resident and none is
-        ever read again (TieredStore.served_resident): the policies are not
-        told, since they only choose victims and there will be none (a touch per key, through every
-        candidate of the adaptive policy, cost a fine-grained model's decode step 2-7%:
-        docs/benchmarks.md, "thirteenth part"). Keys placed by a preload or for an urgent request are
-        counted one by one, as request() does."""
+        ever read again (TieredStore.served_resident). The policies are not told: they only choose
+        victims, and there will be none (a touch per key, through every candidate of the adaptive
+        policy, cost a fine-grained model's decode step 2-7%: docs/benchmarks.md, "thirteenth
+        part"). Keys placed by a preload or for an urgent request are counted one by one, as
+        request() does."""
         holding = [tier for tier in self.tiers if tier.items]
         if len(holding) == 1 and not (self.preloaded or self.urgent):   # each key resident, so in this tier
             holding[0].stats.hits += sum(map(len, chosen))

@@ -133,8 +133,10 @@ class LayerLengths:
         self.lengths: dict[int, dict[int, int]] = {}
         for (layer, expert), entry in manifest.experts.items():
             self.lengths.setdefault(layer, {})[expert] = entry.length
-        self.same = {layer: next(iter(set(row.values()))) if len(set(row.values())) == 1 else None
-                     for layer, row in self.lengths.items()}
+        self.same: dict[int, int | None] = {}   # layer -> its experts' one length, None where they differ
+        for layer, row in self.lengths.items():
+            distinct = set(row.values())
+            self.same[layer] = distinct.pop() if len(distinct) == 1 else None
 
     def of(self, layer: int, experts) -> int:
         """The bytes of `experts` of `layer`."""
