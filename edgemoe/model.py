@@ -341,8 +341,8 @@ class MoEModel(StoreOwner):
     def _hooks_while_resident(self) -> tuple[list, list]:
         """The MoE-input and routing hooks a step with every expert resident calls: all but the
         preloader's, which return at once then (there is nothing to predict or read), and whose calls
-        with each layer's rows cost a fine-grained model's token about 2% (docs/benchmarks.md,
-        "thirteenth part")."""
+        with each layer's rows showed in a fine-grained model's step (docs/benchmarks.md, "thirteenth
+        part")."""
         preloader = self.preloader
         if preloader is None:
             return self.moe_input_hooks, self.routing_hooks

@@ -146,6 +146,9 @@ class Rotary(Part):
         return None, 1.0
 
 
+QK_NORMS = (None, "head", "proj")   # Attention.qk_norm's values
+
+
 @register
 @dataclass(frozen=True)
 class Attention(Part):
@@ -206,9 +209,6 @@ class Attention(Part):
         elif self.qk_norm == "proj":
             shapes.update({"q_norm": (q_out,), "k_norm": (kv_out,)})
         return shapes
-
-
-QK_NORMS = (None, "head", "proj")
 
 
 @register

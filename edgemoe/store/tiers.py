@@ -127,7 +127,8 @@ class StoreStats(CacheStats):
 class LayerLengths:
     """The experts' blob lengths by layer, summed per layer with no work per expert where a layer's
     experts all have one length (one width): right after a decode step's kernel the interpreter's
-    caches are cold, and a lookup per expert cost bench-qwen3moe ~0.1 ms a token."""
+    caches are cold, and even a lookup per expert showed in a fine-grained model's step
+    (docs/benchmarks.md, "thirteenth part")."""
 
     def __init__(self, manifest: Manifest):
         self.lengths: dict[int, dict[int, int]] = {}
