@@ -178,11 +178,14 @@ def _synced(result):
 # Part of the cache key: a calibration made by an older method (medians, which one slow call could
 # skew) is not reused.
 CALIBRATION_METHOD = "fastest of 5"
+# Changed whenever a kernel's speed changes the paths' balance, so that a calibration cached by an
+# older edgemoe is not used (2: the integer kernel multiplies 4 prompt tokens per pass over a weight).
+KERNEL_REVISION = 2
 
 
 def _cache_key(shape, machine: str, device: str | None, gemm_dtype: torch.dtype = torch.float32) -> str:
     gemm = "" if gemm_dtype == torch.float32 else f"|dequant {str(gemm_dtype).removeprefix('torch.')}"
-    return f"{machine}|{shape[0]}x{shape[1]}|{device or 'cpu only'}{gemm}|{CALIBRATION_METHOD}"
+    return f"{machine}|{shape[0]}x{shape[1]}|{device or 'cpu only'}{gemm}|{CALIBRATION_METHOD}|kernels {KERNEL_REVISION}"
 
 
 def load_or_calibrate(shape: tuple[int, int], widths, path: Path | None = None,

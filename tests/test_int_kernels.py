@@ -46,7 +46,8 @@ def test_this_cpu_offers_its_paths():
     features = llvm.get_host_cpu_features()
     assert PATHS[-1] == "portable"
     assert ("avx2" in PATHS) == bool(features.get("avx2"))
-    assert ("avx512vnni" in PATHS) == bool(features.get("avx512vnni") and features.get("avx2"))
+    assert ("avx512vnni" in PATHS) == bool(features.get("avx512vnni") and features.get("avx512bw")
+                                           and features.get("avx2"))
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -92,17 +93,23 @@ def test_int8_codes_at_the_extremes_do_not_saturate():
 
 @pytest.mark.parametrize("bits", WIDTHS)
 @pytest.mark.parametrize("cols, group_size", [(1000, 64), (2 * 232, None), (4 * 232, None), (232, None),
-                                              (1024, 128), (1024, 512), (1024, None), (384, None), (320, None)])
+                                              (1024, 128), (1024, 512), (1024, None), (384, None), (320, None),
+                                              (352, None), (2880, None), (40, None)])
 def test_paths_agree_bit_for_bit(bits, cols, group_size):
     """Planes of 232 bytes: three 64-byte VNNI blocks, one 32-byte AVX2 block, 8 bytes on the portable
-    loop; lane-rule groups of one, two and several blocks. Ungrouped rows of whole blocks (1024, 384
-    and 320 columns: whole 64-byte blocks, or whole 32-byte ones only at INT4's 160 bytes) go in
-    batches of 16 rows (VNNI) or 8 (AVX2), the last of 50 rows partial."""
+    loop; lane-rule groups of one, two and several blocks. Ungrouped rows go in batches of 16 rows
+    (VNNI) or 8 (AVX2), the last of 50 rows partial, and 9 tokens as two tiles of 4 and one alone:
+    rows of whole blocks (1024, 384 and 320 columns: whole 64-byte blocks, or whole 32-byte ones only
+    at INT4's 160 bytes), and rows with bytes past them (352 and 2880 columns, the expert widths of the
+    DeepSeek-V2-shaped bench checkpoint and of GPT-OSS; 40 columns: no whole block at all). Each token
+    gives the same bits alone."""
     qt = quantize(weights(50, cols), bits, group_size)
-    x = acts(3, cols)
+    x = acts(9, cols)
     results = [qmatmul_int(x, qt, p) for p in PATHS]
     assert all(np.array_equal(results[0], r) for r in results)
     assert np.array_equal(results[0], qmatmul_int_twin(x, qt))
+    alone = np.concatenate([qmatmul_int(x[t:t + 1].copy(), qt, PATHS[0]) for t in range(len(x))])
+    assert np.array_equal(alone, results[0])
 
 
 def swiglu_rounding_bound(x, gate, up, down):

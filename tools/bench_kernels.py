@@ -1,6 +1,6 @@
 """Benchmark edgemoe's CPU kernels against this machine's memory read bandwidth.
 
-    python tools/bench_kernels.py [--json results.json] [--parts qmatmul,expert,crossover,int,layer]
+    python tools/bench_kernels.py [--json results.json] [--parts qmatmul,expert,crossover,int,layer,prompt]
                                   [--mixtral-only] [--bundled DIR] [--repeats N]
 
 Measures, in one run:
@@ -17,6 +17,10 @@ Measures, in one run:
    one swiglu_experts_int call for the layer against one swiglu_expert_int call per expert, on the
    fine-grained shape (D 1024, I 384, 8 active: bench-qwen3moe) and Mixtral-shaped ones (2 active);
    "layer_hot" repeats the layer call on one copy (in cache): the kernel's decoding ceiling.
+7. ("prompt") one MoE layer's experts at a prompt's token counts (16, 48, 128 tokens an expert), one
+   swiglu_experts_int call, on each integer path, at 2 threads, in GMAC/s (multiply-adds of the three
+   matrices a second): bench-qwen3moe's 64 experts (I 384, D 1024), the DeepSeek-V2-shaped bench
+   checkpoint's 64 (I 352: rows with bytes past their last whole block) and bench-mixtral's 8 (I 3584).
 
 Weights are "cold": each timed call reads a different copy of the packed weight, from a set of copies
 larger than 2x the last-level cache, so bandwidth means DRAM bandwidth. "hot" rows (1 token only)
@@ -51,6 +55,8 @@ from edgemoe.quant import QuantizedTensor, quantize
 
 MIXTRAL = (14336, 4096)  # expert hidden I, hidden D
 LAYERS = [((384, 1024), 8), ((3584, 1024), 2), (MIXTRAL, 2)]   # (I, D), active experts a token
+PROMPT_LAYERS = [((384, 1024), 64), ((352, 1024), 64), ((3584, 1024), 8)]   # (I, D), experts of a layer
+PROMPT_TOKENS = (16, 48, 128)   # tokens an expert
 TOKENS = (1, 2, 4, 8, 16)
 INT_TOKENS = (1, 2, 4, 8)
 CROSSOVER_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -275,6 +281,27 @@ def bench_layer(shape, active, bits, bandwidth, repeats):
     return out
 
 
+def bench_prompt_layer(shape, nexperts, bits, bandwidth, repeats):
+    """Every expert of a layer with each of PROMPT_TOKENS tokens, in one call (weights cached: a
+    prompt's experts are read once and reused across its tokens)."""
+    progress("prompt layer", shape, nexperts, f"int{bits}")
+    inner, dim = shape
+    experts = [[quantize(torch.randn(*s) * 0.02, bits) for s in ((inner, dim), (inner, dim), (dim, inner))]
+               for _ in range(nexperts)]
+    layouts = np.stack([expert_layout(*e) for e in experts])
+    nbytes = sum(q.nbytes for e in experts for q in e)
+    out = []
+    for tokens in PROMPT_TOKENS:
+        pairs = np.random.default_rng(1).standard_normal((nexperts * tokens, dim), dtype=np.float32)
+        starts = np.arange(nexperts + 1, dtype=np.int64) * tokens
+        for p in int_paths():
+            t = median_time(lambda p=p: swiglu_experts_int(pairs, layouts, starts, p), repeats)
+            gmacs = nexperts * tokens * 3 * inner * dim / t / 1e9
+            out.append(record(f"prompt_{p}", bits, tokens, shape, nbytes, t, bandwidth,
+                              experts=nexperts, gmac_per_s=round(gmacs, 1), series="prompt"))
+    return out
+
+
 def bundled_shape(path: Path):
     config = path / "config.json"
     if not config.exists():
@@ -315,8 +342,8 @@ def main():
     ap.add_argument("--json", help="write the records as a JSON list to this file ('-': stdout)")
     ap.add_argument("--bundled", type=Path, default=BUNDLED, help="bundled model dir (its config.json)")
     ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--parts", default="qmatmul,expert,crossover,int,layer",
-                    help="comma-separated subset of qmatmul,expert,crossover,int,layer (bandwidth always runs)")
+    ap.add_argument("--parts", default="qmatmul,expert,crossover,int,layer,prompt",
+                    help="comma-separated subset of qmatmul,expert,crossover,int,layer,prompt (bandwidth always runs)")
     ap.add_argument("--mixtral-only", action="store_true", help="skip the bundled model's shapes")
     args = ap.parse_args()
 
@@ -369,6 +396,18 @@ def main():
         for shape, active in LAYERS:
             for bits in (8, 4, 2):
                 records += bench_layer(shape, active, bits, bandwidth, args.repeats)
+    if "prompt" in parts:
+        prompt = []
+        for shape, nexperts in PROMPT_LAYERS:
+            for bits in (8, 4, 2):
+                prompt += bench_prompt_layer(shape, nexperts, bits, bandwidth, args.repeats)
+        records += prompt
+        notes.append("a layer's experts at a prompt's tokens, GMAC/s (I x D, experts, width, path: at "
+                     + "/".join(map(str, PROMPT_TOKENS)) + " tokens an expert):\n" + "\n".join(
+                         f"  {r['rows']}x{r['cols']} x{r['experts']} int{r['bits']} {r['kernel']}: "
+                         + "/".join(str(q["gmac_per_s"]) for q in prompt if q["kernel"] == r["kernel"]
+                                    and q["bits"] == r["bits"] and q["rows"] == r["rows"])
+                         for r in prompt if r["tokens"] == PROMPT_TOKENS[0]))
     finish(records, args.json, notes)
 
 

@@ -21,12 +21,14 @@ holding the plane bytes k with (k mod 32) // 4 == l (exact integers), and with s
     y[t, r] = (sum over lanes l in order of (sum over g in order of float32(lane[g, l]) * s[g]))
               - (sum over g in order of s[g] * zero[r, g] * float32(qs[t, g]))
 
-Ungrouped rows (NG == 1) whose plane is whole blocks go in batches of 16 rows (VNNI, 64-byte
-blocks) or 8 (AVX2, 32-byte blocks): each row's products stay a vector until the batch is done and
-one transposed tree of shuffles and adds gives every row's isum (edgemoe/kernels/simd.py's isums).
-A row used to pay a horizontal sum and a call of its own, a fixed cost that fine-grained experts'
-short rows (3 blocks for a 384-column INT4 row) could not hide. The isums are exact and each row's
-epilogue is the same, so the bits do not change.
+Ungrouped rows (NG == 1) go in batches of 16 rows (VNNI, 64-byte blocks) or 8 (AVX2, 32-byte
+blocks), and a prompt's tokens TOKEN_TILE at a time: each row's products stay a vector until the
+batch is done and one transposed tree of shuffles and adds a token gives every row's isum
+(edgemoe/kernels/simd.py's isums), a block's codes unpacked once for the tile's tokens. The bytes
+past a row's last whole block (a 352-column INT4 row: 176 bytes, 48 past two 64-byte blocks) are a
+masked block on VNNI, and added row by row on AVX2. A row used to pay a horizontal sum and a call
+of its own, a fixed cost that fine-grained experts' short rows (3 blocks for a 384-column INT4 row)
+could not hide. The isums are exact and each row's epilogue is the same, so the bits do not change.
 
 The float epilogue is compiled without fastmath (no reassociation, no FMA contraction), so
 edgemoe/kernels/reference.py repeats it operation for operation and the results are bit-identical.
@@ -47,9 +49,10 @@ import numpy as np
 
 from ._jit import njit_exact, njit_exact_inline, njit_exact_parallel
 from .cpu import _block_size
-from .simd import (AVX2_ROWS, BLOCK, LANES, VNNI_BLOCK, VNNI_ROWS, avx2_dot2, avx2_dot4, avx2_dot8, avx2_isums2,
-                   avx2_isums4, avx2_isums8, avx2_rows2, avx2_rows4, avx2_rows8, vnni_dot2, vnni_dot4,
-                   vnni_dot8, vnni_isums4, vnni_isums8, vnni_rows4, vnni_rows8)
+from .simd import (AVX2_ROWS, BLOCK, LANES, TOKEN_TILE, VNNI_BLOCK, VNNI_ROWS, avx2_dot2, avx2_dot4, avx2_dot8,
+                   avx2_isums2, avx2_isums4, avx2_isums8, avx2_rows2, avx2_rows4, avx2_rows8, avx2_tile_isums2,
+                   avx2_tile_isums4, avx2_tile_isums8, vnni_dot2, vnni_dot4, vnni_dot8, vnni_isums4, vnni_isums8,
+                   vnni_rows4, vnni_rows8, vnni_tile_isums4, vnni_tile_isums8)
 from .views import float32_view, uint8_view
 
 PORTABLE, AVX2, VNNI = 0, 1, 2
@@ -111,19 +114,26 @@ def _vnni_blocks(bits, packed, b0, plane, xq, x0, blocks):
 @njit_exact_inline
 def _group_dot(path, bits, packed, b0, plane, xq, x0):
     """isum of one group: its plane bytes start at packed[b0], its activations at xq[x0] (flat, uint64
-    offsets). VNNI: 64-byte blocks, then 32-byte ones on AVX2 (every VNNI CPU has AVX2); the bytes
-    past the last block on the portable loop. INT2 stays on AVX2 blocks: its four planes summed in
-    int16 before one widening beat four vpdpbusd on a Zen 4 EPYC (tools/bench_kernels.py --parts
-    layer; docs/benchmarks.md)."""
+    offsets). VNNI: 64-byte blocks, then _dot_from for the rest. INT2 stays on AVX2 blocks: its four
+    planes summed in int16 before one widening beat four vpdpbusd on a Zen 4 EPYC (tools/bench_kernels.py
+    --parts layer; docs/benchmarks.md)."""
     acc = np.int64(0)
     done = U0
     if path == VNNI and bits != 2:
         blocks = plane // UV
         acc = _vnni_blocks(bits, packed, b0, plane, xq, x0, blocks)
         done = blocks * UV
+    return acc + _dot_from(path, bits, packed, b0, plane, done, xq, x0)
+
+
+@njit_exact_inline
+def _dot_from(path, bits, packed, b0, plane, done, xq, x0):
+    """The isum of a group's plane bytes from `done` on (those before it summed elsewhere): 32-byte
+    blocks on AVX2 (every VNNI CPU has AVX2), the bytes past the last block on the portable loop."""
+    acc = np.int64(0)
     if path != PORTABLE and plane - done >= UB:
         blocks = (plane - done) // UB
-        acc += _avx2_blocks(bits, packed, b0 + done, plane, xq, x0 + done, blocks)
+        acc = _avx2_blocks(bits, packed, b0 + done, plane, xq, x0 + done, blocks)
         done += blocks * UB
     return acc + _portable_dot(bits, packed, b0 + done, plane, plane - done, xq, x0 + done)
 
@@ -211,48 +221,78 @@ def _rows(path, bits, g, packed, scale, zero, xq, xstride, xs, qs, t0, t1, r0, r
 @njit_exact_inline
 def _row_batch(path, bits, plane):
     """Rows a batch of _batched_rows takes on this path and width, 0 where it takes none: VNNI's 16
-    where a row is whole 64-byte blocks (INT4, INT8), AVX2's 8 where it is whole 32-byte blocks."""
-    if path == VNNI and bits != 2 and plane % UV == U0:
+    (INT4, INT8; a row's bytes past its whole 64-byte blocks as one masked block), AVX2's 8 where a
+    row holds a whole 32-byte block."""
+    if path == VNNI and bits != 2:
         return VNNI_ROWS
-    if path != PORTABLE and plane % UB == U0:
+    if path != PORTABLE and plane >= UB:
         return AVX2_ROWS
     return 0
 
 
 @njit_exact_inline
-def _isums(batch, bits, packed, b0, plane, xq, x0, nrows, isum):
-    """isum[:nrows] = the isums of nrows <= batch ungrouped rows of plane bytes from packed[b0], on the
-    intrinsics of _row_batch's choice (a VNNI batch, else an AVX2 one)."""
+def _isums(batch, tile, bits, packed, b0, plane, xq, x0, stride, nrows, isum):
+    """isum[k * batch + i] = the isum of row i < nrows <= batch of the ungrouped rows of plane bytes from
+    packed[b0], for token k < tile (1 or TOKEN_TILE) of those whose activations start at xq[x0 + k *
+    stride], on the intrinsics of _row_batch's choice: a VNNI batch (every byte of a row), else an
+    AVX2 one (its whole 32-byte blocks). Returns the bytes of a row they cover."""
     if batch == VNNI_ROWS:
-        if bits == 4:
-            vnni_isums4(packed, b0, xq, x0, plane, plane // UV, nrows, isum)
+        nblocks = plane // UV
+        if tile == TOKEN_TILE:
+            if bits == 4:
+                vnni_tile_isums4(packed, b0, xq, x0, stride, plane, nblocks, nrows, isum)
+            else:
+                vnni_tile_isums8(packed, b0, xq, x0, stride, plane, nblocks, nrows, isum)
+        elif bits == 4:
+            vnni_isums4(packed, b0, xq, x0, stride, plane, nblocks, nrows, isum)
         else:
-            vnni_isums8(packed, b0, xq, x0, plane, plane // UV, nrows, isum)
+            vnni_isums8(packed, b0, xq, x0, stride, plane, nblocks, nrows, isum)
+        return plane
+    nblocks = plane // UB
+    if tile == TOKEN_TILE:
+        if bits == 2:
+            avx2_tile_isums2(packed, b0, xq, x0, stride, plane, nblocks, nrows, isum)
+        elif bits == 4:
+            avx2_tile_isums4(packed, b0, xq, x0, stride, plane, nblocks, nrows, isum)
+        else:
+            avx2_tile_isums8(packed, b0, xq, x0, stride, plane, nblocks, nrows, isum)
     elif bits == 2:
-        avx2_isums2(packed, b0, xq, x0, plane, plane // UB, nrows, isum)
+        avx2_isums2(packed, b0, xq, x0, stride, plane, nblocks, nrows, isum)
     elif bits == 4:
-        avx2_isums4(packed, b0, xq, x0, plane, plane // UB, nrows, isum)
+        avx2_isums4(packed, b0, xq, x0, stride, plane, nblocks, nrows, isum)
     else:
-        avx2_isums8(packed, b0, xq, x0, plane, plane // UB, nrows, isum)
+        avx2_isums8(packed, b0, xq, x0, stride, plane, nblocks, nrows, isum)
+    return nblocks * UB
 
 
 @njit_exact
 def _batched_rows(path, bits, packed, scale, zero, xq, stride, xs, qs, t0, t1, r0, r1, out, plane):
     """_rows for ungrouped rows (one group of `plane` bytes each) in batches of _row_batch rows, the
-    last one partial; returns the first row left to do (r1, or r0 where no batch applies). Each row's
-    float epilogue is _rows' own, operation for operation: the same bits."""
+    last one partial, TOKEN_TILE tokens a call while that many are left; returns the first row left to
+    do (r1, or r0 where no batch applies). The isums are exact integers however the bytes and tokens
+    are split (the batch's whole blocks, then each row's rest), and each row's float epilogue is
+    _rows' own, operation for operation: the same bits."""
     batch = np.uint64(_row_batch(path, bits, plane))
     r = np.uint64(r0)
     if batch == U0:
         return r
-    isum = np.empty(batch, np.int32)
+    tile_size = np.uint64(TOKEN_TILE)
+    isum = np.empty(tile_size * batch, np.int32)
     while r < np.uint64(r1):
         nrows = min(batch, np.uint64(r1) - r)
-        for t in range(np.uint64(t0), np.uint64(t1)):   # the batch's bytes stay in L1 for the next token
-            _isums(batch, bits, packed, r * plane, plane, xq, t * stride, nrows, isum)
-            for i in range(nrows):
-                out[t, r + i] = np.float32(0) + (scale[r + i, 0] * xs[t, 0]) * (
-                    np.float32(isum[i]) - zero[r + i, 0] * np.float32(qs[t, 0]))
+        t = np.uint64(t0)
+        while t < np.uint64(t1):   # the batch's bytes stay in L1 for the next tokens
+            tile = tile_size if np.uint64(t1) - t >= tile_size else np.uint64(1)
+            done = _isums(batch, tile, bits, packed, r * plane, plane, xq, t * stride, stride, nrows, isum)
+            for k in range(tile):
+                x0 = (t + k) * stride
+                for i in range(nrows):
+                    if done < plane:   # a row's bytes past its last whole block: each row's own
+                        isum[k * batch + i] += np.int32(_dot_from(path, bits, packed, (r + i) * plane, plane, done,
+                                                                  xq, x0))
+                    out[t + k, r + i] = np.float32(0) + (scale[r + i, 0] * xs[t + k, 0]) * (
+                        np.float32(isum[k * batch + i]) - zero[r + i, 0] * np.float32(qs[t + k, 0]))
+            t += tile
         r += nrows
     return r
 

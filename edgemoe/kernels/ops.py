@@ -23,7 +23,8 @@ from ._jit import target_has
 from .views import address
 
 INT_PATHS = {"avx512vnni": cpu_int.VNNI, "avx2": cpu_int.AVX2, "portable": cpu_int.PORTABLE}  # fastest first
-PATH_FEATURES = {"avx512vnni": ("avx512vnni", "avx2"), "avx2": ("avx2",), "portable": ()}  # LLVM features each needs
+# LLVM features each path needs (VNNI's: AVX-512 BW too, for the masked load of a row's last bytes)
+PATH_FEATURES = {"avx512vnni": ("avx512vnni", "avx512bw", "avx2"), "avx2": ("avx2",), "portable": ()}
 INT_PATH_ENV = "EDGEMOE_INT_PATH"
 MAX_INT_SUM = 2**31 - 1  # integer sums are int32 in the AVX2 lanes
 

@@ -69,30 +69,50 @@ def _hsum(builder, v):
     return total
 
 
-def _block_small(builder, bits, pbase, xbase, poff, xoff, plane):
-    """int32x8 partial sums of one 32-byte block at 2 or 4 bits (vpmaddubsw, then vpmaddwd by ones)."""
+def _small_codes(builder, bits, pbase, poff):
+    """The codes of each of the 8 / bits planes of one 32-byte block at 2 or 4 bits."""
     raw = _load(builder, pbase, poff, _vec(I8, 32))
     mask = _splat(I8, 32, (1 << bits) - 1)
+    return [builder.and_(builder.lshr(raw, _splat(I8, 32, j * bits)) if j else raw, mask) for j in range(8 // bits)]
+
+
+def _small_products(builder, codes, xbase, xoff, plane):
+    """int32x8 partial sums of a 2- or 4-bit block's plane codes against the activations at xoff
+    (vpmaddubsw, then vpmaddwd by ones)."""
     pairs = None
-    for j in range(8 // bits):
-        codes = builder.and_(builder.lshr(raw, _splat(I8, 32, j * bits)) if j else raw, mask)
+    for j, plane_codes in enumerate(codes):
         xoff_j = builder.add(xoff, builder.mul(plane, ir.Constant(plane.type, j)))
         x = _load(builder, xbase, xoff_j, _vec(I8, 32))
-        p = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _vec(I16, 16), [codes, x])
+        p = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _vec(I16, 16), [plane_codes, x])
         pairs = p if pairs is None else builder.add(pairs, p)
     return _call(builder, "llvm.x86.avx2.pmadd.wd", _vec(I32, 8), [pairs, _splat(I16, 16, 1)])
 
 
-def _block_int8(builder, pbase, xbase, poff, xoff):
-    """int32x8 partial sums of one 32-byte block at 8 bits: two halves widened to int16, vpmaddwd."""
+def _block_small(builder, bits, pbase, xbase, poff, xoff, plane):
+    """int32x8 partial sums of one 32-byte block at 2 or 4 bits."""
+    return _small_products(builder, _small_codes(builder, bits, pbase, poff), xbase, xoff, plane)
+
+
+def _int8_codes(builder, pbase, poff):
+    """One 32-byte INT8 block's codes as two int16x16 halves."""
+    return [builder.zext(_load(builder, pbase, builder.add(poff, ir.Constant(poff.type, 16 * half)), _vec(I8, 16)),
+                         _vec(I16, 16)) for half in range(2)]
+
+
+def _int8_products(builder, codes, xbase, xoff):
+    """int32x8 partial sums of an INT8 block's halves against the activations at xoff (vpmaddwd)."""
     total = None
-    for half in range(2):
-        step = ir.Constant(poff.type, 16 * half)
-        codes = builder.zext(_load(builder, pbase, builder.add(poff, step), _vec(I8, 16)), _vec(I16, 16))
-        x = builder.sext(_load(builder, xbase, builder.add(xoff, step), _vec(I8, 16)), _vec(I16, 16))
-        p = _call(builder, "llvm.x86.avx2.pmadd.wd", _vec(I32, 8), [codes, x])
+    for half, half_codes in enumerate(codes):
+        x = builder.sext(_load(builder, xbase, builder.add(xoff, ir.Constant(xoff.type, 16 * half)), _vec(I8, 16)),
+                         _vec(I16, 16))
+        p = _call(builder, "llvm.x86.avx2.pmadd.wd", _vec(I32, 8), [half_codes, x])
         total = p if total is None else builder.add(total, p)
     return total
+
+
+def _block_int8(builder, pbase, xbase, poff, xoff):
+    """int32x8 partial sums of one 32-byte block at 8 bits: two halves widened to int16, vpmaddwd."""
+    return _int8_products(builder, _int8_codes(builder, pbase, poff), xbase, xoff)
 
 
 def _dot_intrinsic(feature: str, body):
@@ -138,38 +158,82 @@ def _avx2_body(bits, builder, pbase, xbase, b0, x0, plane, nblocks):
 avx2_dot2, avx2_dot4, avx2_dot8 = (_dot_intrinsic("avx2", partial(_avx2_body, b)) for b in (2, 4, 8))
 
 
-def _block_vnni(builder, bits, pbase, xbase, poff, xoff, plane, accs):
-    """The accumulators (one int32x16 per plane) plus one 64-byte block's products (vpdpbusd: u8 code
-    x s8 activation, four adjacent products summed into each int32 lane, no saturation). One
-    accumulator per plane keeps the planes' vpdpbusd independent (its latency would chain them)."""
-    raw = _load(builder, pbase, poff, _vec(I8, VNNI_BLOCK))
-    mask = _splat(I8, VNNI_BLOCK, (1 << bits) - 1)
+def _masked_load(builder, base, offset, count):
+    """The first `count` (< 64) bytes from byte pointer base + offset, zeros in the other lanes of an
+    int8x64 vector; the bytes past them are not read (AVX-512 BW's masked load suppresses their
+    faults), so a row's last bytes may end its array."""
+    vtype = _vec(I8, VNNI_BLOCK)
+    limit = builder.trunc(count, I32)
+    splat = builder.insert_element(ir.Constant(_vec(I32, VNNI_BLOCK), None), limit, ir.Constant(I32, 0))
+    splat = builder.shuffle_vector(splat, splat, ir.Constant(_vec(I32, VNNI_BLOCK), [0] * VNNI_BLOCK))
+    mask = builder.icmp_unsigned("<", ir.Constant(_vec(I32, VNNI_BLOCK), list(range(VNNI_BLOCK))), splat)
+    ptr = builder.bitcast(builder.gep(base, [offset]), vtype.as_pointer())
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vtype, [ptr.type, I32, mask.type, vtype]),
+                                        "llvm.masked.load.v64i8.p0")
+    return builder.call(fn, [ptr, ir.Constant(I32, 1), mask, _splat(I8, VNNI_BLOCK, 0)])
+
+
+def _vnni_token_sums(bits, builder, pbase, xbase, b0, x0s, plane, nblocks, tail=False):
+    """int32x16 partial sums of `nblocks` 64-byte blocks from packed[b0] against each token's
+    activations (xq from each offset of x0s), the planes' accumulators added (zero at this point of
+    the code each time it runs); with `tail`, the plane's bytes past those blocks too, as a block
+    whose missing bytes are zero codes (which add nothing). A block's codes are unpacked once for
+    all the tokens; each (token, plane) has an accumulator of its own, so that the vpdpbusd (u8 code
+    x s8 activation, four adjacent products summed into each int32 lane, no saturation) are
+    independent (its latency would chain them)."""
     lanes = _vec(I32, VNNI_BLOCK // 4)
-    out = []
-    for j, acc in enumerate(accs):
-        codes = raw if bits == 8 else builder.and_(
-            builder.lshr(raw, _splat(I8, VNNI_BLOCK, j * bits)) if j else raw, mask)
-        xoff_j = builder.add(xoff, builder.mul(plane, ir.Constant(plane.type, j)))
-        x = _load(builder, xbase, xoff_j, _vec(I8, VNNI_BLOCK))
-        out.append(_call(builder, "llvm.x86.avx512.vpdpbusd.512", lanes,
-                         [acc, builder.bitcast(codes, lanes), builder.bitcast(x, lanes)]))
-    return out
+    nplanes = 8 // bits
+    accs = [[cgutils.alloca_once_value(builder, _splat(I32, VNNI_BLOCK // 4, 0)) for _ in range(nplanes)]
+            for _ in x0s]
+    mask = _splat(I8, VNNI_BLOCK, (1 << bits) - 1)
+
+    def block(step, load):
+        raw = load(pbase, builder.add(b0, step))
+        codes = [builder.bitcast(raw if bits == 8 else builder.and_(
+            builder.lshr(raw, _splat(I8, VNNI_BLOCK, j * bits)) if j else raw, mask), lanes) for j in range(nplanes)]
+        for token_accs, x0 in zip(accs, x0s):
+            for j, (acc, plane_codes) in enumerate(zip(token_accs, codes)):
+                xoff = builder.add(builder.add(x0, step), builder.mul(plane, ir.Constant(plane.type, j)))
+                x = builder.bitcast(load(xbase, xoff), lanes)
+                builder.store(_call(builder, "llvm.x86.avx512.vpdpbusd.512", lanes,
+                                    [builder.load(acc), plane_codes, x]), acc)
+
+    with cgutils.for_range(builder, nblocks) as loop:
+        block(builder.mul(loop.index, ir.Constant(loop.index.type, VNNI_BLOCK)),
+              lambda base, offset: _load(builder, base, offset, _vec(I8, VNNI_BLOCK)))
+    if tail:
+        done = builder.mul(nblocks, ir.Constant(nblocks.type, VNNI_BLOCK))
+        rest = builder.sub(plane, done)
+        with builder.if_then(builder.icmp_unsigned(">", rest, ir.Constant(rest.type, 0))):
+            block(done, lambda base, offset: _masked_load(builder, base, offset, rest))
+    totals = []
+    for token_accs in accs:
+        total = builder.load(token_accs[0])
+        for acc in token_accs[1:]:
+            total = builder.add(total, builder.load(acc))
+        totals.append(total)
+    return totals
 
 
 def _vnni_sums(bits, builder, pbase, xbase, b0, x0, plane, nblocks):
-    """int32x16 partial sums of `nblocks` 64-byte blocks from packed[b0], the planes' accumulators
-    added (zero at this point of the code each time it runs)."""
-    accs = [cgutils.alloca_once_value(builder, _splat(I32, VNNI_BLOCK // 4, 0)) for _ in range(8 // bits)]
+    """int32x16 partial sums of `nblocks` 64-byte blocks from packed[b0] for one token."""
+    return _vnni_token_sums(bits, builder, pbase, xbase, b0, [x0], plane, nblocks)[0]
+
+
+def _avx2_token_sums(bits, builder, pbase, xbase, b0, x0s, plane, nblocks):
+    """int32x8 partial sums of `nblocks` 32-byte blocks from packed[b0] against each token's
+    activations (xq from each offset of x0s), a block's codes unpacked once for all the tokens."""
+    accs = [cgutils.alloca_once_value(builder, _splat(I32, 8, 0)) for _ in x0s]
     with cgutils.for_range(builder, nblocks) as loop:
-        step = builder.mul(loop.index, ir.Constant(loop.index.type, VNNI_BLOCK))
-        sums = _block_vnni(builder, bits, pbase, xbase, builder.add(b0, step), builder.add(x0, step), plane,
-                           [builder.load(a) for a in accs])
-        for acc, total in zip(accs, sums):
-            builder.store(total, acc)
-    total = builder.load(accs[0])
-    for acc in accs[1:]:
-        total = builder.add(total, builder.load(acc))
-    return total
+        step = builder.mul(loop.index, ir.Constant(loop.index.type, BLOCK))
+        poff = builder.add(b0, step)
+        codes = _int8_codes(builder, pbase, poff) if bits == 8 else _small_codes(builder, bits, pbase, poff)
+        for acc, x0 in zip(accs, x0s):
+            xoff = builder.add(x0, step)
+            block = (_int8_products(builder, codes, xbase, xoff) if bits == 8
+                     else _small_products(builder, codes, xbase, xoff, plane))
+            builder.store(builder.add(builder.load(acc), block), acc)
+    return [builder.load(acc) for acc in accs]
 
 
 def _vnni_body(bits, builder, pbase, xbase, b0, x0, plane, nblocks):
@@ -289,10 +353,15 @@ vnni_rows4, vnni_rows8 = (_rows_intrinsic("avx512vnni", partial(_group_lanes_vnn
 
 
 # Ungrouped rows in batches: the isums of up to W consecutive rows (W = a vector's int32 lanes: 16
-# on VNNI, 8 on AVX2) for one token. Each row's products stay a vector until the batch is done; one
-# transposed tree of shuffles and adds then turns the W vectors into the W rows' sums, 15 shuffle
-# pairs for 16 rows instead of a horizontal sum per row (small rows, as fine-grained experts have,
-# paid it per 3-8 blocks). Integer sums are exact, so the isums are the per-row intrinsics' to the bit.
+# on VNNI, 8 on AVX2) for one token, or for TOKEN_TILE tokens at once. Each row's products stay a
+# vector until the batch is done; one transposed tree of shuffles and adds a token then turns the W
+# vectors into the W rows' sums, 15 shuffle pairs for 16 rows instead of a horizontal sum per row
+# (small rows, as fine-grained experts have, paid it per 3-8 blocks). With several tokens a block's
+# codes are loaded and unpacked once for all of them (a prompt's tokens share every weight). Integer
+# sums are exact, so the isums are the per-row intrinsics' to the bit.
+
+TOKEN_TILE = 4   # tokens a tiled call: 8 VNNI accumulators at INT4 (two planes), within the 32 registers
+
 
 def _transposed_sums(builder, vectors):
     """W int32xW vectors -> one int32xW vector whose lane r is the sum of vectors[r]'s lanes."""
@@ -311,38 +380,46 @@ def _transposed_sums(builder, vectors):
     return vectors[0]
 
 
-def _isums_body(width, row_sums, builder, pbase, xbase, obase, b0, x0, plane, nblocks, nrows):
+def _isums_body(width, tokens, token_sums, builder, pbase, xbase, obase, b0, x0, xstride, plane, nblocks, nrows):
     """Stores the isums of `nrows` <= width ungrouped rows (row i's `plane` bytes from packed[b0 + i *
-    plane], nblocks whole blocks) into out[0 : width], zero past nrows.
+    plane], nblocks whole blocks) for `tokens` tokens (token t's activations from xq[x0 + t * xstride])
+    into out[t * width : (t + 1) * width], zero past nrows.
     The row count is a runtime value: a constant one let LLVM unroll the rows, doubling compile time."""
     vtype = _vec(I32, width)
-    rows = cgutils.alloca_once(builder, ir.ArrayType(vtype, width))
-    slots = [builder.gep(rows, [ir.Constant(I32, 0), ir.Constant(I32, i)]) for i in range(width)]
-    for slot in slots:
-        builder.store(_splat(I32, width, 0), slot)
+    rows = cgutils.alloca_once(builder, ir.ArrayType(vtype, width * tokens))
+    slots = [[builder.gep(rows, [ir.Constant(I32, 0), ir.Constant(I32, t * width + i)]) for i in range(width)]
+             for t in range(tokens)]
+    for token_slots in slots:
+        for slot in token_slots:
+            builder.store(_splat(I32, width, 0), slot)
+    x0s = [builder.add(x0, builder.mul(xstride, ir.Constant(xstride.type, t))) for t in range(tokens)]
     with cgutils.for_range(builder, nrows) as loop:
         start = builder.add(b0, builder.mul(loop.index, plane))
-        slot = builder.gep(rows, [ir.Constant(I32, 0), builder.trunc(loop.index, I32)])
-        builder.store(row_sums(builder, pbase, xbase, start, x0, plane, nblocks), slot)
-    target = builder.bitcast(obase, vtype.as_pointer())
-    builder.store(_transposed_sums(builder, [builder.load(slot) for slot in slots]), target, align=1)
+        sums = token_sums(builder, pbase, xbase, start, x0s, plane, nblocks)
+        for t, total in enumerate(sums):
+            index = builder.add(builder.trunc(loop.index, I32), ir.Constant(I32, t * width))
+            builder.store(total, builder.gep(rows, [ir.Constant(I32, 0), index]))
+    for t, token_slots in enumerate(slots):
+        target = builder.bitcast(builder.gep(obase, [ir.Constant(I32, t * width)]), vtype.as_pointer())
+        builder.store(_transposed_sums(builder, [builder.load(slot) for slot in token_slots]), target, align=1)
 
 
-def _isums_intrinsic(feature: str, width: int, row_sums):
-    """An intrinsic (packed, b0, xq, x0, plane, nblocks, nrows, out) -> None: _isums_body, out an
-    int32 array of at least `width` elements. Compiled for a CPU without `feature` it raises, as _dot_intrinsic's."""
+def _isums_intrinsic(feature: str, width: int, tokens: int, token_sums):
+    """An intrinsic (packed, b0, xq, x0, xstride, plane, nblocks, nrows, out) -> None: _isums_body, out
+    an int32 array of at least tokens * width elements. Compiled for a CPU without `feature` it
+    raises, as _dot_intrinsic's."""
     @intrinsic
-    def isums(typingctx, packed, b0, xq, x0, plane, nblocks, nrows, out):
-        sig = types.none(packed, b0, xq, x0, plane, nblocks, nrows, out)
+    def isums(typingctx, packed, b0, xq, x0, xstride, plane, nblocks, nrows, out):
+        sig = types.none(packed, b0, xq, x0, xstride, plane, nblocks, nrows, out)
 
         def codegen(context, builder, sig, args):
             if target_has(feature):
-                packed_a, b0_v, xq_a, x0_v, plane_v, nb_v, nrows_v, out_a = args
+                packed_a, b0_v, xq_a, x0_v, xstride_v, plane_v, nb_v, nrows_v, out_a = args
 
                 def data(i, value):
                     return cgutils.create_struct_proxy(sig.args[i])(context, builder, value=value).data
-                _isums_body(width, row_sums, builder, data(0, packed_a), data(2, xq_a), data(7, out_a),
-                            b0_v, x0_v, plane_v, nb_v, nrows_v)
+                _isums_body(width, tokens, token_sums, builder, data(0, packed_a), data(2, xq_a), data(8, out_a),
+                            b0_v, x0_v, xstride_v, plane_v, nb_v, nrows_v)
             else:
                 with builder.if_then(cgutils.true_bit):
                     context.call_conv.return_user_exc(builder, RuntimeError, (f"{feature} code on a CPU without it",))
@@ -355,5 +432,10 @@ def _isums_intrinsic(feature: str, width: int, row_sums):
 
 AVX2_ROWS, VNNI_ROWS = BLOCK // 4, VNNI_BLOCK // 4   # rows a batch: a vector's int32 lanes
 avx2_isums2, avx2_isums4, avx2_isums8 = (
-    _isums_intrinsic("avx2", AVX2_ROWS, partial(_avx2_sums, b, _block_int8)) for b in (2, 4, 8))
-vnni_isums4, vnni_isums8 = (_isums_intrinsic("avx512vnni", VNNI_ROWS, partial(_vnni_sums, b)) for b in (4, 8))
+    _isums_intrinsic("avx2", AVX2_ROWS, 1, partial(_avx2_token_sums, b)) for b in (2, 4, 8))
+vnni_isums4, vnni_isums8 = (
+    _isums_intrinsic("avx512vnni", VNNI_ROWS, 1, partial(_vnni_token_sums, b, tail=True)) for b in (4, 8))
+avx2_tile_isums2, avx2_tile_isums4, avx2_tile_isums8 = (
+    _isums_intrinsic("avx2", AVX2_ROWS, TOKEN_TILE, partial(_avx2_token_sums, b)) for b in (2, 4, 8))
+vnni_tile_isums4, vnni_tile_isums8 = (
+    _isums_intrinsic("avx512vnni", VNNI_ROWS, TOKEN_TILE, partial(_vnni_token_sums, b, tail=True)) for b in (4, 8))
