@@ -15,6 +15,10 @@ swiglu_expert_int: the same bound carried through silu(g) * u (|silu'| <= 1.1) a
 re-quantization of h, computed below from the exact float intermediate.
 """
 
+import ctypes
+import mmap
+import os
+
 import llvmlite.binding as llvm
 import numpy as np
 import pytest
@@ -24,13 +28,14 @@ from edgemoe.kernels import int_paths, qmatmul_int, set_threads, swiglu_expert_i
 from edgemoe.kernels import ops
 from edgemoe.kernels.reference import (qmatmul_int_twin, qmatmul_reference, quantize_activations_reference,
                                        swiglu_int_twin, swiglu_reference)
-from edgemoe.quant import dequantize_reference, quantize
+from edgemoe.quant import QuantizedTensor, dequantize_reference, quantize
 
 from helpers import acts, code_magnitude, weights
 
 WIDTHS = (2, 4, 8)
 PATHS = int_paths()
 SILU_SLOPE = 1.1  # max |d silu / dx| = 1.0998
+PROT_NONE = 0     # mprotect's "no access" (Python's mmap module does not name it)
 
 
 def int_rounding_bound(x: np.ndarray, qt) -> np.ndarray:
@@ -110,6 +115,36 @@ def test_paths_agree_bit_for_bit(bits, cols, group_size):
     assert np.array_equal(results[0], qmatmul_int_twin(x, qt))
     alone = np.concatenate([qmatmul_int(x[t:t + 1].copy(), qt, PATHS[0]) for t in range(len(x))])
     assert np.array_equal(alone, results[0])
+
+
+@pytest.fixture
+def guarded_page():
+    """A writable page followed by one the process may not read (mprotect PROT_NONE): a read past the
+    first page's end crashes the process instead of passing unseen. Linux and macOS (libc's mmap)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+    libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    page = mmap.PAGESIZE
+    address = libc.mmap(None, 2 * page, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    assert address not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+    assert libc.mprotect(address + page, page, PROT_NONE) == 0, os.strerror(ctypes.get_errno())
+    yield np.ctypeslib.as_array((ctypes.c_uint8 * page).from_address(address))
+    libc.munmap(address, 2 * page)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("bits", WIDTHS)
+def test_a_rows_last_bytes_are_read_no_further_than_its_matrix(path, bits, guarded_page):
+    """A 352-column matrix's codes end where the readable memory ends: its rows' last bytes (past
+    their last whole block: a masked block on VNNI) are read, and nothing past them."""
+    qt = quantize(weights(9, 352), bits)
+    at_end = guarded_page[guarded_page.size - qt.packed.size:].reshape(qt.packed.shape)
+    at_end[:] = qt.packed
+    guarded = QuantizedTensor(qt.bits, qt.group_size, qt.shape, at_end, qt.scale, qt.zero)
+    x = acts(5, 352)
+    assert np.array_equal(qmatmul_int(x, guarded, path), qmatmul_int_twin(x, qt))
 
 
 def swiglu_rounding_bound(x, gate, up, down):
