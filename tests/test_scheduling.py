@@ -50,10 +50,12 @@ def test_profile_is_saved_in_the_store_and_drives_placement(store):
     data = json.loads((store / "profile.json").read_text())
     assert set(data) >= {"routing", "popularity"}
     size = expert_size(store)
-    with open_store(store, ram=3 * size) as s:     # initial placement: the 3 most popular experts
-        ranked = sorted(((p, (int(l), e)) for l, row in data["popularity"].items() for e, p in enumerate(row)),
-                        reverse=True)
-        assert set(s.resident()) == {key for _, key in ranked[:3]}
+    popularity = {(int(l), e): p for l, row in data["popularity"].items() for e, p in enumerate(row)}
+    third = sorted(popularity.values(), reverse=True)[2]
+    with open_store(store, ram=3 * size) as s:     # initial placement: 3 of the most popular experts
+        resident = set(s.resident())
+        # Experts as popular as the third may tie with it: any of them may take the last place.
+        assert len(resident) == 3 and all(popularity[key] >= third for key in resident)
     assert edgemoe.load(store).preloader.predictor == read_predictor_choice(store) in ("correlation", "lookahead")
 
 
