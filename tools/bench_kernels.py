@@ -18,7 +18,7 @@ Measures, in one run:
    fine-grained shape (D 1024, I 384, 8 active: bench-qwen3moe) and Mixtral-shaped ones (2 active);
    "layer_hot" repeats the layer call on one copy (in cache): the kernel's decoding ceiling.
 7. ("prompt") one MoE layer's experts at a prompt's token counts (16, 48, 128 tokens an expert), one
-   swiglu_experts_int call, on each integer path, at 2 threads, in GMAC/s (multiply-adds of the three
+   swiglu_experts_int call, on each integer path, on every core, in GMAC/s (multiply-adds of the three
    matrices a second): bench-qwen3moe's 64 experts (I 384, D 1024), the DeepSeek-V2-shaped bench
    checkpoint's 64 (I 352: rows with bytes past their last whole block) and bench-mixtral's 8 (I 3584).
 
@@ -302,6 +302,18 @@ def bench_prompt_layer(shape, nexperts, bits, bandwidth, repeats):
     return out
 
 
+def prompt_note(records) -> str:
+    """One line per layer shape, width and path: its GMAC/s at each of PROMPT_TOKENS."""
+    rates: dict[tuple, list[float]] = {}
+    for r in records:   # in PROMPT_TOKENS' order within each (shape, width, path)
+        key = (r["rows"], r["cols"], r["experts"], r["bits"], r["kernel"])
+        rates.setdefault(key, []).append(r["gmac_per_s"])
+    lines = [f"  {rows}x{cols} x{experts} int{bits} {kernel}: " + "/".join(map(str, values))
+             for (rows, cols, experts, bits, kernel), values in rates.items()]
+    return ("a layer's experts at a prompt's tokens, GMAC/s (at " + "/".join(map(str, PROMPT_TOKENS))
+            + " tokens an expert):\n" + "\n".join(lines))
+
+
 def bundled_shape(path: Path):
     config = path / "config.json"
     if not config.exists():
@@ -402,12 +414,7 @@ def main():
             for bits in (8, 4, 2):
                 prompt += bench_prompt_layer(shape, nexperts, bits, bandwidth, args.repeats)
         records += prompt
-        notes.append("a layer's experts at a prompt's tokens, GMAC/s (I x D, experts, width, path: at "
-                     + "/".join(map(str, PROMPT_TOKENS)) + " tokens an expert):\n" + "\n".join(
-                         f"  {r['rows']}x{r['cols']} x{r['experts']} int{r['bits']} {r['kernel']}: "
-                         + "/".join(str(q["gmac_per_s"]) for q in prompt if q["kernel"] == r["kernel"]
-                                    and q["bits"] == r["bits"] and q["rows"] == r["rows"])
-                         for r in prompt if r["tokens"] == PROMPT_TOKENS[0]))
+        notes.append(prompt_note(prompt))
     finish(records, args.json, notes)
 
 
