@@ -280,3 +280,25 @@ def test_profile_tokens_needs_calibration_text(tiny_model, tmp_path, monkeypatch
                         "--profile-tokens", "100")
     assert code == 2 and err.startswith("error: --profile-tokens: only with --calib") and "\n" not in err
     assert not (tmp_path / "s").exists()
+
+
+def test_a_convert_writes_the_same_store_twice(tiny_model, tmp_path):
+    """Two converts of one checkpoint with calibration text, in fresh processes with different hash
+    seeds, write byte-identical stores, profile.json included. They share the machine's latency
+    calibration, as two converts on one machine do (the cache directory): the compute path of each
+    expert is chosen by it, and paths round differently (docs/budget.md, "Reproducible on one machine")."""
+    import os
+    import subprocess
+    import sys
+
+    checkpoint = tiny_model("qwen3_moe", num_hidden_layers=4, num_experts=6)
+    text = tmp_path / "calib.txt"
+    text.write_text("To be, or not to be, that is the question: whether 'tis nobler in the mind. " * 40)
+    stores = [tmp_path / f"store-{seed}" for seed in (1, 2)]
+    for seed, out in zip((1, 2), stores):
+        env = dict(os.environ, PYTHONHASHSEED=str(seed))
+        subprocess.run([sys.executable, "-m", "edgemoe", "convert", str(checkpoint), "--out", str(out), "--bits", "4",
+                        "--calib", str(text), "--threads", "2"], env=env, check=True, capture_output=True)
+    names = sorted(p.name for p in stores[0].iterdir())
+    assert "profile.json" in names and names == sorted(p.name for p in stores[1].iterdir())
+    assert [n for n in names if (stores[0] / n).read_bytes() != (stores[1] / n).read_bytes()] == []
