@@ -48,6 +48,16 @@ def expert_activations(spec: ModelSpec, dense: dict[str, torch.Tensor]) -> Calla
     return lambda layer, expert: partial(function, **spec.expert_kind.arguments(dense, layer, expert))
 
 
+def layer_kernel_kind(activation: Activation) -> str:
+    """How the layer kernel (edgemoe.kernels.ops.swiglu_experts_int) computes an expert of this
+    Activation: "rows" (SwiGLU, or Switch's ungated relu: the store's layout row as it is, whose kind
+    column says which), "gpt_oss" (the row with the expert's biases: layer_kernel_arguments), or
+    "none" (another kind: the per-matrix kernels)."""
+    if activation is None or (isinstance(activation, partial) and activation.func is relu_expert):
+        return "rows"
+    return "gpt_oss" if layer_kernel_arguments(activation) is not None else "none"
+
+
 def layer_kernel_arguments(activation: Activation) -> dict | None:
     """The arguments (biases, alpha, limit) of a GPT-OSS expert's Activation (expert_activations), the
     one kind besides SwiGLU that the layer kernel computes (edgemoe.kernels.ops.gpt_oss_layout); None

@@ -31,7 +31,8 @@ from edgemoe.store import ResidentExpert, TieredStore
 from edgemoe.kernels.device import (DEVICE_BATCH_BYTES, batch_key, float_bytes, swiglu_batch_on_device,
                                     swiglu_on_device, to_device, weights_on_device)
 
-from .experts import Activation, ExpertBatches, ExpertProvider, dense_matmul, layer_kernel_arguments
+from .experts import (Activation, ExpertBatches, ExpertProvider, dense_matmul, layer_kernel_arguments,
+                      layer_kernel_kind)
 from .layers import swiglu
 from .options import OptionError
 
@@ -253,27 +254,25 @@ class StoreExperts(ExpertProvider):
         None where an expert is of a kind it does not compute."""
         kind = self._kernel_kind(layer)
         if kind != "gpt_oss":
-            return rows if kind == "swiglu" else None
+            return rows if kind == "rows" else None
         return np.stack([self._kernel_row(layer, e, row) for e, row in zip(experts, rows)])
 
     def _kernel_kind(self, layer: int) -> str:
-        """How the layer kernel computes the layer's experts (one kind for a whole model): "swiglu",
-        "gpt_oss" (with its biases), or "none" (another kind: the per-matrix kernels). Asked once per
-        layer: making an expert's Activation indexes its biases, a few torch calls each time."""
+        """How the layer kernel computes the layer's experts (one kind for a whole model):
+        edgemoe.experts.layer_kernel_kind. Asked once per layer: making an expert's Activation indexes
+        its biases, a few torch calls each time."""
         kind = self._kinds.get(layer)
         if kind is None:
-            activation = self.activations(layer, 0)
-            kind = ("swiglu" if activation is None
-                    else "gpt_oss" if layer_kernel_arguments(activation) is not None else "none")
-            self._kinds[layer] = kind
+            kind = self._kinds[layer] = layer_kernel_kind(self.activations(layer, 0))
         return kind
 
     def _kernel_row(self, layer: int, expert: int, row: np.ndarray) -> np.ndarray | None:
-        """One expert's layout row for the layer kernel: the store's row for SwiGLU, with its biases and
-        parameters for GPT-OSS (their arrays kept here while the model lives), None for another kind."""
+        """One expert's layout row for the layer kernel: the store's row for SwiGLU and relu, with its
+        biases and parameters for GPT-OSS (their arrays kept here while the model lives), None for
+        another kind."""
         kind = self._kernel_kind(layer)
         if kind != "gpt_oss":
-            return row if kind == "swiglu" else None
+            return row if kind == "rows" else None
         key = (layer, expert)
         cached = self._kernel_rows.get(key)
         if cached is not None and np.array_equal(cached[0], row):
@@ -305,8 +304,8 @@ class StoreExperts(ExpertProvider):
             layers = range(first, first + tables.shape[0])
             kernel_tables = None
             if self._engine_computes(tables, layers):
-                swiglu = all(self._kernel_kind(l) == "swiglu" for l in layers)
-                kernel_tables = tables if swiglu else np.stack(
+                as_stored = all(self._kernel_kind(l) == "rows" for l in layers)
+                kernel_tables = tables if as_stored else np.stack(
                     [self._kernel_layouts(l, range(tables.shape[1]), tables[l - first]) for l in layers])
             self._checked_tables = (tables, kernel_tables)
         return self._checked_tables[1]
@@ -329,7 +328,7 @@ class StoreExperts(ExpertProvider):
         fused, layouts, on_device = [], [], []
         for i, resident in experts:
             count = int(starts[i + 1] - starts[i])
-            # "fused-int" on the host (SwiGLU, GPT-OSS): the layer kernel (for SwiGLU, that path's bits)
+            # "fused-int" on the host (SwiGLU, GPT-OSS, relu): the layer kernel (for SwiGLU, that path's bits)
             row = (self._kernel_row(layer, batches.experts[i], resident.layout)
                    if (resident.device is None and self._kernel_kind(layer) != "none"
                        and self.choose(resident.bits, count, resident.nbytes) == "fused-int")

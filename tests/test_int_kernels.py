@@ -239,6 +239,30 @@ def test_swiglu_experts_int_is_each_expert_bit_for_bit(path):
     assert np.array_equal(y, np.concatenate([swiglu_int_twin(x[t], *e) for t, e in zip(tokens, experts)]))
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_a_relu_experts_row_gives_the_per_matrix_paths_bits(path):
+    """An ungated relu expert (Switch Transformers; expert_layout without a gate) in the layer kernel,
+    beside SwiGLU experts in one call: each pair's row equals up's integer product, torch's relu,
+    then down's integer product (the per-matrix path relu experts took before), bit for bit."""
+    experts = layer_of_experts()
+    relu = [(None, up, down) for _, up, down in experts[:2]]
+    x = acts(5, 64) * 4
+    tokens = [[0, 2, 3], [1], [0, 1, 3, 4], [4]]
+    rows = relu + experts[2:]
+    starts = np.cumsum([0] + [len(t) for t in tokens]).astype(np.int64)
+    layouts = np.stack([ops.expert_layout(*e) for e in rows])
+    y = ops.swiglu_experts_int(np.concatenate([x[t] for t in tokens]), layouts, starts, path)
+
+    def per_matrix(xt, up, down):
+        hidden = torch.relu(torch.from_numpy(qmatmul_int(xt, up, path=path))).numpy()
+        return qmatmul_int(hidden, down, path=path)
+    expected = [per_matrix(x[t], up, down) for t, (_, up, down) in zip(tokens[:2], relu)]
+    expected += [swiglu_expert_int(x[t], *e, path=path) for t, e in zip(tokens[2:], experts[2:])]
+    assert np.array_equal(y, np.concatenate(expected))
+    kinds = [ops.cpu_int.KIND_RELU] * 2 + [ops.cpu_int.KIND_SWIGLU] * 2
+    assert (layouts[:2, :3] == 0).all() and list(layouts[:, ops.cpu_int.KIND]) == kinds
+
+
 def test_swiglu_experts_int_does_not_depend_on_threads():
     experts = layer_of_experts()
     x = acts(4, 64)

@@ -427,13 +427,15 @@ def swiglu_int_kernel(path, bits, g, gate_p, gate_s, gate_z, up_p, up_s, up_z, x
 # One layer's experts in one call (swiglu_experts_int_kernel). Each expert is a row of an int64
 # layout table: the addresses of its nine arrays (edgemoe/kernels/views.py), then gate's (and up's)
 # width, padded group size and group count, then down's, then the expert's shape (I, D), then its
-# kind: SwiGLU, or GPT-OSS's clamped SwiGLU with biases, whose float32 arrays' addresses follow
-# (gate and up biases [I], down bias [D], and (alpha, limit) [2]; 0 for a SwiGLU expert).
+# kind: SwiGLU, GPT-OSS's clamped SwiGLU with biases, whose float32 arrays' addresses follow
+# (gate and up biases [I], down bias [D], and (alpha, limit) [2]; 0 for a SwiGLU expert), or an ungated
+# relu expert, down(relu(up x)) (Switch Transformers), whose gate addresses are 0 and whose gate
+# width, group and group count are up's (the token is quantized on them).
 GATE_P, GATE_S, GATE_Z, UP_P, UP_S, UP_Z, DOWN_P, DOWN_S, DOWN_Z = range(9)
 G_BITS, G_GROUP, G_NGROUPS, D_BITS, D_GROUP, D_NGROUPS, INNER, HIDDEN = range(9, 17)
 KIND, GATE_BIAS, UP_BIAS, DOWN_BIAS, PARAMS = range(17, 22)
 LAYOUT_COLUMNS = 22
-KIND_SWIGLU, KIND_GPT_OSS = 0, 1
+KIND_SWIGLU, KIND_GPT_OSS, KIND_RELU = 0, 1, 2
 
 
 @njit_exact
@@ -470,7 +472,8 @@ def swiglu_experts_int_kernel(path, layout, starts, x, inner, y, nblocks):
     """Every expert of a layer on the integer path in one call: y[p] = expert a's output for pair p,
     for the pairs starts[a] <= p < starts[a + 1] of each expert a. x float32 [P, D]: each pair's
     token, gathered; y float32 [P, D]. Per pair, bit-identical to swiglu_int_kernel on that token
-    (a SwiGLU expert); a GPT-OSS expert (layout column KIND) adds its biases and uses gpt_oss_glu.
+    (a SwiGLU expert); a GPT-OSS expert (layout column KIND) adds its biases and uses gpt_oss_glu; a
+    relu expert has no gate: relu of up's rows.
     Work is spread over (expert, block of rows) so that many small experts keep every thread busy."""
     swiglu_experts_int(path, layout, starts, x, inner, y, nblocks)
 
@@ -506,11 +509,17 @@ def swiglu_experts_int(path, layout, starts, x, inner, y, nblocks):
         r0, r1 = b * size, min(inner, (b + 1) * size)
         bits, g, ng = layout[a, G_BITS], layout[a, G_GROUP], layout[a, G_NGROUPS]
         row_bytes = ng * (g * bits // 8)
-        gp, gs, gz = _matrix(layout, a, GATE_P, inner, row_bytes, ng)
         up, us, uz = _matrix(layout, a, UP_P, inner, row_bytes, ng)
         p0, p1 = starts[a], starts[a + 1]
-        _rows(path, bits, g, gp, gs, gz, xflat, xcols, xs, qs, p0, p1, r0, r1, hg)
         _rows(path, bits, g, up, us, uz, xflat, xcols, xs, qs, p0, p1, r0, r1, hu)
+        if layout[a, KIND] == KIND_RELU:
+            for p in range(p0, p1):
+                for r in range(r0, r1):
+                    v = hu[p, r]
+                    h[p, r] = np.float32(0) if v < 0 else v   # torch.relu's value (a NaN stays NaN)
+            continue
+        gp, gs, gz = _matrix(layout, a, GATE_P, inner, row_bytes, ng)
+        _rows(path, bits, g, gp, gs, gz, xflat, xcols, xs, qs, p0, p1, r0, r1, hg)
         if layout[a, KIND] == KIND_GPT_OSS:
             _gpt_oss_hidden(layout, a, inner, hg, hu, p0, p1, r0, r1, h)
         else:

@@ -196,15 +196,21 @@ def swiglu_expert_int(x: np.ndarray, gate: QuantizedTensor, up: QuantizedTensor,
     return out
 
 
-def expert_layout(gate: QuantizedTensor, up: QuantizedTensor, down: QuantizedTensor) -> np.ndarray:
-    """A SwiGLU expert's row of swiglu_experts_int's layout table (int64 [LAYOUT_COLUMNS]): its arrays'
-    addresses, widths and groups, checked once here. The row is valid while the tensors live."""
-    inner, dim = _check_expert(gate, up, down)
-    for name, qt in (("gate", gate), ("down", down)):
+def expert_layout(gate: QuantizedTensor | None, up: QuantizedTensor, down: QuantizedTensor) -> np.ndarray:
+    """An expert's row of swiglu_experts_int's layout table (int64 [LAYOUT_COLUMNS]): its arrays'
+    addresses, widths and groups, checked once here; SwiGLU, or with gate None an ungated relu expert
+    (kind KIND_RELU, no gate addresses, up's width and groups where gate's go). The row is valid while
+    the tensors live."""
+    inner, dim = _check_expert(up if gate is None else gate, up, down)
+    for name, qt in (("up", up), ("down", down)):
         _check_int_sums(name, qt)
-    row = np.zeros(cpu_int.LAYOUT_COLUMNS, np.int64)    # kind SwiGLU, no biases
-    row[:9] = [address(a) for qt in (gate, up, down) for a in (qt.packed, qt.scale, qt.zero)]
-    row[9:cpu_int.KIND] = (gate.bits, gate.group, gate.ngroups, down.bits, down.group, down.ngroups, inner, dim)
+    first = up if gate is None else gate
+    row = np.zeros(cpu_int.LAYOUT_COLUMNS, np.int64)    # no biases
+    row[3:9] = [address(a) for qt in (up, down) for a in (qt.packed, qt.scale, qt.zero)]
+    if gate is not None:
+        row[:3] = [address(a) for a in (gate.packed, gate.scale, gate.zero)]
+    row[9:cpu_int.KIND] = (first.bits, first.group, first.ngroups, down.bits, down.group, down.ngroups, inner, dim)
+    row[cpu_int.KIND] = cpu_int.KIND_SWIGLU if gate is not None else cpu_int.KIND_RELU
     return row
 
 

@@ -78,9 +78,10 @@ class ResidentExpert:
 
     @cached_property
     def layout(self) -> np.ndarray:
-        """This SwiGLU expert's row of the layer kernel's layout table (edgemoe.kernels.ops.expert_layout),
-        made once per residency: valid while this object (which holds the arrays) lives."""
-        return expert_layout(self.tensors["gate"], self.tensors["up"], self.tensors["down"])
+        """This expert's row of the layer kernel's layout table (edgemoe.kernels.ops.expert_layout: SwiGLU,
+        or ungated relu where it has no gate), made once per residency: valid while this object (which
+        holds the arrays) lives."""
+        return expert_layout(self.tensors.get("gate"), self.tensors["up"], self.tensors["down"])
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
         """gate [I, D], up [I, D], down [D, I] as dense tensors (on the device when resident there)."""
@@ -286,7 +287,7 @@ class TieredStore:
 
     def _make_layer_table(self, layer: int) -> np.ndarray | None:
         items = [self.cache.find((layer, e)) for e in range(self.spec.num_experts)]
-        if any(item is None or item.narrowed or item.tensors is None or "gate" not in item.tensors for item in items):
+        if any(item is None or item.narrowed or item.tensors is None for item in items):
             return None
         return np.stack([item.layout for item in items])
 
