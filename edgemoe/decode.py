@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from .dense import QuantizedLinear
-from .kernels import cpu, cpu_layer
+from .kernels import cpu, cpu_layer, cpu_seq2seq
 from .kernels.ops import _int_path, expert_layout
 from .kernels.views import address
 from .layers import choose_experts
@@ -131,11 +131,8 @@ class DecodeEngine:
         table = np.zeros(c.TABLE_COLUMNS, np.int64)
         for slot, names in MATRICES[self.spec.attention.kind]:
             name = next((n for n in names if n in w), None)
-            if name is None:   # q_a without a query latent
-                continue
-            qt = w[name].qt
-            table[slot:slot + c.MATRIX_COLUMNS] = (address(qt.packed), address(qt.scale), address(qt.zero),
-                                                   qt.bits, qt.group, qt.ngroups)
+            if name is not None:   # None: q_a without a query latent
+                _matrix_columns(table, slot, w[name])
         for column, name in VECTORS.items():
             table[column] = self._float32(w.get(name))
         if self.spec.moe_layers[l]:
@@ -151,13 +148,15 @@ class DecodeEngine:
         table[c.WINDOW] = 0 if window is None else window
         return table
 
-    def _shared_layout(self, w: dict) -> int:
-        """The address of the layer's shared expert's layout row (kept alive by the engine), 0 where
-        it has none or its matrices are not quantized (dense_bits none: the generic block runs it)."""
-        matrices = [w.get(f"shared.{name}") for name in ("gate", "up", "down")]
+    def _shared_layout(self, w: dict, prefix: str = "shared.", gated: bool = True) -> int:
+        """The address of the layout row (kept alive by the engine) of the layer's shared expert (or of
+        another MLP of its matrices prefix + gate / up / down; gated False: up and down only, a relu
+        MLP), 0 where it has none or its matrices are not quantized (dense_bits none: the generic block
+        runs it)."""
+        matrices = [w.get(prefix + name) for name in (("gate", "up", "down") if gated else ("up", "down"))]
         if not all(isinstance(m, QuantizedLinear) for m in matrices):
             return 0
-        row = expert_layout(*(m.qt for m in matrices))
+        row = expert_layout(*(m.qt for m in matrices)) if gated else expert_layout(None, *(m.qt for m in matrices))
         self._keep.append(row)
         return address(row)
 
@@ -287,3 +286,75 @@ class DecodeEngine:
     def _biases(self, bias: torch.Tensor | None) -> np.ndarray:
         """A router's float32 bias [E] as its numba router takes it (zeros for none)."""
         return np.zeros(self.spec.num_experts, np.float32) if bias is None else bias.detach().float().numpy()
+
+
+def _matrix_columns(table: np.ndarray, slot: int, matrix: QuantizedLinear) -> None:
+    """A quantized matrix's columns of a layer table (cpu_layer.MATRIX_COLUMNS from slot)."""
+    qt = matrix.qt
+    table[slot:slot + cpu_layer.MATRIX_COLUMNS] = (address(qt.packed), address(qt.scale), address(qt.zero),
+                                                   qt.bits, qt.group, qt.ngroups)
+
+
+class EncoderDecoderEngine(DecodeEngine):
+    """The decode engine of a T5 encoder-decoder (Switch Transformers): a decoder layer's self- and
+    cross-attention blocks for one token in one kernel call (edgemoe/kernels/cpu_seq2seq.py), its
+    dense MLP in the same call, its MoE block (top-1 of the softmax, ungated relu experts) by moe()
+    with every expert resident, else by the model's generic block on choose()'s choice. No whole-step
+    call (step_start None). Matches the generic forward within float32 rounding and gives the same
+    bits whether the experts are resident or not (tests/test_seq2seq_engine.py)."""
+
+    DECODER_MATRICES = ((cpu_layer.QKV, "qkv"), (cpu_layer.O, "o"), (cpu_layer.CROSS_Q, "cross.q"),
+                        (cpu_layer.CROSS_O, "cross.o"))
+
+    def __init__(self, spec: ModelSpec, layers: list[dict], bias_by_distance: torch.Tensor):
+        super().__init__(spec, layers)
+        self.bias = np.ascontiguousarray(bias_by_distance.detach().float().numpy())
+
+    @classmethod
+    def for_model(cls, spec: ModelSpec, layers: list[dict], bias_by_distance: torch.Tensor | None = None
+                  ) -> "EncoderDecoderEngine | None":
+        """An engine for a T5 model's layers (Seq2SeqModel.layers) whose decoder projections are
+        quantized (dense_bits), with the decoder's relative-position bias by distance (float [H, C]);
+        None where they are not."""
+        decoder = layers[spec.stacks.encoder_layers:]
+        needed = [name for _, name in cls.DECODER_MATRICES]
+        for l, w in enumerate(decoder, spec.stacks.encoder_layers):
+            names = needed if spec.moe_layers[l] else needed + ["mlp.up", "mlp.down"]
+            if not all(isinstance(w.get(name), QuantizedLinear) for name in names):
+                return None
+        return cls(spec, layers, bias_by_distance)
+
+    def _table(self, l: int, w: dict) -> np.ndarray:
+        c = cpu_layer
+        table = np.zeros(c.TABLE_COLUMNS, np.int64)
+        if l < self.spec.stacks.encoder_layers:   # the encoder runs on the generic forward
+            return table
+        for slot, name in self.DECODER_MATRICES:
+            _matrix_columns(table, slot, w[name])
+        for column, name in ((c.ATTN_NORM, "attn_norm"), (c.CROSS_NORM, "cross_norm"), (c.MLP_NORM, "mlp_norm")):
+            table[column] = self._float32(w[name])
+        if self.spec.moe_layers[l]:
+            table[c.ROUTER] = self._float32(w["router"])
+            table[c.EXPERTS] = w["router"].shape[0]
+        else:
+            table[c.SHARED] = self._shared_layout(w, "mlp.", gated=False)
+        return table
+
+    def _step_start(self) -> None:
+        return None
+
+    def layer(self, l: int, x: torch.Tensor, position: int, cache, cross: tuple[torch.Tensor, torch.Tensor]):
+        """Decoder layer l for one token x float32 [1, D] at `position` of the layer's self-attention
+        cache (decoder layer l - encoder_layers of `cache`, which holds the positions before it; the
+        token's keys and values are written there), over the encoder output's cross keys and values
+        (float32 [H, S, Dh], contiguous). Returns (x + both attention blocks [+ the dense MLP], h [1, D],
+        logits [1, E] or None): a routed layer's MoE block is the caller's, on h."""
+        keys, values = cache.layer_arrays(l - self.spec.stacks.encoder_layers, position + 1)
+        table = self.tables[l]
+        x = x.clone()   # the residual stream is updated in place
+        h = torch.empty_like(x)
+        logits = torch.empty(1, max(1, int(table[cpu_layer.EXPERTS])), dtype=torch.float32)
+        cpu_seq2seq.t5_decoder_layer_kernel(_int_path(None), table, self.dims, self.eps, x.numpy()[0], keys, values,
+                                            position, self.bias, cross[0].numpy(), cross[1].numpy(), h.numpy()[0],
+                                            logits.numpy()[0], cpu.row_blocks())
+        return x, h, (logits if table[cpu_layer.ROUTER] else None)

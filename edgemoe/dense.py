@@ -32,7 +32,7 @@ DENSE_BITS = (8, 4)
 # more loses too much (the eval figures in docs/benchmarks.md).
 GROUP_SIZE = {8: None, 4: 128}
 QUANTIZED_ROLES = ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "kv_b", "mlp.gate", "mlp.up", "mlp.down",
-                   "shared.gate", "shared.up", "shared.down")
+                   "shared.gate", "shared.up", "shared.down", "cross.q", "cross.k", "cross.v", "cross.o")
 KERNEL_MAX_TOKENS = {8: 16, 4: 16}   # tools/bench_dense_dtype.py: both kernels beat the GEMM up to 16 tokens
 # A matrix is quantized this many bytes of its float32 rows at a time (rows are quantized on their own,
 # so the codes are the same): the quantizer's float32 temporaries, several times the block, stay small
@@ -129,8 +129,7 @@ def _stacked(parts: list[QuantizedTensor]) -> QuantizedTensor:
 def dense_bits_for(choice: int | str | None, manifest, spec) -> int | None:
     """The width of the dense matrices for a load: 8, 4 or None (as loaded). manifest: the store's
     (edgemoe.store.Manifest), None for a checkpoint directory. choice "auto" (the commands' default):
-    - as loaded for a checkpoint directory (the model as published) and for an encoder-decoder model
-      (not supported here);
+    - as loaded for a checkpoint directory (the model as published);
     - 4 (groups of 128) for a store whose experts are all at 4 bits or fewer and were not chosen by a
       quality budget: its user asked for a 4-bit model, as a Q4_0 file quantizes its attention at 4
       bits too (+0.17% perplexity on the bundled model, and a token reads half of INT8's dense
@@ -139,7 +138,7 @@ def dense_bits_for(choice: int | str | None, manifest, spec) -> int | None:
       the experts' loss, so the dense matrices stay near exact: +0.011% perplexity at INT8)."""
     if choice != "auto":
         return None if choice in (None, "none") else int(choice)
-    if manifest is None or spec.is_encoder_decoder:
+    if manifest is None:
         return None
     narrow = max(e.bits for e in manifest.experts.values()) <= 4
     return 4 if narrow and "budget" not in manifest.data else 8

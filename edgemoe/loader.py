@@ -245,7 +245,7 @@ def load_store(path: str | os.PathLike, options: StoreOptions | None = None, dty
     if file_crc32(dense_path) != dense_info["crc32"]:
         store.close()
         raise StoreError(f"{dense_path}: checksum mismatch: the store is corrupt")
-    bits = None if store.spec.is_encoder_decoder else dense_bits_for(dense_bits, store.manifest, store.spec)
+    bits = dense_bits_for(dense_bits, store.manifest, store.spec)
     dense = read_store_dense(dense_path, bits, dtype, store.spec.tie_word_embeddings)
     drop_page_cache(dense_path)   # the tensors are copied out: the file's pages would only double them
     store.place()    # after the dense weights: the load's passing extra never meets a full cache
@@ -403,8 +403,8 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None, threads: int
     computes that type natively, else float32; activations float32. threads: the kernels' thread
     count (None: the cores other processes leave free, followed as the machine's load changes).
     dense_bits: 8 or 4 quantizes the dense projections and the LM head at load (edgemoe.dense);
-    "auto" (the commands' default): 4 or 8 for a store of a decoder-only model, by its experts'
-    widths, else as loaded (edgemoe.dense.dense_bits_for).
+    "auto" (the commands' default): 4 or 8 for a store, by its experts' widths, else as loaded
+    (edgemoe.dense.dense_bits_for).
     context, batch: the tokens of KV cache per sequence (None: the model's context length) and the
     sequences the caller will run at once, reserved by ram="auto" (auto_ram); score_windows: the
     caller scores every position of `context`-token windows (edgemoe.evaluate), not generates, so
@@ -429,9 +429,6 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None, threads: int
         model = load_checkpoint(path, dtype, threads)
     dense_bits = dense_bits_for(dense_bits, model.store.manifest if from_store else None, model.spec)
     if dense_bits is not None:
-        if model.spec.is_encoder_decoder:
-            model.close()
-            require_decoder_only(model.spec, path, "dense_bits= (--dense-bits)")
         model.quantize_dense(dense_bits)
     model.kv_dtype = KV_DTYPES[kv_dtype]
     if model.spec.is_encoder_decoder and model.kv_dtype != torch.float32:

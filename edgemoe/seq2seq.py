@@ -39,6 +39,8 @@ from typing import Sequence
 import torch
 
 from .errors import EdgeMoEError
+from .decode import EncoderDecoderEngine
+from .dense import quantize_layer, quantize_matrix
 from .experts import ExpertBatches, ExpertProvider
 from .kernels.activations import relu_expert
 from .kv_cache import KVCache
@@ -105,6 +107,8 @@ class DecoderState:
 
 
 class Seq2SeqModel(StoreOwner):
+    dense_bits: int | None = None   # the dense projections' width once quantized (quantize_dense)
+
     def __init__(self, spec: ModelSpec, dense: dict[str, torch.Tensor], experts: ExpertProvider,
                  tokenizer=None, generation_config: dict | None = None, name: str = "",
                  threads: int | None = None, store=None, preload: str = "none"):
@@ -128,8 +132,20 @@ class Seq2SeqModel(StoreOwner):
         self.threads = ThreadGovernor(threads)
         self.context_length = spec.max_position_embeddings
         self._start_preloader(store, preload)
+        # One-token decoder steps run each decoder layer's attention blocks (and dense MLP) in one kernel
+        # call where the projections are quantized (edgemoe/decode.py); None: the generic forward.
+        self.decode_engine = EncoderDecoderEngine.for_model(spec, self.layers, self._bias_by_distance())
 
     # ---- public API -------------------------------------------------------------------------------
+    def quantize_dense(self, bits: int) -> None:
+        """Quantize both stacks' projections (self-attention's q, k, v stacked as "qkv", cross-attention's,
+        the dense MLPs') and an untied LM head to `bits` (edgemoe.dense), in place; the embeddings stay
+        as loaded (a tied LM head gets a quantized copy)."""
+        self.layers = [quantize_layer(w, bits) for w in self.layers]
+        self.lm_head = quantize_matrix(self.lm_head, bits)
+        self.dense_bits = bits
+        self.decode_engine = EncoderDecoderEngine.for_model(self.spec, self.layers, self._bias_by_distance())
+
     @torch.inference_mode()
     def encode(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """The encoder's output [S, D] (after its final norm) for a 1-D run of prompt tokens."""
@@ -142,8 +158,8 @@ class Seq2SeqModel(StoreOwner):
         for l in self.encoder_range:
             w = self.layers[l]
             t0 = time.perf_counter()
-            h = rms_norm(x, w["attn_norm"], self.spec.rms_norm_eps)
-            x = x + self._attend(w, "", h, self._heads(linear(h, w["k"])), self._heads(linear(h, w["v"])), bias)
+            q, k, v = self._self_qkv(w, rms_norm(x, w["attn_norm"], self.spec.rms_norm_eps))
+            x = x + self._attend(w, "", q, k, v, bias)
             t1 = time.perf_counter()
             x = x + self._feed_forward(l, w, rms_norm(x, w["mlp_norm"], self.spec.rms_norm_eps), positions)
             self.timings.attention += t1 - t0
@@ -154,8 +170,9 @@ class Seq2SeqModel(StoreOwner):
     @torch.inference_mode()
     def start(self, encoder_output: torch.Tensor) -> DecoderState:
         """A fresh decoder state over `encoder_output` [S, D]: cross-attention keys and values, once."""
-        cross = [(self._heads(linear(encoder_output, self.layers[l]["cross.k"])),
-                  self._heads(linear(encoder_output, self.layers[l]["cross.v"]))) for l in self.decoder_range]
+        cross = [(self._heads(linear(encoder_output, self.layers[l]["cross.k"])).contiguous(),
+                  self._heads(linear(encoder_output, self.layers[l]["cross.v"])).contiguous())
+                 for l in self.decoder_range]
         s = self.spec
         cache = KVCache(len(self.decoder_range), s.num_heads, s.head_dim, dtype=self.dtype)
         return DecoderState(cache, cross)
@@ -165,6 +182,8 @@ class Seq2SeqModel(StoreOwner):
         """float32 logits [T, V] for decoder tokens continuing `state` (which advances by T)."""
         tokens = self._checked_tokens(token_ids, "decode")
         start = time.perf_counter()
+        if self.decode_engine is not None and tokens.numel() == 1:
+            return self._decode_by_engine(tokens, state, start)
         cache, s = state.cache, self.spec
         positions = torch.arange(cache.length, cache.length + tokens.numel())
         bias = position_bias(self.layers[self.stacks.encoder_layers]["rel_bias"], positions,
@@ -173,21 +192,71 @@ class Seq2SeqModel(StoreOwner):
         for j, l in enumerate(self.decoder_range):
             w = self.layers[l]
             t0 = time.perf_counter()
-            h = rms_norm(x, w["attn_norm"], s.rms_norm_eps)
-            keys, values = cache.append(j, self._heads(linear(h, w["k"])), self._heads(linear(h, w["v"])))
-            x = x + self._attend(w, "", h, keys, values, bias)
-            x = x + self._attend(w, "cross.", rms_norm(x, w["cross_norm"], s.rms_norm_eps), *state.cross[j], None)
+            q, k, v = self._self_qkv(w, rms_norm(x, w["attn_norm"], s.rms_norm_eps))
+            x = x + self._attend(w, "", q, *cache.append(j, k, v), bias)
+            x = x + self._attend(w, "cross.", self._query(w, "cross.q", rms_norm(x, w["cross_norm"], s.rms_norm_eps)),
+                                 *state.cross[j], None)
             t1 = time.perf_counter()
             x = x + self._feed_forward(l, w, rms_norm(x, w["mlp_norm"], s.rms_norm_eps), positions)
             self.timings.attention += t1 - t0
             self.timings.experts += time.perf_counter() - t1
         cache.advance(tokens.numel())
+        logits = self._head(x)
+        self._count_step(tokens.numel(), start)
+        return logits
+
+    def _decode_by_engine(self, token: torch.Tensor, state: DecoderState, start: float) -> torch.Tensor:
+        """decode() of one token by the decode engine: each decoder layer's attention blocks (and dense
+        MLP) in one kernel call, its MoE block in one more where every expert is resident, else the
+        generic MoE block on the engine's routing."""
+        engine, cache = self.decode_engine, state.cache
+        positions = torch.tensor([cache.length])
+        x = self.embed[token].to(self.dtype)
+        for j, l in enumerate(self.decoder_range):
+            t0 = time.perf_counter()
+            x, h, logits = engine.layer(l, x, cache.length, cache, state.cross[j])
+            t1 = time.perf_counter()
+            if logits is not None:
+                x = self._engine_moe(l, x, h, logits, positions)
+            self.timings.attention += t1 - t0
+            self.timings.experts += time.perf_counter() - t1
+        cache.advance(1)
+        logits = self._head(x)
+        self._count_step(1, start)
+        return logits
+
+    def _engine_moe(self, l: int, x: torch.Tensor, h: torch.Tensor, logits: torch.Tensor,
+                    positions: torch.Tensor) -> torch.Tensor:
+        """Layer l's MoE block after the engine's attention blocks: by the engine in one call where every
+        expert is resident (x updated in place), else by the generic block on the engine's routing: the
+        same bits either way."""
+        layouts = self.experts.resident_layouts(l) if self.decode_engine.computes_moe(l) else None
+        if layouts is None:
+            return x + self._feed_forward(l, self.layers[l], h, positions, logits)
+        for hook in self.moe_input_hooks:
+            hook(l, h)
+        weights, experts = self.decode_engine.moe(l, x, h, logits, layouts)
+        self.experts.served_resident(l, [sorted(set(experts[0].tolist()))])
+        for hook in self.routing_hooks:
+            hook(l, experts, weights, positions, ())
+        return x
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """The decoder's final norm and LM head: hidden [T, D] -> float32 logits [T, V]."""
+        s = self.spec
         x = rms_norm(x, self.final_norm, s.rms_norm_eps)
         if s.tie_word_embeddings:
             x = x * s.hidden_size ** -0.5    # T5 rescales before the LM head that is the embedding
-        logits = linear(x, self.lm_head).float()
-        self._count_step(tokens.numel(), start)
-        return logits
+        return linear(x, self.lm_head).float()
+
+    def _bias_by_distance(self) -> torch.Tensor:
+        """The decoder's relative-position bias [H, C] of a key d = 0 .. C - 1 positions before its
+        query, C = max_distance + 1: every longer distance falls in the last bucket, as d = C - 1 does."""
+        distances = torch.arange(self.stacks.relative_attention_max_distance + 1)
+        table = self.layers[self.stacks.encoder_layers]["rel_bias"]
+        buckets = relative_position_bucket(-distances, False, table.shape[0],
+                                           self.stacks.relative_attention_max_distance)
+        return table[buckets].T.float()
 
     def dense_weights(self) -> dict[str, torch.Tensor]:
         """The dense weights under their canonical names (to build a twin with other experts)."""
@@ -248,20 +317,37 @@ class Seq2SeqModel(StoreOwner):
         """[T, H*Dh] -> [H, T, Dh]."""
         return y.view(y.shape[0], self.spec.num_heads, self.spec.head_dim).transpose(0, 1)
 
-    def _attend(self, w: dict, prefix: str, h: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+    def _self_qkv(self, w: dict, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Self-attention's q [T, H, Dh], k and v [H, T, Dh] of h [T, D]: from q, k, v, or from "qkv",
+        their rows stacked where the dense matrices are quantized (edgemoe.dense.quantize_layer)."""
+        if "qkv" not in w:
+            return self._query(w, "q", h), self._heads(linear(h, w["k"])), self._heads(linear(h, w["v"]))
+        q, k, v = linear(h, w["qkv"]).chunk(3, dim=-1)
+        return q.reshape(h.shape[0], self.spec.num_heads, self.spec.head_dim), self._heads(k), self._heads(v)
+
+    def _query(self, w: dict, name: str, h: torch.Tensor) -> torch.Tensor:
+        """Queries [T, H, Dh] of h [T, D] by w[name]."""
+        return self._heads(linear(h, w[name])).transpose(0, 1)
+
+    def _attend(self, w: dict, prefix: str, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
-        """Attention of h [T, D]'s queries (w[prefix + "q"]) over keys, values [H, L, Dh], plus bias
-        (T5's scale: 1, q.k unscaled)."""
-        q = self._heads(linear(h, w[prefix + "q"])).transpose(0, 1)          # [T, H, Dh]
+        """Attention of queries q [T, H, Dh] over keys, values [H, L, Dh], plus bias (T5's scale: 1,
+        q.k unscaled), through w[prefix + "o"]."""
         scale = self.spec.attention.softmax_scale(self.spec)
         return linear(attend(q, keys, values, bias, scale=scale), w[prefix + "o"])
 
-    def _feed_forward(self, l: int, w: dict, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _feed_forward(self, l: int, w: dict, h: torch.Tensor, positions: torch.Tensor,
+                      router_logits: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP or MoE block on h [T, D]; router_logits: the decode engine's for one token (its
+        router then chooses: the bits of its moe())."""
         if not self.spec.moe_layers[l]:
             return relu_expert(h, lambda x, role: linear(x, w["mlp." + role]))
         for hook in self.moe_input_hooks:
             hook(l, h)
-        weights, experts = self.route(l, h)
+        if router_logits is not None:
+            weights, experts = self.decode_engine.choose(router_logits, None)
+        else:
+            weights, experts = self.route(l, h)
         batches = self._within_capacity(weights, experts)
         self.experts.prepare(l, batches)
         for hook in self.routing_hooks:

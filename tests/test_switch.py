@@ -173,8 +173,9 @@ def test_run_command_generates_from_store(tiny_model, store, monkeypatch, capsys
     # The float kernels: by default the latency model, measured at run time, chooses each expert's
     # path, and the integer one (int8 activations) can part from the float reference at a near-tie
     # (seen once in a full run on a 2-core machine).
+    # Dense matrices as stored (a command's default quantizes them: tests/test_seq2seq_engine.py).
     monkeypatch.setattr("sys.argv", ["edgemoe", "run", str(store), "-p", PROMPT, "-n", "12",
-                                     "--temperature", "0", "--compute", "fused-float"])
+                                     "--temperature", "0", "--compute", "fused-float", "--dense-bits", "none"])
     capsys.readouterr()
     from edgemoe.cli import main
     try:

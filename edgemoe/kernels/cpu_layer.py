@@ -59,7 +59,10 @@ MATRIX_COLUMNS = 6
 SHARED, SHARED_GATE = 49, 50
 # A group-limited router's expert groups and the groups it keeps (the model's n_group, topk_group).
 GROUPS, KEPT_GROUPS = 51, 52
-TABLE_COLUMNS = 53
+# An encoder-decoder's decoder layer (edgemoe/kernels/cpu_seq2seq.py): its cross-attention's query and
+# output matrices and its norm (a dense MLP's relu layout row goes in SHARED).
+CROSS_Q, CROSS_O, CROSS_NORM = 53, 59, 65
+TABLE_COLUMNS = 66
 # The model's dimensions (an int64 array): K kv heads, Dk / Dv dims of a position's cached keys and
 # values (for MLA the cache's: K = 1, Dk = Ckv + R, Dv = 0). MLA: N / R key dims without / with
 # rotary, Ckv latent rank, Cq query latent rank (0: q straight from x), V value dims per head.
