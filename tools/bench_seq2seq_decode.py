@@ -9,12 +9,17 @@ token by token.
 - as-stored: --dense-bits none, the generic forward over the dense matrices as stored (what
   encoder-decoder stores ran before they had an engine).
 
-Each encodes the same random prompt once, then decodes greedily, one token of each in turn, timing each
-decode() call (and splitting its time by the model's Timings: the attention blocks, which in the engine
-include a dense layer's MLP, the MoE blocks, and the rest: embedding, final norm, LM head); every expert is read into RAM before the timing (all resident) unless --ram gives the RAM tier a
-budget (then they are read as routed). On these shared 2-vCPU machines one process's speed drifts by up to 2x from the next one's;
-alternating within one process keeps the drift out of the ratios. Prints the median milliseconds a
-token of each and their ratios to the engine's.
+Every expert is read into RAM before the timing (all resident) unless --ram gives the RAM tier a
+budget (then they are read as routed). Each model encodes the same random prompt three times (timed,
+alternated: the engine does not run the encoder), then decodes greedily from it, one token of each
+in turn, timing each decode() call and splitting its time by the model's Timings (the attention
+blocks, which in the engine include a dense layer's MLP; the MoE blocks; the rest: embedding, final
+norm, LM head). On these shared 2-vCPU machines one process's speed drifts by up to 2x from the next
+one's; alternating within one process keeps the drift out of the ratios. Prints the median
+milliseconds a token of each, their ratios to the engine's, and the median encode time.
+
+With PYTHONPATH set to an older source tree, the same runs measure that tree (one without the
+engine runs "engine" on the generic forward).
 """
 
 from __future__ import annotations
@@ -55,6 +60,12 @@ def main() -> None:
     if not spec.is_encoder_decoder:
         parser.error(f"{args.store}: not an encoder-decoder store")
     prompt = torch.randint(0, spec.vocab_size, (args.prompt,), generator=torch.Generator().manual_seed(0))
+    encode_times = {name: [] for name in models}
+    for _ in range(3):
+        for name, model in models.items():
+            start = time.perf_counter()
+            model.encode(prompt)
+            encode_times[name].append(time.perf_counter() - start)
     states = {name: m.start(m.encode(prompt)) for name, m in models.items()}
     for model in models.values():
         model.timings.reset()   # the decoder steps' alone
@@ -68,13 +79,14 @@ def main() -> None:
             tokens[name] = int(logits[-1].argmax())
     engine = statistics.median(times["engine"])
     print(f"{args.store}: prompt {args.prompt}, {args.tokens} tokens, {args.threads} threads, "
-          f"dense bits {models['engine'].dense_bits}")
+          f"dense bits {getattr(models['engine'], 'dense_bits', None)}")
     for name, samples in times.items():
         median = statistics.median(samples)
         t = models[name].timings
         split = ", ".join(f"{part} {seconds / t.total:.0%}" for part, seconds in
                           (("attention blocks", t.attention), ("MoE blocks", t.experts), ("other", t.other)))
-        print(f"{name:10s} {median * 1e3:8.2f} ms/token  {median / engine:5.2f}x the engine's time  ({split})")
+        print(f"{name:10s} {median * 1e3:8.2f} ms/token  {median / engine:5.2f}x the engine's time  ({split}); "
+              f"encode {statistics.median(encode_times[name]) * 1e3:.0f} ms")
     for model in models.values():
         model.close()
 
