@@ -156,7 +156,8 @@ class DecodeEngine:
         matrices = [w.get(prefix + name) for name in (("gate", "up", "down") if gated else ("up", "down"))]
         if not all(isinstance(m, QuantizedLinear) for m in matrices):
             return 0
-        row = expert_layout(*(m.qt for m in matrices)) if gated else expert_layout(None, *(m.qt for m in matrices))
+        codes = [m.qt for m in matrices]
+        row = expert_layout(*codes) if gated else expert_layout(None, *codes)
         self._keep.append(row)
         return address(row)
 

@@ -201,16 +201,16 @@ def expert_layout(gate: QuantizedTensor | None, up: QuantizedTensor, down: Quant
     addresses, widths and groups, checked once here; SwiGLU, or with gate None an ungated relu expert
     (kind KIND_RELU, no gate addresses, up's width and groups where gate's go). The row is valid while
     the tensors live."""
-    inner, dim = _check_expert(up if gate is None else gate, up, down)
+    first = up if gate is None else gate   # the matrix the token is quantized for
+    inner, dim = _check_expert(first, up, down)
     for name, qt in (("up", up), ("down", down)):
         _check_int_sums(name, qt)
-    first = up if gate is None else gate
     row = np.zeros(cpu_int.LAYOUT_COLUMNS, np.int64)    # no biases
-    row[3:9] = [address(a) for qt in (up, down) for a in (qt.packed, qt.scale, qt.zero)]
     if gate is not None:
         row[:3] = [address(a) for a in (gate.packed, gate.scale, gate.zero)]
+    row[3:9] = [address(a) for qt in (up, down) for a in (qt.packed, qt.scale, qt.zero)]
     row[9:cpu_int.KIND] = (first.bits, first.group, first.ngroups, down.bits, down.group, down.ngroups, inner, dim)
-    row[cpu_int.KIND] = cpu_int.KIND_SWIGLU if gate is not None else cpu_int.KIND_RELU
+    row[cpu_int.KIND] = cpu_int.KIND_RELU if gate is None else cpu_int.KIND_SWIGLU
     return row
 
 
