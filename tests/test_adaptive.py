@@ -180,13 +180,24 @@ def test_the_leader_changes_only_past_the_margin():
 
 
 def test_the_window_counts_only_recent_layers():
-    policy = AdaptivePolicy(1, window_tokens=10)
+    policy = AdaptivePolicy(1, window_requests=10)
     policy.set_capacity(3)
     for e in recency_wins():
         policy.set_layer(0, {(0, e): 1})
-    assert len(policy.window) == 10
-    assert sum(policy.window_reads) == sum(map(sum, policy.window))
+    assert len(policy.window) == 10   # one request a layer call
+    assert sum(policy.window_reads) == sum(sum(reads) for reads, _ in policy.window)
     assert dict(zip(policy.candidates, policy.window_reads))["lru"] == 0   # 2, 3, 4 cycle in 3 slots
+
+
+def test_the_window_holds_a_number_of_requests_not_of_layer_calls():
+    """The fewest latest layer calls holding at least window_requests requests: calls of 4 requests
+    fill a window of 10 with 3 of them (12), and 2 calls (8) would be too few."""
+    policy = AdaptivePolicy(1, window_requests=10)
+    policy.set_capacity(8)
+    for start in range(0, 40, 4):
+        policy.set_layer(0, {(0, e): 1 for e in range(start % 12, start % 12 + 4)})
+    assert [requests for _, requests in policy.window] == [4, 4, 4]
+    assert sum(policy.window_reads) == sum(sum(reads) for reads, _ in policy.window)
 
 
 # ---- the guard of an adaptive scheme -----------------------------------------------------------------

@@ -32,8 +32,8 @@ fits in free room); every policy but "expected-use" admits every preload. Keys a
   least depends on the routing and on the cache size (docs/scheduling.md), so a ghost cache per
   candidate (lru, lfu, frequency-distance, and expected-use where there is a routing profile: keys
   and sizes only, the tier's capacity, on-demand: GhostCache) is fed every layer's requests, and
-  the tier evicts as the candidate whose ghost read the fewest bytes over the last
-  ADAPTIVE_WINDOW_TOKENS tokens' layers would. It starts as LRU and changes candidate only when
+  the tier evicts as the candidate whose ghost read the fewest bytes over the last layer calls
+  holding ADAPTIVE_WINDOW_REQUESTS of their requests would. It starts as LRU and changes candidate only when
   another one read at least ADAPTIVE_MARGIN less over the window (hysteresis: near-ties do not
   flip it back and forth). Its `read_bytes` (what on-demand caching that follows the leader reads)
   is the reference its guard holds the scheme to (edgemoe.scheduling.guard). Each candidate's own policy object follows the tier's real events, so a switch loses no
@@ -368,7 +368,10 @@ class GhostCache:
 
 
 ADAPTIVE_CANDIDATES = ("lru", "lfu", "frequency-distance", "expected-use")
-ADAPTIVE_WINDOW_TOKENS = 16   # misses are compared over this many tokens' layer calls
+# Misses are compared over the layer calls of at least this many of the ghosts' requests (16 tokens of a
+# Mixtral-shaped model, 32 layers x top-2, and of a sampled fine-grained one; more tokens where a token
+# makes fewer requests, so that a shallow model's window is not a few noisy tokens: docs/scheduling.md).
+ADAPTIVE_WINDOW_REQUESTS = 1024
 ADAPTIVE_MARGIN = 0.02        # another candidate leads once it missed this much less over the window
 # Where a token makes more requests than this (MoE layers x top-k, from the routing profile), the ghosts
 # see every k-th MoE layer, in the share of the capacity those layers' experts would get, so that they
@@ -382,7 +385,7 @@ class AdaptivePolicy:
     name = "adaptive"
 
     def __init__(self, num_layers: int, popularity: dict[Key, float] | None = None, profile=None,
-                 window_tokens: int = ADAPTIVE_WINDOW_TOKENS, margin: float = ADAPTIVE_MARGIN,
+                 window_requests: int = ADAPTIVE_WINDOW_REQUESTS, margin: float = ADAPTIVE_MARGIN,
                  ghost_requests: int | None = ADAPTIVE_GHOST_REQUESTS):
         """ghost_requests: about how many of a token's requests the ghosts see, by sampling layers
         (None, or no profile to count them by: every one; then each ghost misses exactly what its
@@ -397,8 +400,10 @@ class AdaptivePolicy:
         every = len(layers) * profile.top_k // ghost_requests if profile is not None and ghost_requests else 1
         self.ghost_layers = set(layers[::max(1, every)])
         self.ghost_share = len(self.ghost_layers) / len(layers)   # of the layers, so of the capacity
-        self.window: deque[tuple[int, ...]] = deque(maxlen=window_tokens * len(self.ghost_layers))
+        self.window_requests = window_requests
+        self.window: deque[tuple[tuple[int, ...], int]] = deque()   # per layer call: (each ghost's reads, requests)
         self.window_reads = [0] * len(self.candidates)   # each ghost's bytes read over the window
+        self._requests_in_window = 0
         # what on-demand caching that follows the leader reads: the leader's ghost's reads, scaled to every layer
         self.read_bytes = 0
         self.changes: list[tuple[int, str]] = []   # (layer calls so far, candidate followed from then)
@@ -416,11 +421,19 @@ class AdaptivePolicy:
             return
         reads = tuple(ghost.run_layer(layer, needed) for ghost in self.ghosts.values())
         self.read_bytes += round(reads[self.candidates.index(self.leader)] / self.ghost_share)
-        if len(self.window) == self.window.maxlen:
-            self.window_reads = [total - old for total, old in zip(self.window_reads, self.window[0])]
-        self.window.append(reads)
-        self.window_reads = [total + new for total, new in zip(self.window_reads, reads)]
+        self._add_to_window(reads, len(needed))
         self._follow_the_best()
+
+    def _add_to_window(self, reads: tuple[int, ...], requests: int) -> None:
+        """A layer call's reads into the window, which keeps the fewest latest calls holding at least
+        window_requests requests."""
+        self.window.append((reads, requests))
+        self.window_reads = [total + new for total, new in zip(self.window_reads, reads)]
+        self._requests_in_window += requests
+        while self._requests_in_window - self.window[0][1] >= self.window_requests:
+            old, count = self.window.popleft()
+            self.window_reads = [total - gone for total, gone in zip(self.window_reads, old)]
+            self._requests_in_window -= count
 
     def _follow_the_best(self) -> None:
         read = dict(zip(self.candidates, self.window_reads))
