@@ -63,6 +63,19 @@ def test_the_engine_matches_the_generic_forward(stores, config, dense_bits, monk
     assert (got - expected).abs().max() <= 2e-5 * expected.abs().max()
 
 
+def test_the_engine_reads_the_bias_of_distances_past_the_last_bucket(stores):
+    """Decoder positions past relative_attention_max_distance (20 in the tiny checkpoint) all take the
+    last bucket: the engine's table holds the distances up to it and clamps longer ones there, as
+    T5's buckets do (against the generic forward's bias, computed per position)."""
+    with edgemoe.load(stores["tied"], compute="fused-int", dense_bits=8) as model:
+        assert model.stacks.relative_attention_max_distance < 30
+        ids, decoder_ids = model.tokenizer.encode(PROMPT), [(7 * i) % 200 + 2 for i in range(48)]
+        got = one_token_steps(model, ids, decoder_ids)
+        model.decode_engine = None
+        expected = one_token_steps(model, ids, decoder_ids)
+    assert (got - expected).abs().max() <= 2e-5 * expected.abs().max()
+
+
 def test_experts_resident_or_read_give_the_same_bits(stores, monkeypatch):
     """The tiering invariant: every expert resident (the MoE block in the engine's one call) or a small
     RAM tier (the generic block on the engine's routing, experts read): the same logits, bit for bit."""
