@@ -63,6 +63,19 @@ def test_the_engine_matches_the_generic_forward(stores, config, dense_bits, monk
     assert (got - expected).abs().max() <= 2e-5 * expected.abs().max()
 
 
+def test_a_bfloat16_checkpoint_decodes_alike(tiny_model, tmp_path):
+    """A bfloat16 checkpoint's store (its dense matrices quantized from bfloat16; on a CPU with native
+    bfloat16 a long step's GEMMs run in it): the engine against the generic forward as above."""
+    convert(switch(tiny_model, dtype="bfloat16"), tmp_path / "s", bits=4)
+    with edgemoe.load(tmp_path / "s", compute="fused-int", dense_bits=8) as model:
+        assert isinstance(model.decode_engine, EncoderDecoderEngine)
+        ids = model.tokenizer.encode(PROMPT)
+        got = one_token_steps(model, ids, DECODER_IDS)
+        model.decode_engine = None
+        expected = one_token_steps(model, ids, DECODER_IDS)
+    assert (got - expected).abs().max() <= 2e-5 * expected.abs().max()
+
+
 def test_the_engine_reads_the_bias_of_distances_past_the_last_bucket(stores):
     """Decoder positions past relative_attention_max_distance (20 in the tiny checkpoint) all take the
     last bucket: the engine's table holds the distances up to it and clamps longer ones there, as
