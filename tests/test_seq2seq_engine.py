@@ -9,7 +9,8 @@ import edgemoe
 from edgemoe.convert import convert
 from edgemoe.decode import EncoderDecoderEngine
 from edgemoe.generate import GenerationOptions, stream_tokens
-from edgemoe.kernels import cpu_seq2seq
+from edgemoe.kernels import cpu_seq2seq, int_paths
+from edgemoe.kernels.ops import INT_PATH_ENV
 
 from test_dispatch_counts import TorchCalls, numba_dispatches  # noqa: F401 (a fixture)
 from test_switch import CONFIGS, DECODER_IDS, PROMPT, switch
@@ -31,6 +32,8 @@ def stores(tiny_model, tmp_path_factory):
     for name in ("tied", "untied"):
         made[name] = tmp_path_factory.mktemp("switch-engine") / name
         convert(switch(tiny_model, **CONFIGS[name]), made[name], bits=4)
+    made["bfloat16"] = tmp_path_factory.mktemp("switch-engine") / "bfloat16"
+    convert(switch(tiny_model, dtype="bfloat16"), made["bfloat16"], bits=4)
     return made
 
 
@@ -63,11 +66,10 @@ def test_the_engine_matches_the_generic_forward(stores, config, dense_bits, monk
     assert (got - expected).abs().max() <= 2e-5 * expected.abs().max()
 
 
-def test_a_bfloat16_checkpoint_decodes_alike(tiny_model, tmp_path):
+def test_a_bfloat16_checkpoint_decodes_alike(stores):
     """A bfloat16 checkpoint's store (its dense matrices quantized from bfloat16; on a CPU with native
     bfloat16 a long step's GEMMs run in it): the engine against the generic forward as above."""
-    convert(switch(tiny_model, dtype="bfloat16"), tmp_path / "s", bits=4)
-    with edgemoe.load(tmp_path / "s", compute="fused-int", dense_bits=8) as model:
+    with edgemoe.load(stores["bfloat16"], compute="fused-int", dense_bits=8) as model:
         assert isinstance(model.decode_engine, EncoderDecoderEngine)
         ids = model.tokenizer.encode(PROMPT)
         got = one_token_steps(model, ids, DECODER_IDS)
@@ -89,15 +91,19 @@ def test_the_engine_reads_the_bias_of_distances_past_the_last_bucket(stores):
     assert (got - expected).abs().max() <= 2e-5 * expected.abs().max()
 
 
-def test_experts_resident_or_read_give_the_same_bits(stores, monkeypatch):
+@pytest.mark.parametrize("path", int_paths())
+@pytest.mark.parametrize("checkpoint", ["tied", "bfloat16"])
+def test_experts_resident_or_read_give_the_same_bits(stores, monkeypatch, path, checkpoint):
     """The tiering invariant: every expert resident (the MoE block in the engine's one call) or a small
-    RAM tier (the generic block on the engine's routing, experts read): the same logits, bit for bit."""
+    RAM tier (the generic block on the engine's routing, experts read): the same logits, bit for bit,
+    on each integer path this CPU runs (forced), from a float32 and a bfloat16 checkpoint."""
+    monkeypatch.setenv(INT_PATH_ENV, path)
     moe_calls = []
     moe = EncoderDecoderEngine.moe
     monkeypatch.setattr(EncoderDecoderEngine, "moe", lambda *a, **k: moe_calls.append(1) or moe(*a, **k))
     results = {}
     for ram in ("100%", "20%"):
-        with edgemoe.load(stores["tied"], compute="fused-int", dense_bits=8, ram=ram) as model:
+        with edgemoe.load(stores[checkpoint], compute="fused-int", dense_bits=8, ram=ram) as model:
             for entry in model.store.experts() if ram == "100%" else ():
                 model.store.get(*entry.key)
             before = len(moe_calls)
