@@ -30,6 +30,7 @@ import torch
 
 from .errors import ContextLengthError, EdgeMoEError
 from .model import MoEModel
+from .ram_growth import RamGrowth
 from .tokenizer import StreamDecoder
 
 
@@ -267,9 +268,12 @@ def step(model, generations: Sequence[Generation]) -> list[Event | None]:
 
 def decode(generation: Generation) -> Iterator[Event]:
     """Plain decoding of one generation: its events, one forward step per new token (the prompt first,
-    in chunks)."""
+    in chunks). A store opened with ram="auto" may grow its RAM tier once on the way (RamGrowth)."""
+    growth = RamGrowth.for_generation(generation)
     while not generation.finished:
         yield from (event for event in step(generation.model, [generation]) if event is not None)
+        if growth is not None:
+            growth.after_step()
 
 
 def token_ids(events: Iterable[Event]) -> Iterator[int]:

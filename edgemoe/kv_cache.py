@@ -48,6 +48,16 @@ class KVCache:
     def capacity(self) -> int:
         return self._k[0].shape[1]
 
+    def growth_to(self, length: int) -> int:
+        """Bytes this cache will still allocate to hold `length` positions, as _grow doubles it: the
+        final arrays' growth over today's, plus one layer's old arrays, alive while they are copied."""
+        capacity = final = max(self.capacity, 1)
+        while final < length:     # one position a step: each growth doubles
+            final *= 2
+        per_position = self.num_layers * self.num_kv_heads * (self.head_dim + self.value_dim) * self.dtype.itemsize
+        copying = per_position // self.num_layers * (final // 2) if final > capacity else 0
+        return per_position * (final - capacity) + copying
+
     def _grow(self, layer: int, needed: int) -> None:
         self._addresses = None
         capacity = max(needed, 2 * self._k[layer].shape[1])

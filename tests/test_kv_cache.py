@@ -114,3 +114,26 @@ def test_greedy_decoding_by_the_engine_and_the_generic_forward_agree(store, kv_d
         texts = [model.generate([1, 5, 9], max_new_tokens=12, temperature=0, stop_token_ids=[])
                  for model in (engine, generic)]
     assert texts[0] == texts[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_growth_to_is_what_appending_one_position_at_a_time_allocates(dtype):
+    """growth_to(n): the arrays' bytes at n positions less today's, plus one layer's old arrays alive
+    while the last growth copies them, as appending position by position (decoding) allocates."""
+    def array_bytes(cache):
+        return sum(t.numel() * t.element_size() for t in cache._k + cache._v)
+
+    for start, target in ((10, 10), (10, 64), (10, 65), (70, 300), (100, 129)):
+        cache = KVCache(3, 2, 8, dtype=dtype, value_dim=4)
+        cache.append(0, torch.zeros(2, start, 8), torch.zeros(2, start, 4))
+        for layer in (1, 2):
+            cache.append(layer, torch.zeros(2, start, 8), torch.zeros(2, start, 4))
+        cache.advance(start)
+        before, predicted, last_old = array_bytes(cache), cache.growth_to(target), 0
+        while cache.length < target:
+            if cache.length == cache.capacity:     # the next append copies each layer's arrays
+                last_old = array_bytes(cache) // 3
+            for layer in range(3):
+                cache.append(layer, torch.zeros(2, 1, 8), torch.zeros(2, 1, 4))
+            cache.advance(1)
+        assert predicted == array_bytes(cache) - before + last_old, (start, target)

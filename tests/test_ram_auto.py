@@ -3,6 +3,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,10 @@ from edgemoe.convert import convert
 from edgemoe.loader import StoreOptions, auto_ram, dense_bytes, run_needs
 from edgemoe.options import OptionError
 from edgemoe.store import read_manifest
-from edgemoe.store.memory import MARGIN_FIXED, MIB, MemoryFacts, ram_budget, read_memory_facts
+from edgemoe.generate import GenerationOptions, generate_batch, stream_tokens
+from edgemoe.ram_growth import GROWTH_WATCH_STEPS, RamGrowth
+from edgemoe.store.memory import (GROWN_MARGIN_FIXED, GROWN_MARGIN_SHARE, MARGIN_FIXED, MIB, MemoryFacts, PeakWatch,
+                                  grown_ram_budget, ram_budget, read_memory_facts)
 
 from helpers import run_cli
 
@@ -51,6 +55,39 @@ def test_a_tiny_limit_gives_zero_never_less_and_says_every_expert_is_streamed():
 def test_unknown_memory_falls_back_to_every_expert_with_the_reason():
     budget, breakdown = ram_budget(MemoryFacts(None, "unknown"), 3 * GIB, {"runtime": 128 * MIB})
     assert budget == 3 * GIB and "could not be read" in breakdown["note"]
+
+
+def test_the_second_look_grows_by_what_is_left_after_the_step_peak_the_kv_growth_and_unfilled_room():
+    facts = MemoryFacts(300 * MIB, "cgroup /g", limit=1000 * MIB, usage=700 * MIB, reclaimable=0)
+    margin = GROWN_MARGIN_FIXED + int(GROWN_MARGIN_SHARE * 1000 * MIB)
+    grown, why = grown_ram_budget(facts, 400 * MIB, 390 * MIB, GIB, transient=20 * MIB, future=5 * MIB)
+    assert why["margin"] == margin
+    assert grown == 400 * MIB + (300 - 20 - 5 - 10) * MIB - margin == 400 * MIB + why["grown_by"]
+
+
+def test_the_second_look_never_shrinks_never_passes_every_expert_and_leaves_unknown_memory_alone():
+    tight = MemoryFacts(10 * MIB, "cgroup /g", limit=1000 * MIB, usage=990 * MIB, reclaimable=0)
+    assert grown_ram_budget(tight, 400 * MIB, 400 * MIB, GIB, 20 * MIB, 0)[0] == 400 * MIB
+    roomy = MemoryFacts(8 * GIB, "/proc/meminfo MemAvailable")
+    assert grown_ram_budget(roomy, 400 * MIB, 400 * MIB, GIB, 20 * MIB, 0)[0] == GIB
+    unknown = MemoryFacts(None, "unknown")
+    assert grown_ram_budget(unknown, 400 * MIB, 400 * MIB, GIB, 0, 0) == (400 * MIB, {
+        "available": None, "cached": 400 * MIB, "transient": 0, "future": 0, "capacity_before": 400 * MIB,
+        "margin": 0, "grown_by": 0})
+
+
+def _fake_proc(root: Path, hwm_kib: int, rss_kib: int) -> Path:
+    return _tree(root, {"clear_refs": "", "status": f"Name:\tpython\nVmHWM:\t{hwm_kib} kB\nVmRSS:\t{rss_kib} kB\n"})
+
+
+def test_the_peak_watch_resets_the_peak_and_reads_it_above_the_level_now(tmp_path):
+    proc = _fake_proc(tmp_path, hwm_kib=5000, rss_kib=4000)
+    watch = PeakWatch(proc)
+    assert watch.usable and (proc / "clear_refs").read_text() == "5"
+    assert watch.above_now() == 1000 * 1024
+    (proc / "status").write_text("VmRSS: 4000 kB\n")      # no VmHWM (an old kernel): unreadable
+    assert watch.above_now() is None and not watch.reset()
+    assert not PeakWatch(tmp_path / "missing").usable
 
 
 # ---- the reader, on fake /proc and /sys trees ----------------------------------------------------
@@ -165,6 +202,84 @@ def test_loading_with_auto_sets_the_capacity_to_the_budget(store):
         assert model.store.ram_breakdown is None
 
 
+def _second_look_under(monkeypatch, memory_root: Path, proc: Path) -> list:
+    """Every RamGrowth made from now on reads the fake trees given; returns the list they are put in."""
+    made, make = [], RamGrowth.for_generation.__func__
+
+    def for_generation(cls, generation):
+        growth = make(cls, generation, memory_root=str(memory_root), proc=str(proc))
+        made.append(growth)
+        if growth is not None:   # record the tier's fill at each look and when the watch begins
+            growth.looks, growth.watch_began, reset, filled = [], [], growth.watch.reset, growth.store.ram_filled
+            growth.store.ram_filled = lambda: (growth.looks.append(filled()), growth.looks[-1])[1]
+            growth.watch.reset = lambda: (growth.watch_began.append(growth.looks[-1]), reset())[1]
+        return growth
+    monkeypatch.setattr(RamGrowth, "for_generation", classmethod(for_generation))
+    return made
+
+
+def _decoded(model, tokens: int) -> list[int]:
+    return list(stream_tokens(model, [1], GenerationOptions(max_new_tokens=tokens, stop_token_ids=[])))
+
+
+def _fake_cgroup(root: Path, limit: int, usage: int) -> Path:
+    m = "sys/fs/cgroup/memory"
+    return _tree(root, {"proc/self/cgroup": "5:memory:/\n", f"{m}/memory.limit_in_bytes": str(limit),
+                        f"{m}/memory.usage_in_bytes": str(usage), f"{m}/memory.stat": "total_inactive_file 0\n"})
+
+
+@pytest.fixture(scope="module")
+def store32(tiny_model, tmp_path_factory):
+    """32 experts (4 layers x 8, top-2): half of them take several decode steps to fill."""
+    out = tmp_path_factory.mktemp("ram-growth") / "store"
+    convert(tiny_model("mixtral", num_local_experts=8, num_hidden_layers=4), out, bits=4)
+    return out
+
+
+def test_plain_decoding_grows_a_full_auto_tier_once_by_what_memory_allows_and_the_text_does_not_change(
+        store32, tmp_path, monkeypatch):
+    """A RAM tier sized by auto at half of the experts (faked here), decoding 40 tokens: once the
+    tier is full and GROWTH_WATCH_STEPS steps were watched, it grows once by what the (fake) memory
+    facts leave after the step peak, the KV cache's growth, the room still unfilled and the margin;
+    the tokens are those of a model that caches every expert."""
+    expert_bytes = read_manifest(store32).expert_bytes
+    with edgemoe.load(store32) as unbounded:
+        expected = _decoded(unbounded, 40)
+    margin = GROWN_MARGIN_FIXED + int(GROWN_MARGIN_SHARE * GIB)
+    available = margin + MIB + expert_bytes // 4                # the step peak (1 MiB) and a quarter more
+    made = _second_look_under(monkeypatch, _fake_cgroup(tmp_path / "memory", GIB, GIB - available),
+                              _fake_proc(tmp_path / "proc", hwm_kib=5 * 1024, rss_kib=4 * 1024))
+    with edgemoe.load(store32, ram=expert_bytes // 2) as model:
+        model.store.ram_breakdown = {"available": GIB, "kv_cache": 0}     # as if auto had chosen it
+        grow = model.store.grow_ram
+        calls = []
+        monkeypatch.setattr(model.store, "grow_ram", lambda capacity: (calls.append(capacity), grow(capacity)))
+        assert _decoded(model, 40) == expected
+        g = model.store.ram_breakdown["grown"]
+        assert len(made) == 1 and len(calls) == 1
+        assert g["capacity_before"] == expert_bytes // 2 and g["transient"] == MIB and g["margin"] == margin
+        largest = max(e.length for e in model.store.manifest.experts.values())
+        (cached, capacity), = made[0].watch_began                         # watched once the tier was full,
+        assert capacity - cached < largest <= capacity - made[0].looks[0][0]   # not while it filled
+        assert g["after_tokens"] >= GROWTH_WATCH_STEPS + 1
+        room = available - MIB - g["future"] - (g["capacity_before"] - g["cached"]) - margin
+        assert g["grown_by"] == min(room, expert_bytes - g["capacity_before"]) > 0
+        assert model.store.ram_capacity == model.store.cache.tiers[-1].capacity == expert_bytes // 2 + g["grown_by"]
+        assert model.store.stats.ram.peak_bytes > expert_bytes // 2       # the grown room was used
+
+
+def test_batches_and_stores_not_sized_by_auto_keep_their_budget(store, tmp_path, monkeypatch):
+    expert_bytes = read_manifest(store).expert_bytes
+    made = _second_look_under(monkeypatch, _fake_cgroup(tmp_path / "memory", GIB, 0),
+                              _fake_proc(tmp_path / "proc", hwm_kib=4096, rss_kib=4096))
+    with edgemoe.load(store, ram=expert_bytes // 4) as model:
+        _decoded(model, 30)              # no ram_breakdown: a hand-picked budget
+        assert made == [None] and model.store.ram_capacity == expert_bytes // 4
+        model.store.ram_breakdown = {"available": GIB, "kv_cache": 0}
+        generate_batch(model, [[1, 2, 3], [4, 5]], GenerationOptions(max_new_tokens=30, stop_token_ids=[]))
+        assert model.store.ram_capacity == expert_bytes // 4 and "grown" not in model.store.ram_breakdown
+
+
 def test_run_needs_follow_the_context_the_batch_the_cache_type_and_the_dense_width(store):
     manifest = read_manifest(store)
     spec = manifest.spec
@@ -273,19 +388,20 @@ def _cgroup_v1_writable() -> str | None:
     return None
 
 
-def _run_confined(store: Path, limit: int | None, *flags: str) -> tuple[int, int, str]:
-    """`python -m edgemoe run STORE` in a fresh cgroup v1 memory group (limit bytes, None: unlimited):
-    its exit status (negative: killed by that signal), the group's peak charge and its stderr."""
+def _run_confined(store: Path, limit: int | None, *flags: str, tokens: int = 4) -> tuple[int, int, str, str]:
+    """`python -m edgemoe run STORE -n TOKENS` in a fresh cgroup v1 memory group (limit bytes, None:
+    unlimited): its exit status (negative: killed by that signal), the group's peak charge, its stderr
+    and its stdout."""
     group = CGROUP_V1_MEMORY / f"edgemoe-test-ram-auto-{os.getpid()}"
     group.mkdir()
     try:
         if limit is not None:
             (group / "memory.limit_in_bytes").write_text(str(limit))
-        command = (f'echo $$ > {group}/cgroup.procs && exec "$0" -m edgemoe run "$1" -n 4 --stats '
+        command = (f'echo $$ > {group}/cgroup.procs && exec "$0" -m edgemoe run "$1" -n {tokens} --stats '
                    f'--prompt To_be_or_not_to_be_that_is_the_question_whether_tis_nobler_in_the_mind "${{@:2}}"')
         done = subprocess.run(["bash", "-c", command, sys.executable, str(store), *flags],
                               capture_output=True, text=True, timeout=120)
-        return done.returncode, int((group / "memory.max_usage_in_bytes").read_text()), done.stderr
+        return done.returncode, int((group / "memory.max_usage_in_bytes").read_text()), done.stderr, done.stdout
     finally:
         remove_memory_group(group)
 
@@ -303,15 +419,25 @@ def test_auto_finishes_inside_a_limit_that_kills_an_unbounded_cache(tmp_path):
     convert(checkpoint, tmp_path / "store", bits=8)
     store = tmp_path / "store"
     # First unbounded: it also calibrates the compute path (--compute auto), once, into the test's cache.
-    code, caching_peak, err = _run_confined(store, None, "--ram", "100%")
+    code, caching_peak, err, _ = _run_confined(store, None, "--ram", "100%")
     assert code == 0, err
-    code, streaming_peak, err = _run_confined(store, None, "--ram", "0")
+    code, streaming_peak, err, _ = _run_confined(store, None, "--ram", "0")
     assert code == 0, err
     limit = streaming_peak + 40 * MIB
     assert caching_peak > limit
-    code, _, _ = _run_confined(store, limit, "--ram", "100%")
+    code, _, _, _ = _run_confined(store, limit, "--ram", "100%")
     assert code == -9                          # the limit bites: the OOM killer ended it
-    code, peak, err = _run_confined(store, limit)
+    code, peak, err, _ = _run_confined(store, limit)
     assert code == 0, err
     assert "[stats] --ram auto:" in err and peak <= limit
     assert "warning: --ram auto: no room for experts" in err    # the limit leaves none: said, and it streams
+    # Decoding longer, auto looks again once its (empty) tier is full and caches what the run left
+    # room for, still inside the limit (every expert would not be: 100% was killed above); the text
+    # is the unbounded run's.
+    code, _, _, text = _run_confined(store, None, "--ram", "100%", tokens=24)
+    assert code == 0
+    code, peak, err, grown_text = _run_confined(store, limit + 20 * MIB, tokens=24)
+    assert code == 0, err
+    grown = re.search(r"--ram auto, after \d+ tokens: grown by ([\d.]+) MiB", err)
+    assert grown and float(grown.group(1)) > 0 and peak <= limit + 20 * MIB, err
+    assert grown_text == text

@@ -3,7 +3,7 @@
 does it come to the best budget a user could have picked by trying?
 
     python tools/bench_ram_auto.py STORE --limit 1GiB 1536MiB --ram auto 10% 25% 50% 75% \\
-        [--tokens 40] [--rounds 1] [--json OUT]
+        [--tokens 40] [--rounds 1] [--json OUT] [--before TREE]
 
 Each run is `edgemoe run STORE -p PROMPT -n TOKENS --stats --ram R` started inside a fresh cgroup v1
 memory group of that limit (the whole process charged, page cache included, as under systemd-run or a
@@ -11,7 +11,10 @@ container), the store's files dropped from the page cache first. A run the limit
 -9) and is reported as killed. Within a round the budgets run in the order given, limit by limit. A
 row gives the decode tokens/s `--stats` printed (median of its rounds), the group's peak and how often
 it hit the limit (memory.failcnt); "vs best" divides auto's speed by the best hand-picked budget's
-that no round saw killed. Needs Linux, root and the cgroup v1 memory controller.
+that no round saw killed. --before TREE also runs `--ram auto` of another source tree (PYTHONPATH=TREE)
+right after this tree's in every round, as the row "auto, before" (run the script from outside both
+trees, so that `python -m` does not import the working directory's). Needs Linux, root and the cgroup
+v1 memory controller.
 """
 
 from __future__ import annotations
@@ -33,15 +36,19 @@ PROMPT = ("It was the best of times, it was the worst of times, it was the age o
           "foolishness, it was the epoch of belief")
 
 
+BEFORE = "auto, before"
+
+
 def run_in_limit(store: str, limit: str, ram: str, args, run_id: int) -> dict:
     drop_store_from_page_cache(Path(store))
     group = CGROUP_V1_MEMORY / f"edgemoe-ram-auto-{os.getpid()}-{run_id}"
     group.mkdir()
     try:
         (group / "memory.limit_in_bytes").write_text(str(parse_bytes(limit, "--limit")))
-        command = " ".join([sys.executable, "-m", "edgemoe", "run", store, "-p", repr(PROMPT), "-n", str(args.tokens),
-                            "--stats", "--ram", ram])
-        done = subprocess.run(["sh", "-c", f"echo $$ > {group}/cgroup.procs && exec {command}"],
+        tree = f"PYTHONPATH={args.before} " if ram == BEFORE else ""
+        command = " ".join([sys.executable, "-m", "edgemoe", "run", store, "-p", repr(PROMPT), "-n",
+                            str(args.tokens), "--stats", "--ram", "auto" if ram == BEFORE else ram])
+        done = subprocess.run(["sh", "-c", f"echo $$ > {group}/cgroup.procs && {tree}exec {command}"],
                               capture_output=True, text=True)
         peak = int((group / "memory.max_usage_in_bytes").read_text())
         hits = int((group / "memory.failcnt").read_text())
@@ -53,6 +60,9 @@ def run_in_limit(store: str, limit: str, ram: str, args, run_id: int) -> dict:
     if done.returncode == 0 and decode:
         record["decode_tok_s"] = float(decode.group(1))
         record["experts_in_ram"] = auto.group(1) if auto else ram
+        grown = re.search(r"--ram auto, after (\d+) tokens: grown by [\d.]+ \w+ to ([\d.]+ \w+)", done.stderr)
+        if grown:
+            record["experts_in_ram"] += f" -> {grown.group(2)} (token {grown.group(1)})"
     elif done.returncode == 0:
         record["rc"] = f"no decode figure: {done.stderr.strip()[-200:]}"
     return record
@@ -67,7 +77,8 @@ def print_table(runs: list[dict], limits: list[str], rams: list[str]) -> None:
             mine = [r for r in runs if r["limit"] == limit and r["ram"] == ram]
             ok = [r for r in mine if "decode_tok_s" in r]
             rows[ram] = (statistics.median(r["decode_tok_s"] for r in ok) if len(ok) == len(mine) else None, mine)
-        best = max((speed for ram, (speed, _) in rows.items() if ram != "auto" and speed is not None), default=None)
+        best = max((speed for ram, (speed, _) in rows.items() if not ram.startswith("auto") and speed is not None),
+                   default=None)
         for ram, (speed, mine) in rows.items():
             speeds = ", ".join(f"{r['decode_tok_s']:.2f}" if "decode_tok_s" in r else f"killed ({r['rc']})"
                                for r in mine)
@@ -85,7 +96,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=40, help="tokens generated per run")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None, help="also write every run here")
+    parser.add_argument("--before", type=Path, default=None, help="a source tree whose --ram auto runs beside")
     args = parser.parse_args()
+    if args.before is not None:
+        args.ram.insert(args.ram.index("auto") + 1 if "auto" in args.ram else 0, BEFORE)
     if not (CGROUP_V1_MEMORY / "cgroup.procs").exists():
         raise SystemExit(f"no cgroup v1 memory controller at {CGROUP_V1_MEMORY}")
     print(f"{args.store}: edgemoe run, {args.tokens} tokens, cold, {args.rounds} round(s); started "

@@ -81,6 +81,14 @@ def ram_breakdown_text(b: dict) -> str:
             f"available {available} ({b['source']}) - {held}{note}")
 
 
+def ram_growth_text(g: dict) -> str:
+    """--ram auto's second look in one line (edgemoe.ram_growth): how much the RAM tier grew, and from what."""
+    return (f"--ram auto, after {g['after_tokens']} tokens: grown by {size(g['grown_by'])} to "
+            f"{size(g['capacity_before'] + g['grown_by'])} = available {size(g['available'])} - a step's peak "
+            f"{size(g['transient'])} - KV cache growth {size(g['future'])} - room not yet filled "
+            f"{size(g['capacity_before'] - g['cached'])} - margin {size(g['margin'])}")
+
+
 def size(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":

@@ -13,7 +13,7 @@ from edgemoe.errors import EdgeMoEError
 from edgemoe.stats import format_stats, run_stats
 
 from .cannot_act import refuse_sampling_flags_if_greedy
-from .common import ram_breakdown_text, replay_for, warn, warn_ram_auto
+from .common import ram_breakdown_text, ram_growth_text, replay_for, warn, warn_ram_auto
 from .options import (COMPUTE, DENSE_BITS, DEVICE, DTYPE, FALLBACK_BELOW, KV_DTYPE, MODEL, POLICY, PRELOAD, RAM, SEED,
                       SKIP_BELOW, TEMPERATURE, THREADS, TOP_K, TOP_P, VRAM, as_store_options, checked, model_path,
                       sampling, torch_dtype)
@@ -157,5 +157,7 @@ def _print_run_stats(model, speculation=None) -> None:
     breakdown = getattr(model.store, "ram_breakdown", None)
     if breakdown:
         print(f"[stats] {ram_breakdown_text(breakdown)}", file=sys.stderr)
+        if "grown" in breakdown:
+            print(f"[stats] {ram_growth_text(breakdown['grown'])}", file=sys.stderr)
     for line in format_stats(run_stats(model, speculation)):
         print(f"[stats] {line}", file=sys.stderr)

@@ -112,6 +112,12 @@ class Tier:
                 free = room - nbytes
         return admitted
 
+    def grow(self, capacity: int) -> None:
+        """A larger capacity from now on: nothing is evicted, the policy is told (adaptive eviction's
+        ghosts keep what they hold and grow with it)."""
+        self.capacity = max(capacity, self.capacity)
+        self.policy.set_capacity(self.capacity)
+
     def pop(self, key: Key):
         item = self.items.pop(key)
         self.policy.remove(key)
@@ -157,6 +163,13 @@ class ExpertCache:
         return {key: tier.name for tier in reversed(self.tiers) for key in tier.items}
 
     # ---- events -----------------------------------------------------------------------------------
+    def grow_last_tier(self, capacity: int) -> None:
+        """The last tier (the one experts leave the cache from) holds up to `capacity` bytes from now
+        on, never fewer than before; the guard's ghost of the same capacity grows with it."""
+        self.tiers[-1].grow(capacity)
+        if self.guard is not None:
+            self.guard.ghost.budget = self.tiers[-1].capacity
+
     def clear(self) -> None:
         """Forget every resident expert (a closed store's), so that their memory is freed now."""
         for tier in self.tiers:

@@ -57,9 +57,9 @@ kept sorted per layer (LayerOrder), so an eviction compares one key per layer, p
 distance scales a score, the keys whose scaled scores round equal (tests/test_victim_order.py checks
 the two at every eviction of random streams).
 
-Every policy is told its tier's byte capacity once (set_capacity: only "adaptive" uses it, for its
-ghosts) and, at each layer, the experts it needs with their sizes (set_layer's `needed`: key -> bytes,
-or any iterable of keys for the policies that ignore sizes).
+Every policy is told its tier's byte capacity (set_capacity, again when a tier grows: only "adaptive"
+uses it, for its ghosts) and, at each layer, the experts it needs with their sizes (set_layer's
+`needed`: key -> bytes, or any iterable of keys for the policies that ignore sizes).
 """
 
 from __future__ import annotations
@@ -410,7 +410,13 @@ class AdaptivePolicy:
         self._layer_calls = 0
 
     def set_capacity(self, capacity: int) -> None:
+        """The tier's capacity: the ghosts get their share of it; told again (a tier that grew), they
+        keep what they hold and the window's counts."""
         share = int(capacity * self.ghost_share)
+        if self.ghosts:
+            for ghost in self.ghosts.values():
+                ghost.capacity = share
+            return
         self.ghosts = {name: GhostCache(self._make(name), share) for name in self.candidates}
 
     def set_layer(self, layer: int, needed: Mapping[Key, int]) -> None:

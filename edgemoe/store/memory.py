@@ -29,6 +29,10 @@ KERNEL_COMPILE_GROWTH = 256 * MIB
 # run-to-run variation (8 MiB between identical runs): a fixed floor plus a share of what is available.
 MARGIN_FIXED = 64 * MIB
 MARGIN_SHARE = 0.05
+# Once a run has shown what it takes (grown_ram_budget), what stays uncertain is smaller: a later step's
+# reads above the watched ones', allocator drift, kernel memory. Half the margin's floor, 2% of the limit.
+GROWN_MARGIN_FIXED = 32 * MIB
+GROWN_MARGIN_SHARE = 0.02
 UNLIMITED_V1 = 1 << 60   # cgroup v1 writes "no limit" as a huge page-rounded number
 
 
@@ -67,6 +71,56 @@ def ram_budget(facts: MemoryFacts, expert_bytes: int, needs: dict[str, int]) -> 
     if budget == 0:
         breakdown["note"] = "no room for experts: every expert is read from disk when used (slow, but it runs)"
     return budget, breakdown
+
+
+def grown_ram_budget(facts: MemoryFacts, capacity: int, cached: int, expert_bytes: int, transient: int,
+                     future: int) -> tuple[int, dict]:
+    """The RAM tier's capacity once a run has shown what it takes (edgemoe.ram_growth.RamGrowth), and
+    why: capacity + (available - transient - future - (capacity - cached) - margin), never below
+    `capacity` nor above expert_bytes. facts: read now, so their usage holds everything the run keeps
+    (dense weights, runtime, compiled kernels, the KV cache so far, the cached experts); cached: the
+    tier's bytes now (the rest of its capacity is still to be taken); transient: a step's peak above
+    the level between steps, as measured; future: what the run will still add (its KV cache's
+    growth); margin: GROWN_MARGIN_FIXED + GROWN_MARGIN_SHARE of the limit (of what is available,
+    without one). Unknown memory: unchanged."""
+    breakdown = {"available": facts.available, "cached": cached, "transient": transient, "future": future,
+                 "capacity_before": capacity}
+    if facts.available is None:
+        return capacity, {**breakdown, "margin": 0, "grown_by": 0}
+    margin = GROWN_MARGIN_FIXED + int(GROWN_MARGIN_SHARE * (facts.limit or facts.available))
+    room = facts.available - transient - future - (capacity - cached) - margin
+    grown = min(max(capacity + room, capacity), max(expert_bytes, capacity))
+    return grown, {**breakdown, "margin": margin, "grown_by": grown - capacity}
+
+
+class PeakWatch:
+    """This process's resident memory above its level now, at its highest since `reset` (Linux: VmHWM
+    reset through /proc/self/clear_refs, then VmHWM - VmRSS). `usable` is False where either cannot be
+    done (not Linux, a kernel without clear_refs, a read-only /proc)."""
+
+    def __init__(self, proc: str | os.PathLike = "/proc/self"):
+        self.proc = Path(proc)
+        self.usable = self.reset()
+
+    def reset(self) -> bool:
+        try:
+            (self.proc / "clear_refs").write_text("5")   # 5: reset the peak resident set size to the current
+        except OSError:
+            return False
+        return self._status() is not None
+
+    def above_now(self) -> int | None:
+        """Bytes the peak since reset lies above the resident set size now (None: unreadable)."""
+        status = self._status()
+        return None if status is None else max(status["VmHWM"] - status["VmRSS"], 0)
+
+    def _status(self) -> dict[str, int] | None:
+        text = _read_text(self.proc / "status") or ""
+        fields = {line.split(":")[0]: line.split()[1:] for line in text.splitlines() if ":" in line}
+        try:
+            return {name: int(fields[name][0]) * 1024 for name in ("VmHWM", "VmRSS")}
+        except (KeyError, IndexError, ValueError):
+            return None
 
 
 def read_memory_facts(root: str | os.PathLike = "/") -> MemoryFacts:

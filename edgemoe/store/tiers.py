@@ -408,6 +408,20 @@ class TieredStore:
         with self._lock:
             self.stats.preloads_cancelled += dropped
 
+    def ram_filled(self) -> tuple[int, int]:
+        """The RAM tier's (cached bytes, capacity) now."""
+        with self._lock:
+            ram = self.cache.tiers[-1]
+            return ram.stats.bytes, ram.capacity
+
+    def grow_ram(self, capacity: int) -> None:
+        """Let the RAM tier cache up to `capacity` bytes from now on (never fewer than it may now):
+        --ram auto's second look (edgemoe.ram_growth). Experts enter the new room as they are read:
+        placing the profile's most popular ones in it at once missed more (docs/scheduling.md)."""
+        with self._lock:
+            self.cache.grow_last_tier(capacity)
+            self.ram_capacity = self.cache.tiers[-1].capacity
+
     def drain(self) -> None:
         """Wait until every queued preload is loaded (or failed); its error, if any, is raised."""
         self._loads.join()

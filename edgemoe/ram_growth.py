@@ -1,0 +1,85 @@
+"""--ram auto's second look: grow the RAM tier once, from what a run has shown it takes.
+
+When a store opens, --ram auto can only estimate what the run will hold besides experts, and keeps a
+margin for what it cannot know (docs/scheduling.md, "The RAM budget chosen for you"). Once one
+sequence is decoding and the RAM tier is full, most of that is in the memory the process is charged
+for: the dense weights, the runtime, compiled kernels, the cached experts at their real size. What
+a decode step takes above that level (its read buffers and activations) is measured over a few steps
+(PeakWatch); the KV cache's growth to the sequence's last token is known. RamGrowth then reads the
+memory facts again and grows the tier once by what is left (grown_ram_budget), never shrinking it.
+
+Only plain decoding of one sequence (edgemoe.generate.decode: `edgemoe run`, generate()) looks twice:
+its later steps are like the watched ones. Serving, chat, batches and beams keep the budget chosen at
+open, since a later step may prefill another prompt or hold more sequences. Which experts are cached
+never changes a result (the tiering invariant), only the time.
+"""
+
+from __future__ import annotations
+
+from .kv_cache import KVCache
+from .store.memory import PeakWatch, grown_ram_budget, read_memory_facts
+
+# Decode steps watched, once the RAM tier is full, for the highest a step takes above the level
+# between steps. Enough for a step's reads to vary (on Mixtral-shaped routing a token misses 0 to 8
+# of its 64 experts' reads at the sizes measured) and few enough to grow early in a run.
+GROWTH_WATCH_STEPS = 8
+
+
+class RamGrowth:
+    """The second look for one generation (edgemoe.generate.Generation) of a store opened with
+    ram="auto". Call after_step() after each of its steps; it grows the store's RAM tier at most once
+    and records why in store.ram_breakdown["grown"]."""
+
+    def __init__(self, generation, watch: PeakWatch, memory_root: str = "/"):
+        self.generation, self.watch, self.memory_root = generation, watch, memory_root
+        self.store = generation.model.store
+        self.largest = max(e.length for e in self.store.manifest.experts.values())
+        self.watched: int | None = None     # decode steps watched since the tier was full
+        self.done = False
+
+    @classmethod
+    def for_generation(cls, generation, memory_root: str = "/", proc: str = "/proc/self") -> "RamGrowth | None":
+        """A second look for `generation`, or None where there is nothing to grow: not a store, a RAM
+        budget not chosen by auto, one that holds every expert, memory that cannot be read, a peak
+        that cannot be measured."""
+        store = getattr(generation.model, "store", None)
+        breakdown = getattr(store, "ram_breakdown", None)
+        if not breakdown or breakdown.get("available") is None or store.vram_capacity:
+            return None
+        if store.ram_capacity >= store.manifest.expert_bytes:
+            return None
+        watch = PeakWatch(proc)
+        return cls(generation, watch, memory_root) if watch.usable else None
+
+    def after_step(self) -> None:
+        if self.done or not self.generation.output or self.generation.finished:
+            return                          # prefilling (no token chosen yet), or over
+        cached, capacity = self.store.ram_filled()
+        if self.watched is None:
+            if capacity - cached >= self.largest:
+                return                      # still filling: what it will hold is not in memory yet
+            self.watch.reset()
+            self.watched = 0
+            return
+        self.watched += 1
+        if self.watched >= GROWTH_WATCH_STEPS:
+            self._grow(cached, capacity)
+
+    def _grow(self, cached: int, capacity: int) -> None:
+        self.done = True
+        transient = self.watch.above_now()
+        if transient is None:
+            return
+        grown, why = grown_ram_budget(read_memory_facts(self.memory_root), capacity, cached,
+                                      self.store.manifest.expert_bytes, transient, self._kv_growth())
+        self.store.grow_ram(grown)
+        self.store.ram_breakdown["grown"] = {**why, "after_tokens": len(self.generation.output)}
+
+    def _kv_growth(self) -> int:
+        """What the sequence's KV cache will still allocate up to its last token; for a state that is
+        not a KVCache (an encoder-decoder's), the whole reserve auto made for it."""
+        g = self.generation
+        state = g.feed.state
+        if isinstance(state, KVCache):
+            return state.growth_to(len(g.prompt) + g.limit)
+        return self.store.ram_breakdown.get("kv_cache", 0)
