@@ -96,7 +96,8 @@ def grown_ram_budget(facts: MemoryFacts, capacity: int, cached: int, expert_byte
 class PeakWatch:
     """This process's resident memory above its level now, at its highest since `reset` (Linux: VmHWM
     reset through /proc/self/clear_refs, then VmHWM - VmRSS). `usable` is False where either cannot be
-    done (not Linux, a kernel without clear_refs, a read-only /proc)."""
+    done (not Linux, a kernel without clear_refs, a read-only /proc). The reset is the process's: its
+    getrusage maximum (what /usr/bin/time reports) counts from it too."""
 
     def __init__(self, proc: str | os.PathLike = "/proc/self"):
         self.proc = Path(proc)
