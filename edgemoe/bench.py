@@ -318,12 +318,13 @@ def run_once(store_path: Path, mode: str, prompt: list[int], config: BenchConfig
         token = int(logits[-1].argmax())
         ttft = time.perf_counter() - start
         prefill = _delta(_counters(model), before)
+        step = _decode_step(model, store, cache, len(prompt) + config.warmup_tokens + config.decode_tokens)
         for _ in range(config.warmup_tokens):
-            token = int(model.logits([token], cache)[-1].argmax())
+            token = step(token)
         before = _counters(model)
         start = time.perf_counter()
         for _ in range(config.decode_tokens):
-            token = int(model.logits([token], cache)[-1].argmax())
+            token = step(token)
         seconds = time.perf_counter() - start
         decode = _delta(_counters(model), before)
     finally:
@@ -335,6 +336,7 @@ def run_once(store_path: Path, mode: str, prompt: list[int], config: BenchConfig
         "mode": mode, "dense_bits": model.dense_bits,
         "kv_dtype": str(model.kv_dtype).removeprefix("torch."),
         "ram_bytes": store.ram_capacity if mode != "all-in-ram" else store.manifest.expert_bytes,
+        "ram_grown_after_tokens": (store.ram_breakdown or {}).get("grown", {}).get("after_tokens"),
         "prefill_tokens": len(prompt), "ttft_s": ttft, "decode_tok_s": n / seconds,
         "hit_rate": decode["hits"] / decode["requests"] if decode["requests"] else 1.0,
         "disk_bytes_per_token": disk_per_token, "limit_decode_tok_s": limit_tok_s(disk_per_token, memory_per_token, bw),
@@ -353,6 +355,23 @@ def run_once(store_path: Path, mode: str, prompt: list[int], config: BenchConfig
         "fallback_below": config.fallback_below if mode == "predictive" else 0.0,
         "memory_bandwidth": bw.memory, "disk_bandwidth": bw.disk,
     }
+
+
+def _decode_step(model, store, cache, last_position: int):
+    """One greedy decode step: token -> the next. A store sized by --ram auto looks again once its
+    tier is full, as `edgemoe run` does (edgemoe.ram_growth), so that the bench measures the product."""
+    from .ram_growth import RamGrowth
+
+    growth, decoded = RamGrowth.for_store(store), 0
+
+    def step(token: int) -> int:
+        nonlocal decoded
+        token = int(model.logits([token], cache)[-1].argmax())
+        decoded += 1
+        if growth is not None:
+            growth.after_step(decoded, cache, last_position)
+        return token
+    return step
 
 
 # ---- the harness ------------------------------------------------------------------------------------

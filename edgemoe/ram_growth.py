@@ -8,8 +8,8 @@ a decode step takes above that level (its read buffers and activations) is measu
 (PeakWatch); the KV cache's growth to the sequence's last token is known. RamGrowth then reads the
 memory facts again and grows the tier once by what is left (grown_ram_budget), never shrinking it.
 
-Only plain decoding of one sequence (edgemoe.generate.decode: `edgemoe run`, generate()) looks twice:
-its later steps are like the watched ones. Serving, chat, batches and beams keep the budget chosen at
+Only plain decoding of one sequence looks twice (edgemoe.generate.decode: `edgemoe run`, generate();
+and `edgemoe bench`, which measures that): its later steps are like the watched ones. Serving, chat, batches and beams keep the budget chosen at
 open, since a later step may prefill another prompt or hold more sequences. Which experts are cached
 never changes a result (the tiering invariant), only the time.
 """
@@ -26,34 +26,35 @@ GROWTH_WATCH_STEPS = 8
 
 
 class RamGrowth:
-    """The second look for one generation (edgemoe.generate.Generation) of a store opened with
-    ram="auto". Call after_step() after each of its steps; it grows the store's RAM tier at most once
-    and records why in store.ram_breakdown["grown"]."""
+    """The second look for a store opened with ram="auto", decoding one sequence. Call after_step()
+    after each decode step; it grows the store's RAM tier at most once and records why in
+    store.ram_breakdown["grown"]."""
 
-    def __init__(self, generation, watch: PeakWatch, memory_root: str = "/"):
-        self.generation, self.watch, self.memory_root = generation, watch, memory_root
-        self.store = generation.model.store
-        self.largest = max(e.length for e in self.store.manifest.experts.values())
+    def __init__(self, store, watch: PeakWatch, memory_root: str = "/"):
+        self.store, self.watch, self.memory_root = store, watch, memory_root
+        self.largest = max(e.length for e in store.manifest.experts.values())
         self.watched: int | None = None     # decode steps watched since the tier was full
         self.done = False
 
     @classmethod
-    def for_generation(cls, generation, memory_root: str = "/", proc: str = "/proc/self") -> "RamGrowth | None":
-        """A second look for `generation`, or None where there is nothing to grow: not a store, a RAM
-        budget not chosen by auto, one that holds every expert, memory that cannot be read, a peak
-        that cannot be measured."""
-        store = getattr(generation.model, "store", None)
+    def for_store(cls, store, memory_root: str = "/", proc: str = "/proc/self") -> "RamGrowth | None":
+        """A second look for `store`, or None where there is nothing to grow: no store, a RAM budget
+        not chosen by auto, a VRAM tier, one that holds every expert, memory that cannot be read, a
+        peak that cannot be measured."""
         breakdown = getattr(store, "ram_breakdown", None)
         if not breakdown or breakdown.get("available") is None or store.vram_capacity:
             return None
         if store.ram_capacity >= store.manifest.expert_bytes:
             return None
         watch = PeakWatch(proc)
-        return cls(generation, watch, memory_root) if watch.usable else None
+        return cls(store, watch, memory_root) if watch.usable else None
 
-    def after_step(self) -> None:
-        if self.done or not self.generation.output or self.generation.finished:
-            return                          # prefilling (no token chosen yet), or over
+    def after_step(self, tokens: int, state, last_position: int) -> None:
+        """After a decode step: `tokens` decoded so far; `state` the sequence's decoding state, whose
+        growth up to `last_position` (its final length) stays reserved: a KVCache's as it will
+        allocate it, any other's (an encoder-decoder's) as auto reserved it when the store opened."""
+        if self.done:
+            return
         cached, capacity = self.store.ram_filled()
         if self.watched is None:
             if capacity - cached >= self.largest:
@@ -63,23 +64,16 @@ class RamGrowth:
             return
         self.watched += 1
         if self.watched >= GROWTH_WATCH_STEPS:
-            self._grow(cached, capacity)
+            future = (state.growth_to(last_position) if isinstance(state, KVCache)
+                      else self.store.ram_breakdown.get("kv_cache", 0))
+            self._grow(cached, capacity, future, tokens)
 
-    def _grow(self, cached: int, capacity: int) -> None:
+    def _grow(self, cached: int, capacity: int, future: int, tokens: int) -> None:
         self.done = True
         transient = self.watch.above_now()
         if transient is None:
             return
         grown, why = grown_ram_budget(read_memory_facts(self.memory_root), capacity, cached,
-                                      self.store.manifest.expert_bytes, transient, self._kv_growth())
+                                      self.store.manifest.expert_bytes, transient, future)
         self.store.grow_ram(grown)
-        self.store.ram_breakdown["grown"] = {**why, "after_tokens": len(self.generation.output)}
-
-    def _kv_growth(self) -> int:
-        """What the sequence's KV cache will still allocate up to its last token; for a state that is
-        not a KVCache (an encoder-decoder's), the whole reserve auto made for it."""
-        g = self.generation
-        state = g.feed.state
-        if isinstance(state, KVCache):
-            return state.growth_to(len(g.prompt) + g.limit)
-        return self.store.ram_breakdown.get("kv_cache", 0)
+        self.store.ram_breakdown["grown"] = {**why, "after_tokens": tokens}

@@ -131,6 +131,34 @@ def test_ram_auto_sizes_each_run_as_edgemoe_run_would_for_the_runs_tokens(store,
     assert [r["ram_bytes"] for r in records] == [budget] * 2
 
 
+def test_ram_auto_looks_again_in_the_bench_as_in_edgemoe_run(store, monkeypatch, tmp_path):
+    """The bench decodes as `edgemoe run` does: a tier sized by auto (here a quarter of the experts,
+    with fake memory facts that leave room) grows once it is full and was watched, and the record
+    gives the tier's final size and when it grew."""
+    import edgemoe.loader
+    from edgemoe.ram_growth import GROWTH_WATCH_STEPS, RamGrowth
+    from edgemoe.store.memory import MIB
+    quarter = expert_bytes(store) // 4
+    monkeypatch.setattr(edgemoe.loader, "auto_ram", lambda *args, **options: (quarter, {"available": 1 << 30}))
+    proc, memory = tmp_path / "proc", tmp_path / "memory/sys/fs/cgroup/memory"
+    proc.mkdir()
+    (proc / "clear_refs").write_text("")
+    (proc / "status").write_text("VmHWM: 4096 kB\nVmRSS: 4096 kB\n")
+    memory.mkdir(parents=True)
+    (tmp_path / "memory/proc/self").mkdir(parents=True)
+    (tmp_path / "memory/proc/self/cgroup").write_text("5:memory:/\n")
+    (memory / "memory.limit_in_bytes").write_text(str(1 << 30))
+    (memory / "memory.usage_in_bytes").write_text(str((1 << 30) - 512 * MIB))
+    for_store = RamGrowth.for_store.__func__
+    monkeypatch.setattr(RamGrowth, "for_store", classmethod(
+        lambda cls, s: for_store(cls, s, memory_root=str(tmp_path / "memory"), proc=str(proc))))
+    config = BenchConfig(ram="auto", modes=("on-demand-lru",), prefill_tokens=(20,), decode_tokens=12,
+                         warmup_tokens=1, repeats=1)
+    (record,), _ = bench(store, config, bandwidths=FIXED)
+    assert record["ram_grown_after_tokens"] >= GROWTH_WATCH_STEPS + 1
+    assert record["ram_bytes"] == expert_bytes(store)      # 512 MiB of room: every expert
+
+
 def test_bandwidths_are_measured(store):
     memory, detail = memory_bandwidth(nbytes=8 << 20, repeats=1)
     assert memory == max(detail.values()) > 0

@@ -204,17 +204,17 @@ def test_loading_with_auto_sets_the_capacity_to_the_budget(store):
 
 def _second_look_under(monkeypatch, memory_root: Path, proc: Path) -> list:
     """Every RamGrowth made from now on reads the fake trees given; returns the list they are put in."""
-    made, make = [], RamGrowth.for_generation.__func__
+    made, make = [], RamGrowth.for_store.__func__
 
-    def for_generation(cls, generation):
-        growth = make(cls, generation, memory_root=str(memory_root), proc=str(proc))
+    def for_store(cls, store):
+        growth = make(cls, store, memory_root=str(memory_root), proc=str(proc))
         made.append(growth)
         if growth is not None:   # record the tier's fill at each look and when the watch begins
             growth.looks, growth.watch_began, reset, filled = [], [], growth.watch.reset, growth.store.ram_filled
             growth.store.ram_filled = lambda: (growth.looks.append(filled()), growth.looks[-1])[1]
             growth.watch.reset = lambda: (growth.watch_began.append(growth.looks[-1]), reset())[1]
         return growth
-    monkeypatch.setattr(RamGrowth, "for_generation", classmethod(for_generation))
+    monkeypatch.setattr(RamGrowth, "for_store", classmethod(for_store))
     return made
 
 
