@@ -268,13 +268,18 @@ def step(model, generations: Sequence[Generation]) -> list[Event | None]:
 
 def decode(generation: Generation) -> Iterator[Event]:
     """Plain decoding of one generation: its events, one forward step per new token (the prompt first,
-    in chunks). A store opened with ram="auto" may grow its RAM tier once on the way (RamGrowth)."""
+    in chunks). A store opened with ram="auto" may grow its RAM tier once on the way, for the rest of
+    this sequence (RamGrowth)."""
     growth = RamGrowth.for_store(getattr(generation.model, "store", None))
-    while not generation.finished:
-        yield from (event for event in step(generation.model, [generation]) if event is not None)
-        if growth is not None and generation.output and not generation.finished:   # prompt fed, still going
-            growth.after_step(len(generation.output), generation.feed.state,
-                              len(generation.prompt) + generation.limit)
+    try:
+        while not generation.finished:
+            yield from (event for event in step(generation.model, [generation]) if event is not None)
+            if growth is not None and generation.output and not generation.finished:   # prompt fed, going on
+                growth.after_step(len(generation.output), generation.feed.state,
+                                  len(generation.prompt) + generation.limit)
+    finally:
+        if growth is not None:
+            growth.end()
 
 
 def token_ids(events: Iterable[Event]) -> Iterator[int]:

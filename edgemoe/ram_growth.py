@@ -6,12 +6,15 @@ sequence is decoding and the RAM tier is full, most of that is in the memory the
 for: the dense weights, the runtime, compiled kernels, the cached experts at their real size. What
 a decode step takes above that level (its read buffers and activations) is measured over a few steps
 (PeakWatch); the KV cache's growth to the sequence's last token is known. RamGrowth then reads the
-memory facts again and grows the tier once by what is left (grown_ram_budget), never shrinking it.
+memory facts again and grows the tier once by what is left (grown_ram_budget), for the rest of
+that sequence: when it ends, the tier returns to its first size, so that another prompt's prefill
+(a chat's next turn, another generate() call) finds the reserves the budget was chosen with.
 
-Only plain decoding of one sequence looks twice (edgemoe.generate.decode: `edgemoe run`, generate();
-and `edgemoe bench`, which measures that): its later steps are like the watched ones. Serving, chat, batches and beams keep the budget chosen at
-open, since a later step may prefill another prompt or hold more sequences. Which experts are cached
-never changes a result (the tiering invariant), only the time.
+Only plain decoding of one sequence looks twice (edgemoe.generate.decode: `edgemoe run`, `chat`'s
+turns, generate(); and `edgemoe bench`, which measures that): its later steps are like the watched
+ones. Serving, batches and beams keep the budget chosen at open, since a later step may prefill
+another prompt or hold more sequences. Which experts are cached never changes a result (the tiering
+invariant), only the time.
 """
 
 from __future__ import annotations
@@ -27,14 +30,15 @@ GROWTH_WATCH_STEPS = 8
 
 class RamGrowth:
     """The second look for a store opened with ram="auto", decoding one sequence. Call after_step()
-    after each decode step; it grows the store's RAM tier at most once and records why in
-    store.ram_breakdown["grown"]."""
+    after each decode step: it grows the store's RAM tier at most once and records why in
+    store.ram_breakdown["grown"]; end() when the sequence ends returns the tier to its first size."""
 
     def __init__(self, store, watch: PeakWatch, memory_root: str = "/"):
         self.store, self.watch, self.memory_root = store, watch, memory_root
         self.largest = max(e.length for e in store.manifest.experts.values())
         self.watched: int | None = None     # decode steps watched since the tier was full
         self.done = False
+        self.first_capacity: int | None = None   # the tier's size before it grew, until end()
 
     @classmethod
     def for_store(cls, store, memory_root: str = "/", proc: str = "/proc/self") -> "RamGrowth | None":
@@ -75,5 +79,14 @@ class RamGrowth:
             return
         grown, why = grown_ram_budget(read_memory_facts(self.memory_root), capacity, cached,
                                       self.store.manifest.expert_bytes, transient, future)
-        self.store.grow_ram(grown)
+        if grown > capacity:
+            self.store.resize_ram(grown)
+            self.first_capacity = capacity
         self.store.ram_breakdown["grown"] = {**why, "after_tokens": tokens}
+
+    def end(self) -> None:
+        """The sequence ended: the tier returns to its first size, so that a later prompt's prefill
+        finds the reserves it was sized with (the room grown was this sequence's decode's)."""
+        if self.first_capacity is not None:
+            self.store.resize_ram(self.first_capacity)
+            self.first_capacity = None

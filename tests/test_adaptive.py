@@ -277,10 +277,10 @@ def test_hits_counted_in_bulk_are_what_requests_one_by_one_count(policy, tiers):
     assert bulk.stats.hits == 9 and all(tier.hits > 0 for tier in bulk.stats.tiers.values())
 
 
-def test_a_grown_tier_keeps_what_it_holds_and_its_ghosts_and_guard_grow_with_it():
-    """ExpertCache.grow_last_tier (--ram auto's second look): nothing leaves the tier, adaptive
-    eviction's ghosts keep their keys and take the new capacity, so does the guard's ghost, the
-    room is then filled; and a tier never shrinks."""
+def test_a_resized_tier_keeps_what_fits_and_its_ghosts_and_guard_follow():
+    """ExpertCache.resize_last_tier (--ram auto's second look): grown, nothing leaves the tier,
+    adaptive eviction's ghosts keep their keys and take the new capacity, so does the guard's ghost,
+    and the room is then filled; made smaller again, the tier evicts by its policy until it fits."""
     def replay(cache, tokens):
         for routing in tokens:
             for layer in sorted(routing):
@@ -293,15 +293,18 @@ def test_a_grown_tier_keeps_what_it_holds_and_its_ghosts_and_guard_grow_with_it(
     tokens = random_tokens(200, seed=3)
     guard = SchemeGuard(4, window_layers=8)
     cache = ExpertCache([("ram", 4)], lambda: AdaptivePolicy(3), guard)
-    adaptive = cache.tiers[-1].policy.primary
+    tier, adaptive = cache.tiers[-1], cache.tiers[-1].policy.primary
     replay(cache, tokens[:100])
     resident, ghosts = cache.resident(), {n: dict(g.items) for n, g in adaptive.ghosts.items()}
-    assert cache.tiers[-1].stats.peak_bytes == 4
-    cache.grow_last_tier(7)
+    assert tier.stats.peak_bytes == 4
+    cache.resize_last_tier(7)
     assert cache.resident() == resident and {n: dict(g.items) for n, g in adaptive.ghosts.items()} == ghosts
-    assert cache.tiers[-1].capacity == guard.ghost.budget == 7
-    assert all(g.capacity == 7 for g in adaptive.ghosts.values())
+    assert tier.capacity == guard.ghost.budget == 7 and all(g.capacity == 7 for g in adaptive.ghosts.values())
     replay(cache, tokens[100:])
-    assert cache.tiers[-1].stats.peak_bytes == 7
-    cache.grow_last_tier(5)
-    assert cache.tiers[-1].capacity == guard.ghost.budget == 7 and all(g.capacity == 7 for g in adaptive.ghosts.values())
+    assert tier.stats.bytes == 7
+    victim = tier.policy.resident_victim(cache.pinned)     # never the running layer's experts
+    cache.resize_last_tier(6)
+    assert victim not in cache.resident() and len(cache.resident()) == 6
+    cache.resize_last_tier(5)
+    assert tier.stats.bytes == len(cache.resident()) == 5
+    assert tier.capacity == guard.ghost.budget == 5 and all(g.capacity == 5 for g in adaptive.ghosts.values())

@@ -112,12 +112,6 @@ class Tier:
                 free = room - nbytes
         return admitted
 
-    def grow(self, capacity: int) -> None:
-        """A larger capacity from now on: nothing is evicted, the policy is told (adaptive eviction's
-        ghosts keep what they hold and grow with it)."""
-        self.capacity = max(capacity, self.capacity)
-        self.policy.set_capacity(self.capacity)
-
     def pop(self, key: Key):
         item = self.items.pop(key)
         self.policy.remove(key)
@@ -163,12 +157,24 @@ class ExpertCache:
         return {key: tier.name for tier in reversed(self.tiers) for key in tier.items}
 
     # ---- events -----------------------------------------------------------------------------------
-    def grow_last_tier(self, capacity: int) -> None:
+    def resize_last_tier(self, capacity: int) -> None:
         """The last tier (the one experts leave the cache from) holds up to `capacity` bytes from now
-        on, never fewer than before; the guard's ghost of the same capacity grows with it."""
-        self.tiers[-1].grow(capacity)
+        on (--ram auto's second look, edgemoe.ram_growth). Made smaller, it evicts by its policy,
+        never a pinned expert, until it fits. Its policy is told (adaptive eviction's ghosts keep
+        what they hold and take their share), and so is the guard's ghost of the same capacity."""
+        tier = self.tiers[-1]
+        tier.capacity = capacity
+        tier.policy.set_capacity(capacity)
+        while tier.stats.bytes > capacity:
+            key = tier.policy.resident_victim(self.pinned)
+            if key is None:
+                break
+            victim = tier.pop(key)
+            tier.stats.evictions += 1
+            self._forget(key)
+            self._leave(victim)
         if self.guard is not None:
-            self.guard.ghost.budget = self.tiers[-1].capacity
+            self.guard.ghost.budget = capacity
 
     def clear(self) -> None:
         """Forget every resident expert (a closed store's), so that their memory is freed now."""

@@ -414,13 +414,14 @@ class TieredStore:
             ram = self.cache.tiers[-1]
             return ram.stats.bytes, ram.capacity
 
-    def grow_ram(self, capacity: int) -> None:
-        """Let the RAM tier cache up to `capacity` bytes from now on (never fewer than it may now):
-        --ram auto's second look (edgemoe.ram_growth). Experts enter the new room as they are read:
-        placing the profile's most popular ones in it at once missed more (docs/scheduling.md)."""
+    def resize_ram(self, capacity: int) -> None:
+        """Let the RAM tier cache up to `capacity` bytes from now on: --ram auto's second look
+        (edgemoe.ram_growth) grows it, and returns it to its first size when the sequence ends (made
+        smaller, it evicts by its policy). Experts enter new room as they are read: placing the
+        profile's most popular ones in it at once missed more (docs/scheduling.md)."""
         with self._lock:
-            self.cache.grow_last_tier(capacity)
-            self.ram_capacity = self.cache.tiers[-1].capacity
+            self.cache.resize_last_tier(capacity)
+            self.ram_capacity = capacity
 
     def drain(self) -> None:
         """Wait until every queued preload is loaded (or failed); its error, if any, is raised."""
