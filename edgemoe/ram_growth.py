@@ -23,8 +23,8 @@ from .kv_cache import KVCache
 from .store.memory import PeakWatch, grown_ram_budget, read_memory_facts
 
 # Decode steps watched, once the RAM tier is full, for the highest a step takes above the level
-# between steps. Enough for a step's reads to vary (on Mixtral-shaped routing a token misses 0 to 8
-# of its 64 experts' reads at the sizes measured) and few enough to grow early in a run.
+# between steps: several steps, since each misses a different number of experts, and few enough
+# that the tier grows early in a run (at the 9th to 16th token in the runs of docs/scheduling.md).
 GROWTH_WATCH_STEPS = 8
 
 
