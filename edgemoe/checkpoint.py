@@ -39,13 +39,24 @@ class TensorInfo:
     nbytes: int = 0
 
 
+# Elements summed at a time by all_finite: torch's sum(dtype=float64) of a narrower tensor first makes a
+# float64 copy of it (measured: +250 MB for a 32,000 x 1,024 bfloat16 embedding), so a block at a time.
+FINITE_CHECK_BLOCK = 1 << 20
+
+
 def all_finite(tensor: torch.Tensor) -> bool:
     """Whether every value of a floating tensor is finite. A float64 sum is finite when every term is
-    (an inf or a nan carries through, and float32 or narrower values cannot overflow it): one fast
-    reduction with no temporary, where torch.isfinite of a whole 151,936 x 2,048 embedding would be a
-    297 MiB temporary and several times slower on bfloat16. Only a non-finite sum is checked value by
-    value (a float64 tensor's sum can overflow)."""
-    return bool(torch.isfinite(tensor.sum(dtype=torch.float64))) or bool(torch.isfinite(tensor).all())
+    (an inf or a nan carries through, and float32 or narrower values cannot overflow it): a fast
+    reduction, where torch.isfinite of a whole 151,936 x 2,048 embedding would be a 297 MiB temporary
+    and several times slower on bfloat16. It runs a block of FINITE_CHECK_BLOCK values at a time, so
+    that its float64 copy is 8 MiB whatever the tensor. Only a block whose sum is not finite is
+    checked value by value (a float64 tensor's sum can overflow)."""
+    flat = tensor.reshape(-1)
+    for start in range(0, flat.numel(), FINITE_CHECK_BLOCK):
+        block = flat[start:start + FINITE_CHECK_BLOCK]
+        if not (torch.isfinite(block.sum(dtype=torch.float64)) or torch.isfinite(block).all()):
+            return False
+    return True
 
 
 def check_finite(tensor: torch.Tensor, where: str, error: type[Exception] = CheckpointError) -> torch.Tensor:
