@@ -99,6 +99,8 @@ def main() -> None:
     parser.add_argument("--before", type=Path, default=None, help="a source tree whose --ram auto runs beside")
     args = parser.parse_args()
     if args.before is not None:
+        if not (args.before / "edgemoe" / "__init__.py").is_file():
+            parser.error(f"--before {args.before}: not a source tree of edgemoe (no edgemoe/__init__.py in it)")
         args.ram.insert(args.ram.index("auto") + 1 if "auto" in args.ram else 0, BEFORE)
     if not (CGROUP_V1_MEMORY / "cgroup.procs").exists():
         raise SystemExit(f"no cgroup v1 memory controller at {CGROUP_V1_MEMORY}")

@@ -75,19 +75,26 @@ class Tier:
     def put(self, item, protect: set[Key] = frozenset()) -> tuple[bool, list]:
         """Insert, evicting by policy (never a protected key) until it fits. Returns whether it was
         inserted (not if only protected experts could make room) and the evicted items."""
-        evicted = []
-        while self.stats.bytes + item.nbytes > self.capacity:
-            key = self.policy.resident_victim(protect)   # the policy's victim among the unprotected items
-            if key is None:
-                return False, evicted
-            victim = self.pop(key)
-            self.stats.evictions += 1
-            evicted.append(victim)
+        evicted = self.evict_to(self.capacity - item.nbytes, protect)
+        if self.stats.bytes + item.nbytes > self.capacity:
+            return False, evicted
         self.items[item.key] = item
         self.policy.insert(item.key)
         self.stats.bytes += item.nbytes
         self.stats.peak_bytes = max(self.stats.peak_bytes, self.stats.bytes)
         return True, evicted
+
+    def evict_to(self, nbytes: int, protect: set[Key] = frozenset()) -> list:
+        """Evict by policy (never a protected key) until at most `nbytes` are resident, or only
+        protected items are left; returns the evicted items."""
+        evicted = []
+        while self.stats.bytes > nbytes:
+            key = self.policy.resident_victim(protect)   # the policy's victim among the unprotected items
+            if key is None:
+                break
+            evicted.append(self.pop(key))
+            self.stats.evictions += 1
+        return evicted
 
     def admit(self, preloads, protect: set[Key] = frozenset()) -> list[Key]:
         """Which of `preloads` ((key, nbytes, probability of use), most wanted first) are worth a
@@ -165,13 +172,8 @@ class ExpertCache:
         tier = self.tiers[-1]
         tier.capacity = capacity
         tier.policy.set_capacity(capacity)
-        while tier.stats.bytes > capacity:
-            key = tier.policy.resident_victim(self.pinned)
-            if key is None:
-                break
-            victim = tier.pop(key)
-            tier.stats.evictions += 1
-            self._forget(key)
+        for victim in tier.evict_to(capacity, self.pinned):
+            self._forget(victim.key)
             self._leave(victim)
         if self.guard is not None:
             self.guard.ghost.budget = capacity
