@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import edgemoe
 from edgemoe.bench import CGROUP_V1_MEMORY, remove_memory_group
@@ -236,23 +237,25 @@ def store32(tiny_model, tmp_path_factory):
     return out
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("compute", ["fused-int", "dequant"])
 def test_plain_decoding_grows_a_full_auto_tier_once_by_what_memory_allows_and_the_text_does_not_change(
-        store32, tmp_path, monkeypatch):
+        store32, tmp_path, monkeypatch, dtype, compute):
     """A RAM tier sized by auto at half of the experts (faked here), decoding 40 tokens: once the
     tier is full and GROWTH_WATCH_STEPS steps were watched, it grows once by what the (fake) memory
     facts leave after the step peak, the KV cache's growth, the room still unfilled and the margin,
     and returns to its first size when the sequence ends; the tokens are those of a model that
     caches every expert."""
     expert_bytes = read_manifest(store32).expert_bytes
-    # One compute path for both: the machine's calibration, made in this test session, may choose
-    # another for a read expert than the all-resident step's kernel uses, under load.
-    with edgemoe.load(store32, compute="fused-int") as unbounded:
+    # One compute path for both, each forced: the machine's calibration, made in this test session,
+    # may choose another for a read expert than the all-resident step's kernel uses, under load.
+    with edgemoe.load(store32, dtype, compute=compute) as unbounded:
         expected = _decoded(unbounded, 40)
     margin = GROWN_MARGIN_FIXED + int(GROWN_MARGIN_SHARE * GIB)
     available = margin + MIB + expert_bytes // 4                # the step peak (1 MiB) and a quarter more
     made = _second_look_under(monkeypatch, _fake_cgroup(tmp_path / "memory", GIB, GIB - available),
                               _fake_proc(tmp_path / "proc", hwm_kib=5 * 1024, rss_kib=4 * 1024))
-    with edgemoe.load(store32, ram=expert_bytes // 2, compute="fused-int") as model:
+    with edgemoe.load(store32, dtype, ram=expert_bytes // 2, compute=compute) as model:
         model.store.ram_breakdown = {"available": GIB, "kv_cache": 0}     # as if auto had chosen it
         resize = model.store.resize_ram
         calls = []
