@@ -122,7 +122,7 @@ def test_the_chosen_mix_holds_on_the_whole_calibration_text(eight_experts, monke
     given a choice that is not (every expert at the floor), the search moves experts back up."""
     search = BudgetSearch(*eight_experts, importance="exact")
     budget = a_budget_between_int2_and_int4(search)
-    monkeypatch.setattr(search, "_largest_k", lambda order, *args: len(order))
+    monkeypatch.setattr(search, "_largest_k", lambda order, *args, **kwargs: len(order))
     result = search.run(budget)
     assert 0 < result.moved_down < len(search.keys) and result.loss_bound <= budget
 
@@ -151,6 +151,68 @@ def test_the_count_moved_back_is_searched_not_walked(eight_experts, monkeypatch)
             assert count == holds_up_to and bound <= budget and loss == count
             assert widths == {key: 2 if i < count else 4 for i, key in enumerate(order)}
             assert len(counts) <= 2 + 2 * math.ceil(math.log2(k - count + 1))
+
+
+def count_search_on(search, monkeypatch, costs):
+    """search's loss replaced by the sum of `costs` (one per key of sorted(search.keys)) over the
+    experts at the floor; the uniform ends kept, as run() finds them. -> the counts evaluated."""
+    order, evaluated, kept = sorted(search.keys), [], {}
+
+    def fake_loss(widths, start_layer=0, windows=None):
+        down = [key for key in order if widths[key] == 2]
+        assert down == order[:len(down)]       # the count search moves a prefix of its order down
+        evaluated.append(len(down))
+        kept[len(down)] = sum(costs[:len(down)])
+        return kept[len(down)], kept[len(down)]
+
+    def fake_kept(widths, windows):
+        count = sum(bits == 2 for bits in widths.values())
+        return (kept[count], kept[count]) if count in kept else None
+
+    monkeypatch.setattr(search, "loss", fake_loss)
+    monkeypatch.setattr(search, "_kept_loss", fake_kept)
+    for count in (0, len(order)):
+        kept[count] = sum(costs[:count])
+    return order, evaluated
+
+
+@pytest.mark.parametrize("prediction", ["true", "noisy", "reversed", "none"])
+def test_the_count_search_finds_a_binary_searchs_answer(eight_experts, monkeypatch, prediction):
+    """The count at the floor is searched by interpolating the ranking's summed importance between
+    measured counts: the answer is a binary search's (the largest count within the budget, the loss
+    growing with the count) whatever the prediction's quality; a true prediction takes 2
+    evaluations, a false one at most about three times a binary search's."""
+    import math
+    import random
+
+    search = BudgetSearch(*eight_experts)
+    rng = random.Random(0)
+    costs = [rng.uniform(0.1, 2.0) for _ in search.keys]
+    scores_of = {"true": costs, "noisy": [c * rng.uniform(0.5, 2.0) for c in costs],
+                 "reversed": costs[::-1], "none": None}[prediction]
+    for answer in range(len(costs)):
+        budget = sum(costs[:answer]) + costs[answer] / 2
+        search._counts_tried = set()
+        order, evaluated = count_search_on(search, monkeypatch, costs)
+        scores = None if scores_of is None else dict(zip(order, scores_of))
+        assert search._largest_k(order, 2, 4, budget, [0], scores=scores) == answer
+        if prediction == "true":
+            assert len(evaluated) <= 2
+        assert len(evaluated) <= 3 * math.ceil(math.log2(len(order) + 1))
+
+
+
+def test_interpolated_count_predicts_between_measured_counts():
+    from edgemoe.convert.budget import interpolated_count
+
+    position = [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    # Bound 0 at count 0, 6 at count 6, linear in position: budget 3.5 predicts count 3.
+    assert interpolated_count(position, 3.5, 0, 5, {0: 0.0, 6: 6.0}) == 3
+    assert interpolated_count(position, 3.5, 0, 5, {0: 0.0}) is None      # no measured count over it
+    assert interpolated_count(position, 3.5, 0, 5, {6: 6.0}) is None      # none within it
+    assert interpolated_count(position, 3.5, 0, 5, {0: 1.0, 6: 0.5}) is None       # no rise
+    assert interpolated_count(position, 0.1, 2, 5, {0: 0.0, 6: 6.0}) == 3  # into (lo, hi]
+    assert interpolated_count(position, 5.9, 0, 4, {0: 0.0, 6: 6.0}) == 4
 
 
 def test_uniform_widths_are_measured_narrowest_first_up_to_the_ceiling(eight_experts):
