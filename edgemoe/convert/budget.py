@@ -673,11 +673,9 @@ class BudgetSearch:
         return measured
 
     def _kept_loss(self, widths: dict[Key, int], windows) -> tuple[float, float] | None:
-        """loss(widths, windows=windows) where every window's loss is kept, else None (no pass)."""
+        """loss(widths, windows=windows) where every window's loss is kept (so it runs nothing), else None."""
         known = self._window_losses.get(self._signature(widths), {})
-        if all(i in known for i in windows):
-            return self.calib.loss({i: known[i] for i in windows})
-        return None
+        return self.loss(widths, windows=windows) if all(i in known for i in windows) else None
 
 
 def bracket(measured: dict[int, float], budget: float, lo: int, hi: int) -> tuple[int, int]:
