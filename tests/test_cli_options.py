@@ -81,6 +81,8 @@ BAD = [
     (["convert", "CKPT", "-o", "OUT", "--workers", "0"], "--workers"),
     (["convert", "CKPT", "-o", "OUT", "--confidence", "1.5"], "--confidence"),
     (["convert", "CKPT", "-o", "OUT", "--calib-tokens", "1"], "--calib-tokens"),
+    (["convert", "CKPT", "-o", "OUT", "--search-minutes", "-1"], "--search-minutes"),
+    (["convert", "CKPT", "-o", "OUT", "--search-minutes", "inf"], "--search-minutes"),
     (["convert", "CKPT", "-o", "CKPT", "--force"], "is the input"),
     (["convert", "CKPT", "-o", "OUT", "--calib", "NOWHERE"], "nowhere.txt"),   # read before any work
     # eval
@@ -305,6 +307,7 @@ CANNOT_ACT_EXAMPLES = {
     ("convert", "calib_tokens"): [["CKPT", "-o", "OUT", "--calib-tokens", "100"]],
     ("convert", "confidence"): [["CKPT", "-o", "OUT", "--confidence", "0.9"]],
     ("convert", "importance"): [["CKPT", "-o", "OUT", "--importance", "exact"]],
+    ("convert", "search_minutes"): [["CKPT", "-o", "OUT", "--search-minutes", "5"]],
     ("convert", "bits"): [["CKPT", "-o", "OUT", "--bits", "8", "--budget", "5%", "--calib", "TEXT"]],
     ("profile", "context"): [["STORE", "--trace", "TRACE", "--context", "16"]],
     ("profile", "threads"): [["STORE", "--trace", "TRACE", "--threads", "1"]],

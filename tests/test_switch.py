@@ -15,6 +15,7 @@ import transformers
 
 import edgemoe
 from edgemoe.convert import QualityBudget, convert, pipeline
+from edgemoe.convert.budget import MIN_SAMPLE_WINDOWS, spread
 from edgemoe.loader import StoreOptions
 from edgemoe.store import read_manifest
 from edgemoe.errors import CheckpointError
@@ -247,10 +248,12 @@ def hf_with_widths(path, widths):
     return hf
 
 
-def hf_relative_ppl(path, widths, ids, context):
+def hf_relative_ppl(path, widths, ids, context, keep=None):
     """transformers' ppl_quantized / ppl_reference - 1 over text-to-text windows of `context` tokens:
-    each window's second half as labels given its first half (transformers teacher-forces labels)."""
+    each window's second half as labels given its first half (transformers teacher-forces labels);
+    keep: only the windows of these indices."""
     windows = [ids[i:i + context] for i in range(0, len(ids), context) if len(ids) - i >= 2]
+    windows = windows if keep is None else [windows[i] for i in keep]
 
     def summed_nll(hf):
         total = 0.0
@@ -294,6 +297,23 @@ def test_budget_search_widths_and_loss_match_transformers(tiny_model, tmp_path, 
     # The held-out confirmation, from the written store, in the same windows of the held-out text.
     heldout = tokenizer.encode(PROMPT * 2, add_special_tokens=False)
     assert done.heldout_loss == pytest.approx(hf_relative_ppl(path, widths, heldout, context), rel=1e-3, abs=1e-6)
+
+
+@torch.no_grad()
+def test_a_time_target_searches_the_spread_windows_it_keeps(tiny_model, tmp_path, monkeypatch):
+    """Under a time target too short for all the windows, the search's loss is transformers' own on
+    the windows it kept, evenly spread (their reference computed after the choice)."""
+    path = switch(tiny_model)
+    context = 8
+    monkeypatch.setattr(pipeline, "StoreOptions", functools.partial(StoreOptions, compute="fused-float"))
+    done = convert(path, tmp_path / "s", budget=QualityBudget(0.01, context=context, search_minutes=1e-6),
+                   calib_text=BUDGET_TEXT)
+    assert done.sample.windows == MIN_SAMPLE_WINDOWS < done.sample.of
+    widths = {key: entry.bits for key, entry in read_manifest(tmp_path / "s").experts.items()}
+    calibration = edgemoe.load(path).tokenizer.encode(BUDGET_TEXT, add_special_tokens=False)
+    kept = spread(MIN_SAMPLE_WINDOWS, done.sample.of)
+    assert done.search.loss == pytest.approx(hf_relative_ppl(path, widths, calibration, context, kept),
+                                             rel=1e-3, abs=1e-6)
 
 
 def test_correlation_preloading_leaves_output_unchanged(tiny_model, tmp_path):

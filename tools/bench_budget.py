@@ -2,17 +2,19 @@
 """Adaptive (per-expert width) stores against uniform ones, on calibration and held-out text.
 
     python tools/bench_budget.py [MODEL_DIR] --out-dir /tmp/budget [--budgets 1% 2% 5% 10%]
-                                 [--importance local exact] [--no-uniform] [--json]
+                                 [--importance local exact] [--search-minutes 10 0.02] [--no-uniform] [--json]
 
 For each budget and importance method, `edgemoe convert --budget` (the search on the calibration
 text, the store written, the loss confirmed on the held-out text); for each uniform width, a uniform
 store evaluated on both texts with the same metric. Defaults: the bundled model, its calib.txt and
-eval.txt, metric ppl, local importance.
+eval.txt, metric ppl, local importance, the default time target (--search-minutes: each value a
+run of its own; 0: no target, every window).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from pathlib import Path
@@ -46,6 +48,7 @@ def main() -> None:
     parser.add_argument("--metric", default="ppl")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--importance", nargs="+", default=["local"], choices=IMPORTANCE_METHODS)
+    parser.add_argument("--search-minutes", nargs="+", type=float, default=[QualityBudget(0).search_minutes])
     parser.add_argument("--no-uniform", action="store_true", help="Only the budget stores.")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -61,25 +64,25 @@ def main() -> None:
                                        context=args.context, stride=args.context, reference=reference), args.metric)
                   for text in (calib, heldout)]
         rows.append(store_row(out, f"uniform INT{bits}", *losses, time.perf_counter() - start))
-    for method in args.importance:
-        for budget in args.budgets:
-            start = time.perf_counter()
-            out = args.out_dir / f"budget-{budget.rstrip('%')}-{method}"
-            quality = QualityBudget(parse_budget(budget), args.metric, heldout_text=heldout, context=args.context,
-                                    importance=method)
-            done = convert(args.model, out, budget=quality, calib_text=calib, force=True)
-            row = store_row(out, f"{budget} {method}", done.search.loss, done.heldout_loss,
-                            time.perf_counter() - start)
-            rows.append({**row, "budget": parse_budget(budget), "importance": method,
-                         "calib_bound": done.search.loss_bound, "search_seconds": done.search.seconds,
-                         "evaluations": done.search.evaluations})
+    for method, minutes, budget in itertools.product(args.importance, args.search_minutes, args.budgets):
+        start = time.perf_counter()
+        out = args.out_dir / f"budget-{budget.rstrip('%')}-{method}-{minutes:g}min"
+        quality = QualityBudget(parse_budget(budget), args.metric, heldout_text=heldout, context=args.context,
+                                importance=method, search_minutes=minutes or None)
+        done = convert(args.model, out, budget=quality, calib_text=calib, force=True)
+        row = store_row(out, f"{budget} {method} {minutes:g}m", done.search.loss, done.heldout_loss,
+                        time.perf_counter() - start)
+        rows.append({**row, "budget": parse_budget(budget), "importance": method, "search_minutes": minutes,
+                     "windows": done.sample and [done.sample.windows, done.sample.of],
+                     "calib_bound": done.search.loss_bound, "search_seconds": done.search.seconds,
+                     "evaluations": done.search.evaluations})
     if args.json:
         print(json.dumps(rows, indent=1))
         return
-    print(f"{'store':14} {'expert KiB':>10} {'bits/w':>7} {'INT2/4/8':>10} {'calib loss':>10} {'held-out':>9} {'s':>6}")
+    print(f"{'store':20} {'expert KiB':>10} {'bits/w':>7} {'INT2/4/8':>10} {'calib loss':>10} {'held-out':>9} {'s':>6}")
     for r in rows:
         w = "/".join(str(r["widths"].get(b, 0)) for b in (2, 4, 8))
-        print(f"{r['store']:14} {r['expert_bytes'] / 1024:10.1f} {r['bits_per_weight']:7.3f} {w:>10} "
+        print(f"{r['store']:20} {r['expert_bytes'] / 1024:10.1f} {r['bits_per_weight']:7.3f} {w:>10} "
               f"{r['calib_loss']:10.4f} {r['heldout_loss']:9.4f} {r['seconds']:6.1f}")
 
 

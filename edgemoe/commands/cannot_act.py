@@ -69,7 +69,7 @@ CANNOT_ACT = (
               "only --mode all-in-ram (it holds every expert in RAM)"),
     CannotAct(("bench",), "routing", lambda a: a.given("replay"), "cannot act with --replay (the trace routes "
               "every run)"),
-    *_every(("convert",), ("metric", "heldout", "calib_tokens", "confidence", "importance"),
+    *_every(("convert",), ("metric", "heldout", "calib_tokens", "confidence", "importance", "search_minutes"),
             lambda a: not a.given("budget"), "only with --budget"),
     CannotAct(("convert",), "bits", lambda a: a.given("widths") or a.given("budget"), "cannot act with --widths "
               "or --budget (they set every expert's width)"),

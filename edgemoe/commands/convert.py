@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -16,6 +17,7 @@ from .options import QUIET, THREADS, checked, force_option
 
 METRICS = ("ppl", "top1", "kl")
 IMPORTANCE_METHODS = ("local", "exact")       # edgemoe.convert.budget's, without importing torch here
+SEARCH_MINUTES = 10.0                         # edgemoe.convert.pipeline's, likewise
 
 
 def _confidence(value: float, flag: str) -> float:
@@ -56,6 +58,10 @@ def convert(
                                            "(default for the bundled model: its eval.txt)."),
     calib_tokens: Optional[int] = typer.Option(None, "--calib-tokens", callback=checked(options.integer_at_least, 2),
                                                help="Use at most this many calibration tokens for --budget."),
+    search_minutes: float = typer.Option(SEARCH_MINUTES, "--search-minutes", callback=checked(options.finite_at_least),
+                                         help="--budget's time target: where the search's projected time on "
+                                         "this machine exceeds it, it runs on fewer calibration windows, evenly "
+                                         "spread (16 at least); 0: all windows, however long."),
     confidence: float = typer.Option(0.95, "--confidence", callback=checked(_confidence),
                                      help="--budget must hold for this one-sided upper confidence bound of the "
                                      "calibration loss, in [0.5, 1) (0.5: the estimate)."),
@@ -93,14 +99,15 @@ def convert(
     calib_text = read_text(calib) if calib is not None else None      # every input read before any work
     quality = None if budget is None else QualityBudget(
         _budget(parse_budget(budget), budget, metric), metric, confidence, calib_tokens,
-        read_text(heldout) if heldout else None, importance=importance)
+        read_text(heldout) if heldout else None, importance=importance, search_minutes=search_minutes or None)
     workers = workers or set_command_threads(threads)
     with staged_progress(quiet) as report:
         result = convert_store(model, out, bits=bits, widths=widths, group_size=group_size, method=method,
                                compress=compress, force=force, workers=workers, budget=quality,
                                calib_text=calib_text, threads=threads, progress=report, inputs=inputs,
                                fallback_bits=fallback_bits, allow_no_tokenizer=allow_no_tokenizer,
-                               profile_tokens=profile_tokens or PROFILE_TOKENS)
+                               profile_tokens=profile_tokens or PROFILE_TOKENS,
+                               notice=None if quiet else lambda message: print(message, file=sys.stderr))
     widths_text = ", ".join(f"INT{b}: {n}" for b, n in result.widths.items())
     print(f"wrote {result.store}: {result.experts} experts ({widths_text}), expert bytes "
           f"{size(result.expert_bytes)} ({result.bits_per_weight:.3f} bits/weight), dense "
@@ -115,7 +122,11 @@ def convert(
 
 
 def _print_budget(result, metric: str) -> None:
+    from edgemoe.convert.pipeline import sampled_message
+
     s = result.search
+    if result.sample is not None and result.sample.windows < result.sample.of:
+        print(sampled_message(result.sample))
     uniform = ", ".join(f"INT{b} {v:+.4f}" for b, v in s.uniform_loss.items())
     print(f"budget {metric} <= {s.budget:.4f}: calibration loss {s.loss:.4f} (bound {s.loss_bound:.4f})"
           + (f", held-out loss {result.heldout_loss:.4f}" if result.heldout_loss is not None else "")

@@ -54,6 +54,7 @@ Shapes: T tokens per window, V vocab, D hidden; a key is (layer, expert).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 import math
 import statistics
@@ -174,31 +175,46 @@ class Calibration:
 
     def __init__(self, reference: MoEModel | Seq2SeqModel | ModelSpec, ids: torch.Tensor, context: int, metric: str,
                  confidence: float = 0.95):
-        """reference: the unquantized model, or only its spec when the reference is computed later,
-        layer by layer, by the search that reads the experts (add_reference)."""
+        """reference: the unquantized model, or only its spec when the reference is computed later:
+        by compute_reference, or layer by layer by the search that reads the experts (add_reference)."""
         if metric not in METRICS:
             raise ValueError(f"--metric {metric!r}: expected one of {METRICS}")
         if not 0.5 <= confidence < 1:
             raise ValueError(f"--confidence {confidence}: expected a value in [0.5, 1)")
         self.metric = metric
         self.z = statistics.NormalDist().inv_cdf(confidence)
-        self.windows = [ids[i:i + context] for i in range(0, ids.numel(), context) if ids.numel() - i >= 2]
+        self.spec = reference if isinstance(reference, ModelSpec) else reference.spec
+        self._use([ids[i:i + context] for i in range(0, ids.numel(), context) if ids.numel() - i >= 2])
         if not self.windows:
             raise ValueError("calibration text: fewer than 2 tokens")
-        spec = reference if isinstance(reference, ModelSpec) else reference.spec
-        self.pairs = ([text_to_text(w, spec.stacks.decoder_start_token_id) for w in self.windows]
-                      if spec.is_encoder_decoder else None)
-        self.targets = [p.target for p in self.pairs] if self.pairs else [w[1:] for w in self.windows]
-        self.sizes = [t.numel() for t in self.targets]
-        self.tokens = sum(self.sizes)
         self.reference: list[torch.Tensor] = []
         self.reference_nll: list[float] = []     # per window, summed over its tokens
         if not isinstance(reference, ModelSpec):
-            pending = {}      # a block's two halves come batch after batch: added in window order
-            for batch in self.batches(range(len(self.windows)), BATCH_TOKENS):
-                pending.update(zip(batch, self.predict_batch(reference, batch)))
-                while len(self.reference) in pending:
-                    self.add_reference(len(self.reference), pending.pop(len(self.reference)))
+            self.compute_reference(reference)
+
+    def _use(self, windows: list[torch.Tensor]) -> None:
+        self.windows = windows
+        self.pairs = ([text_to_text(w, self.spec.stacks.decoder_start_token_id) for w in windows]
+                      if self.spec.is_encoder_decoder else None)
+        self.targets = [p.target for p in self.pairs] if self.pairs else [w[1:] for w in windows]
+        self.sizes = [t.numel() for t in self.targets]
+        self.tokens = sum(self.sizes)
+
+    def keep(self, indices: list[int]) -> None:
+        """Only these windows (increasing indices) from now on; before any reference is added."""
+        if self.reference:
+            raise ValueError("Calibration.keep: the reference of some windows is computed already")
+        if list(indices) != sorted(set(indices)) or not indices or not 0 <= indices[0] <= indices[-1] < len(self.windows):
+            raise ValueError(f"Calibration.keep: expected increasing window indices in [0, {len(self.windows)})")
+        self._use([self.windows[i] for i in indices])
+
+    def compute_reference(self, model: MoEModel | Seq2SeqModel) -> None:
+        """Every window's reference from the unquantized model, loaded whole."""
+        pending = {}      # a block's two halves come batch after batch: added in window order
+        for batch in self.batches(range(len(self.windows)), BATCH_TOKENS):
+            pending.update(zip(batch, self.predict_batch(model, batch)))
+            while len(self.reference) in pending:
+                self.add_reference(len(self.reference), pending.pop(len(self.reference)))
 
     @property
     def has_reference(self) -> bool:
@@ -271,6 +287,100 @@ class Calibration:
         if self.metric == "ppl":
             return math.exp(mean) - 1, math.exp(bound) - 1
         return mean, bound
+
+
+# A time target keeps no fewer calibration windows than this (or all there are): the confidence
+# bound needs a spread over windows, and each half (Calibration.halves) gets 8 of them.
+MIN_SAMPLE_WINDOWS = 16
+
+
+@dataclass(frozen=True)
+class WindowSample:
+    """The calibration windows a time target let the search use (sample_for_time; manifest.json's
+    budget.sample)."""
+
+    minutes: float
+    windows: int                # windows used
+    of: int                     # windows given
+    tokens: int                 # predicted tokens in the windows used
+    of_tokens: int              # and in those given
+    seconds_per_token: float    # one pass of the search, measured here
+    passes: float               # projected_passes
+
+    def projected_seconds(self, tokens: int | None = None) -> float:
+        return self.passes * self.seconds_per_token * (self.tokens if tokens is None else tokens)
+
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "projected_seconds": self.projected_seconds(),
+                "projected_seconds_all": self.projected_seconds(self.of_tokens)}
+
+
+def projected_passes(moe_layers: int, experts: int, importance: str) -> float:
+    """Passes over all the calibration windows the search makes on its usual longest path (ceiling
+    INT8), a re-run from layer l of L on half the windows counting (L - l) / L / 2: the reference, the
+    three uniform stores, the importance (local: its probe, 0.75, and one re-run per layer; exact:
+    the inputs cached on half the windows and one re-run per expert), the count search on half the
+    windows (a binary search's count), for local importance the boundary's re-runs and its count
+    search, and the chosen mix checked on the other half (docs/budget.md, "Cost at the scale of real
+    models")."""
+    def count_search(n: int) -> float:
+        return math.ceil(math.log2(n + 1)) / 2
+
+    common = 1 + 3 + count_search(experts) + 0.5
+    if importance == "exact":
+        return common + 0.5 + experts / 4
+    band = min(2 * BOUNDARY, experts)
+    return common + 0.75 + (moe_layers + 1) / 4 + band / 4 + count_search(band)
+
+
+@torch.inference_mode()
+def pass_seconds_per_token(model: MoEModel | Seq2SeqModel, calib: Calibration) -> float:
+    """Wall seconds one pass of the search spends per calibration token on this machine, measured on
+    the first batch of windows (Calibration.batches): a decoder-only model's through its first layer,
+    counted once per layer (its layers cost alike), and its head; an encoder-decoder model's whole
+    forward pass. Each is timed on its second run: the first reads a lazy model's experts (held for
+    that layer, where the search reads them next) and warms the threads."""
+    batch = calib.batches(range(len(calib.windows)), BATCH_TOKENS)[0]
+    tokens = sum(calib.sizes[i] for i in batch)
+    if isinstance(model, Seq2SeqModel):
+        return _second_run(lambda: [calib.predict(model, i) for i in batch]) / tokens
+    model.threads.step()
+    sizes = [calib.windows[i].numel() for i in batch]
+    x = model.embeddings(torch.cat([calib.windows[i] for i in batch]))
+    layer = _second_run(lambda: model.run_layers(x, *sequences(model, sizes), start=0, stop=1))
+    head = _second_run(lambda: model.head(x))
+    return (model.spec.num_layers * layer + head) / tokens
+
+
+def _second_run(work: Callable[[], object]) -> float:
+    work()
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start
+
+
+def spread(count: int, total: int) -> list[int]:
+    """`count` indices of range(total), evenly spread: the middle of each of `count` equal parts."""
+    return [(2 * j + 1) * total // (2 * count) for j in range(count)]
+
+
+def sample_for_time(model: MoEModel | Seq2SeqModel, calib: Calibration, minutes: float,
+                    importance: str = "local") -> WindowSample:
+    """Keep as many of calib's windows, evenly spread over the text, as let the search's projected
+    time (projected_passes x pass_seconds_per_token x tokens) fit `minutes`, MIN_SAMPLE_WINDOWS at
+    least (or all there are); all of them where the projection fits. Before any reference is added."""
+    if not minutes > 0:
+        raise ValueError(f"search minutes={minutes}: expected a time above 0")
+    per_token = pass_seconds_per_token(model, calib)
+    spec = model.spec
+    layers = len(spec.moe_layer_ids)
+    passes = projected_passes(layers, layers * spec.num_experts, importance)
+    given, given_tokens = len(calib.windows), calib.tokens
+    per_window = passes * per_token * given_tokens / given
+    used = min(given, max(MIN_SAMPLE_WINDOWS, int(minutes * 60 / per_window)))
+    if used < given:
+        calib.keep(spread(used, given))
+    return WindowSample(minutes, used, given, calib.tokens, given_tokens, per_token, passes)
 
 
 @dataclass
@@ -361,7 +471,9 @@ class BudgetSearch:
             self._inputs = WindowStates(self._work.path / "inputs.bin", sizes, spec.hidden_size, dtype,
                                         slots=spec.num_layers)
         try:
+            start = time.perf_counter()
             self._read_experts(model.experts, group_size, method)
+            self._reading_seconds = time.perf_counter() - start
         except BaseException:
             self.close()
             raise
@@ -540,7 +652,7 @@ class BudgetSearch:
     def run(self, budget: float) -> BudgetResult:
         if budget < 0:
             raise ValueError(f"--budget {budget}: expected >= 0")
-        seconds: dict[str, float] = {}
+        seconds: dict[str, float] = {"reading": self._reading_seconds}    # the reference pass's too, if run there
         start = time.perf_counter()
         self.layer_loss, self.boundary, self._counts_tried = {}, {}, set()
         uniform = {}

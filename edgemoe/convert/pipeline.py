@@ -41,20 +41,26 @@ from edgemoe.quant import quantize
 from edgemoe.store.profile_file import save_routing_profile
 from edgemoe.weights import read_expert
 
-from .budget import BudgetResult, BudgetSearch, Calibration, IMPORTANCE_METHODS, METRICS, heldout_loss, metric_loss
+from .budget import (BudgetResult, BudgetSearch, Calibration, IMPORTANCE_METHODS, METRICS, WindowSample, heldout_loss,
+                     metric_loss, sample_for_time)
 from .writer import Key, StoreWriter, check_destination, read_widths
 
 Progress = Callable[[str, int, int], None]    # (stage, done, total)
 # Tokens of the calibration text traced for the routing profile by default: chosen by measurement
 # (docs/budget.md, "The routing profile's tokens").
 PROFILE_TOKENS = 4096
+# The quality search's time target by default, in minutes (QualityBudget.search_minutes): with the
+# store's writing and profiling, a convert of the bench checkpoints within 15 minutes on 2 cores.
+SEARCH_MINUTES = 10.0
 
 
 @dataclass(frozen=True)
 class QualityBudget:
     """--budget: the largest quality loss allowed, by `metric` (edgemoe.convert.budget), judged on
     the calibration text's upper confidence bound and confirmed on `heldout_text` when given;
-    `importance`: how experts are ranked, "local" or "exact" (edgemoe.convert.budget)."""
+    `importance`: how experts are ranked, "local" or "exact" (edgemoe.convert.budget).
+    calib_tokens: the calibration text's first tokens only; search_minutes: then as many windows,
+    evenly spread, as the search's projected time fits (budget.sample_for_time; None: all)."""
 
     limit: float
     metric: str = "ppl"
@@ -63,6 +69,7 @@ class QualityBudget:
     heldout_text: str | None = None
     context: int = 256
     importance: str = "local"
+    search_minutes: float | None = SEARCH_MINUTES
 
     def __post_init__(self):
         one_of(self.metric, "metric=", METRICS)
@@ -71,6 +78,8 @@ class QualityBudget:
             raise OptionError("confidence=", self.confidence, "expected a number in [0.5, 1)")
         if not self.limit >= 0:
             raise OptionError("budget=", self.limit, "expected a loss >= 0")
+        if self.search_minutes is not None and not self.search_minutes > 0:
+            raise OptionError("search_minutes=", self.search_minutes, "expected a time above 0 (None: no target)")
 
 
 @dataclass
@@ -84,6 +93,7 @@ class ConvertReport:
     peak_rss_bytes: int
     widths: dict[int, int] = field(default_factory=dict)   # bits -> number of experts
     search: BudgetResult | None = None
+    sample: WindowSample | None = None     # the calibration windows a time target let the search use
     heldout_loss: float | None = None
     profiled: bool = False
     fallback_copies: int = 0          # experts with a narrower copy (--fallback-bits)
@@ -99,14 +109,16 @@ def convert(model_dir, out, bits: int = 4, widths: dict[Key, int] | str | Path |
             method: str = "rtn", compress: str | None = None, force: bool = False, workers: int | None = None,
             budget: QualityBudget | None = None, calib_text: str | None = None, threads: int | None = None,
             progress: Progress | None = None, inputs=(), fallback_bits: int | None = None,
-            allow_no_tokenizer: bool = False, profile_tokens: int | None = PROFILE_TOKENS) -> ConvertReport:
+            allow_no_tokenizer: bool = False, profile_tokens: int | None = PROFILE_TOKENS,
+            notice: Callable[[str], None] | None = None) -> ConvertReport:
     """Convert the checkpoint at `model_dir` into a store at `out`. widths: per-expert bits overriding
     `bits` ({(layer, expert): bits}, or a width file: read_widths); budget: search them instead (needs calib_text); calib_text: also profile the store's
     routing on it. inputs: other files the command reads (never overwritten, see check_destination).
     fallback_bits: also store each wider expert narrowed to this width (edgemoe.quant.narrow), the
     copy a runtime reads for a weakly chosen miss (StoreOptions.fallback_below).
     allow_no_tokenizer: convert a checkpoint without tokenizer.json (see check_tokenizer).
-    profile_tokens: trace at most this many tokens of calib_text for the routing profile (None: all)."""
+    profile_tokens: trace at most this many tokens of calib_text for the routing profile (None: all).
+    notice(message): told when the search samples the calibration windows to fit its time target."""
     start = time.perf_counter()
     one_of(bits, "bits=", (2, 4, 8))
     one_of(compress, "compress=", (None, "zstd"))
@@ -125,8 +137,8 @@ def convert(model_dir, out, bits: int = 4, widths: dict[Key, int] | str | Path |
         if isinstance(widths, (str, Path)):
             widths = read_widths(widths, spec)
         with StoreWriter(out) as writer:
-            searcher = (_searcher(ckpt, planned, budget, calib_text, group_size, method, threads, report,
-                                  writer.partial) if budget is not None else None)
+            searcher, sample = (_searcher(ckpt, planned, budget, calib_text, group_size, method, threads, report,
+                                          writer.partial, notice) if budget is not None else (None, None))
             with searcher or nullcontext():
                 search = searcher.run(budget.limit) if searcher else None
                 widths = {key: ((search.widths if search else widths) or {}).get(key, bits) for key in keys}
@@ -144,7 +156,7 @@ def convert(model_dir, out, bits: int = 4, widths: dict[Key, int] | str | Path |
                 writer.write_dense(ckpt, plan.dense)
                 writer.write_experts(keys, quantized, compress, workers or os.cpu_count() or 1,
                                      lambda done, total: report("writing experts", done, total), fallback_bits)
-            extra = {"budget": search.to_json()} if search is not None else {}
+            extra = {"budget": {**search.to_json(), "sample": sample and sample.to_json()}} if search is not None else {}
             manifest = writer.manifest(spec, ckpt.path, method, group_size, extra)
             heldout = _profile_and_confirm(writer.partial, manifest, calib_text, profile_tokens, budget,
                                            searcher.model if searcher else None,
@@ -154,7 +166,7 @@ def convert(model_dir, out, bits: int = 4, widths: dict[Key, int] | str | Path |
             writer.commit(manifest)
     finally:
         ckpt.close()
-    return _report(out, writer, widths, start, search, heldout, calib_text is not None)
+    return _report(out, writer, widths, start, search, sample, heldout, calib_text is not None)
 
 
 def check_tokenizer(model_dir: Path, allow_missing: bool, reads_text: bool) -> None:
@@ -173,19 +185,32 @@ def check_tokenizer(model_dir: Path, allow_missing: bool, reads_text: bool) -> N
 
 
 def _searcher(ckpt: Checkpoint, planned, budget: QualityBudget, calib_text: str, group_size, method, threads,
-              report: Progress, workdir: Path) -> BudgetSearch:
+              report: Progress, workdir: Path, notice) -> tuple[BudgetSearch, WindowSample | None]:
     """The search on the calibration text, its experts read and packed (its work files in
-    `workdir`). A decoder-only model's experts are read lazily and its reference computed by the
-    search, layer by layer; an encoder-decoder model is loaded whole and its reference computed here."""
+    `workdir`), and the windows its time target let it use (None: no target). A decoder-only model's
+    experts are read lazily and its reference computed by the search, layer by layer; an
+    encoder-decoder model is loaded whole and its reference computed here."""
     reference = model_from_checkpoint(ckpt, planned, threads=threads, lazy_experts=not planned[0].is_encoder_decoder)
     ids = torch.tensor(reference.tokenizer.encode(calib_text, add_special_tokens=False))
     if budget.calib_tokens is not None:
         ids = ids[:budget.calib_tokens]
     context = min(budget.context, reference.context_length)
-    streamed = isinstance(reference.experts, CheckpointExperts)
-    calibration = Calibration(reference.spec if streamed else reference, ids, context, budget.metric,
-                              budget.confidence)
-    return BudgetSearch(reference, calibration, group_size, method, report, budget.importance, workdir)
+    calibration = Calibration(reference.spec, ids, context, budget.metric, budget.confidence)
+    sample = None
+    if budget.search_minutes is not None:
+        sample = sample_for_time(reference, calibration, budget.search_minutes, budget.importance)
+        if sample.windows < sample.of and notice:
+            notice(sampled_message(sample))
+    if not isinstance(reference.experts, CheckpointExperts):
+        calibration.compute_reference(reference)
+    return BudgetSearch(reference, calibration, group_size, method, report, budget.importance, workdir), sample
+
+
+def sampled_message(sample: WindowSample) -> str:
+    return (f"the quality search runs on {sample.windows} of {sample.of} calibration windows ({sample.tokens:,} of "
+            f"{sample.of_tokens:,} tokens, evenly spread) to fit its time target of {sample.minutes:g} min: "
+            f"projected {sample.projected_seconds() / 60:.1f} min, {sample.projected_seconds(sample.of_tokens) / 60:.1f} "
+            f"min on all (--search-minutes 0: all)")
 
 
 def _profile_and_confirm(path: Path, manifest, calib_text, profile_tokens, budget, reference, threads,
@@ -221,12 +246,12 @@ def _two_layers(manifest) -> int:
     return sum(sorted(per_layer.values())[-2:])
 
 
-def _report(out: Path, writer: StoreWriter, widths, start: float, search, heldout, profiled) -> ConvertReport:
+def _report(out: Path, writer: StoreWriter, widths, start: float, search, sample, heldout, profiled) -> ConvertReport:
     counts = Counter(widths.values())
     entries = writer.entries
     params = sum(t["shape"][0] * t["shape"][1] for e in entries for t in e.tensors.values())
     return ConvertReport(out, len(entries), sum(e.stored_length for e in entries),
                          (out / "dense.safetensors").stat().st_size, params, time.perf_counter() - start,
                          resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, dict(sorted(counts.items())),
-                         search, heldout, profiled, len(writer.fallback_entries),
+                         search, sample, heldout, profiled, len(writer.fallback_entries),
                          sum(e.stored_length for e in writer.fallback_entries))
