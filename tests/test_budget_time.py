@@ -133,6 +133,7 @@ def test_a_convert_under_a_time_target_searches_as_on_those_windows_by_hand(tiny
     sample = done.sample
     assert sample.windows == MIN_SAMPLE_WINDOWS < sample.of
     assert len(notices) == 1 and f"{MIN_SAMPLE_WINDOWS} of {sample.of} calibration windows" in notices[0]
+    assert "over its time target of 1e-06 min" in notices[0]       # 16 windows are the fewest it uses
     assert read_manifest(tmp_path / "s").data["budget"]["sample"] == sample.to_json()
 
     model = edgemoe.load(checkpoint)       # loaded whole: its reference computed independently

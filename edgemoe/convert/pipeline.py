@@ -207,10 +207,12 @@ def _searcher(ckpt: Checkpoint, planned, budget: QualityBudget, calib_text: str,
 
 
 def sampled_message(sample: WindowSample) -> str:
+    projected, target = sample.projected_seconds() / 60, sample.minutes
+    fit = (f"to fit its time target of {target:g} min: projected {projected:.1f} min" if projected <= target else
+           f"the fewest it uses, though projected at {projected:.1f} min, over its time target of {target:g} min")
     return (f"the quality search runs on {sample.windows} of {sample.of} calibration windows ({sample.tokens:,} of "
-            f"{sample.of_tokens:,} tokens, evenly spread) to fit its time target of {sample.minutes:g} min: "
-            f"projected {sample.projected_seconds() / 60:.1f} min, {sample.projected_seconds(sample.of_tokens) / 60:.1f} "
-            f"min on all (--search-minutes 0: all)")
+            f"{sample.of_tokens:,} tokens, evenly spread), {fit}; "
+            f"{sample.projected_seconds(sample.of_tokens) / 60:.1f} min on all (--search-minutes 0: all)")
 
 
 def _profile_and_confirm(path: Path, manifest, calib_text, profile_tokens, budget, reference, threads,
