@@ -338,25 +338,29 @@ def pass_seconds_per_token(model: MoEModel | Seq2SeqModel, calib: Calibration) -
     """Wall seconds one pass of the search spends per calibration token on this machine, measured on
     the first batch of windows (Calibration.batches): a decoder-only model's through its first layer,
     counted once per layer (its layers cost alike), and its head; an encoder-decoder model's whole
-    forward pass. Each is timed on its second run: the first reads a lazy model's experts (held for
-    that layer, where the search reads them next) and warms the threads."""
+    forward pass. Each is the median of three timed runs after a first, which reads a lazy model's
+    experts (held for that layer, where the search reads them next) and warms the threads: a single
+    timing moved by a fifth between converts on two threads (docs/budget.md, "The time target")."""
     batch = calib.batches(range(len(calib.windows)), BATCH_TOKENS)[0]
     tokens = sum(calib.sizes[i] for i in batch)
     if isinstance(model, Seq2SeqModel):
-        return _second_run(lambda: [calib.predict(model, i) for i in batch]) / tokens
+        return _median_seconds(lambda: [calib.predict(model, i) for i in batch]) / tokens
     model.threads.step()
     sizes = [calib.windows[i].numel() for i in batch]
     x = model.embeddings(torch.cat([calib.windows[i] for i in batch]))
-    layer = _second_run(lambda: model.run_layers(x, *sequences(model, sizes), start=0, stop=1))
-    head = _second_run(lambda: model.head(x))
+    layer = _median_seconds(lambda: model.run_layers(x, *sequences(model, sizes), start=0, stop=1))
+    head = _median_seconds(lambda: model.head(x))
     return (model.spec.num_layers * layer + head) / tokens
 
 
-def _second_run(work: Callable[[], object]) -> float:
+def _median_seconds(work: Callable[[], object], runs: int = 3) -> float:
     work()
-    start = time.perf_counter()
-    work()
-    return time.perf_counter() - start
+    seconds = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        work()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
 
 
 def spread(count: int, total: int) -> list[int]:
