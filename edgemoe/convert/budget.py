@@ -65,6 +65,7 @@ from typing import Callable
 import torch
 
 from edgemoe import kernels
+from edgemoe.latency import median_time
 from edgemoe.quant import quantize
 
 from edgemoe.experts import DenseExpert, ExpertProvider, InMemoryExperts
@@ -342,25 +343,15 @@ def pass_seconds_per_token(model: MoEModel | Seq2SeqModel, calib: Calibration) -
     experts (held for that layer, where the search reads them next) and warms the threads: a single
     timing moved by a fifth between converts on two threads (docs/budget.md, "The time target")."""
     if isinstance(model, Seq2SeqModel):     # its windows run one at a time: the first one
-        return _median_seconds(lambda: calib.predict(model, 0)) / calib.sizes[0]
+        return median_time(lambda: calib.predict(model, 0), 3) / calib.sizes[0]
     batch = calib.batches(range(len(calib.windows)), BATCH_TOKENS)[0]
     tokens = sum(calib.sizes[i] for i in batch)
     model.threads.step()
     sizes = [calib.windows[i].numel() for i in batch]
     x = model.embeddings(torch.cat([calib.windows[i] for i in batch]))
-    layer = _median_seconds(lambda: model.run_layers(x, *sequences(model, sizes), start=0, stop=1))
-    head = _median_seconds(lambda: model.head(x))
+    layer = median_time(lambda: model.run_layers(x, *sequences(model, sizes), start=0, stop=1), 3)
+    head = median_time(lambda: model.head(x), 3)
     return (model.spec.num_layers * layer + head) / tokens
-
-
-def _median_seconds(work: Callable[[], object], runs: int = 3) -> float:
-    work()
-    seconds = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        work()
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
 
 
 def spread(count: int, total: int) -> list[int]:
