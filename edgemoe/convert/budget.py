@@ -339,9 +339,10 @@ def pass_seconds_per_token(model: MoEModel | Seq2SeqModel, calib: Calibration) -
     """Wall seconds one pass of the search spends per calibration token on this machine, measured on
     the first batch of windows (Calibration.batches): a decoder-only model's through its first layer,
     counted once per layer (its layers cost alike), and its head; an encoder-decoder model's whole
-    forward pass over its first window (it runs window by window). Each is the median of three timed runs after a first, which reads a lazy model's
-    experts (held for that layer, where the search reads them next) and warms the threads: a single
-    timing moved by a fifth between converts on two threads (docs/budget.md, "The time target")."""
+    forward pass over its first window (it runs window by window). Each is the median of three
+    timed runs after a first, which reads a lazy model's experts (held for that layer, where the
+    search reads them next) and warms the threads: a single timing moved by a fifth between converts
+    on two threads (docs/budget.md, "The time target")."""
     if isinstance(model, Seq2SeqModel):     # its windows run one at a time: the first one
         return median_time(lambda: calib.predict(model, 0), 3) / calib.sizes[0]
     batch = calib.batches(range(len(calib.windows)), BATCH_TOKENS)[0]
