@@ -147,8 +147,13 @@ def test_a_convert_under_a_time_target_searches_as_on_those_windows_by_hand(tiny
     assert done.search.loss_bound == expected.loss_bound and done.search.uniform_loss == expected.uniform_loss
 
     untimed = convert(checkpoint, tmp_path / "all", budget=QualityBudget(0.05, "kl", context=16, search_minutes=None),
-                      calib_text=text)
+                      calib_text=text, notice=notices.append)
     assert untimed.sample is None and read_manifest(tmp_path / "all").data["budget"]["sample"] is None
+    fitting = convert(checkpoint, tmp_path / "fits", budget=QualityBudget(0.05, "kl", context=16), calib_text=text,
+                      notice=notices.append)
+    assert fitting.sample.windows == fitting.sample.of == sample.of     # a tiny model's search fits 10 minutes
+    assert len(notices) == 2 and notices[1].startswith("the quality search is projected at")
+    assert fitting.search.widths == untimed.search.widths and fitting.search.loss_bound == untimed.search.loss_bound
 
 
 def test_the_command_line_default_is_the_librarys():

@@ -122,11 +122,11 @@ def convert(
 
 
 def _print_budget(result, metric: str) -> None:
-    from edgemoe.convert.pipeline import sampled_message
+    from edgemoe.convert.pipeline import sample_message
 
     s = result.search
     if result.sample is not None and result.sample.windows < result.sample.of:
-        print(sampled_message(result.sample))
+        print(sample_message(result.sample))
     uniform = ", ".join(f"INT{b} {v:+.4f}" for b, v in s.uniform_loss.items())
     print(f"budget {metric} <= {s.budget:.4f}: calibration loss {s.loss:.4f} (bound {s.loss_bound:.4f})"
           + (f", held-out loss {result.heldout_loss:.4f}" if result.heldout_loss is not None else "")

@@ -118,7 +118,8 @@ def convert(model_dir, out, bits: int = 4, widths: dict[Key, int] | str | Path |
     copy a runtime reads for a weakly chosen miss (StoreOptions.fallback_below).
     allow_no_tokenizer: convert a checkpoint without tokenizer.json (see check_tokenizer).
     profile_tokens: trace at most this many tokens of calib_text for the routing profile (None: all).
-    notice(message): told when the search samples the calibration windows to fit its time target."""
+    notice(message): told the search's projected time, and how it sampled the calibration windows
+    where that exceeded its time target (sample_message)."""
     start = time.perf_counter()
     one_of(bits, "bits=", (2, 4, 8))
     one_of(compress, "compress=", (None, "zstd"))
@@ -199,15 +200,19 @@ def _searcher(ckpt: Checkpoint, planned, budget: QualityBudget, calib_text: str,
     sample = None
     if budget.search_minutes is not None:
         sample = sample_for_time(reference, calibration, budget.search_minutes, budget.importance)
-        if sample.windows < sample.of and notice:
-            notice(sampled_message(sample))
+        if notice:
+            notice(sample_message(sample))
     if not isinstance(reference.experts, CheckpointExperts):
         calibration.compute_reference(reference)
     return BudgetSearch(reference, calibration, group_size, method, report, budget.importance, workdir), sample
 
 
-def sampled_message(sample: WindowSample) -> str:
+def sample_message(sample: WindowSample) -> str:
+    """The search's projected time and, where it sampled the windows, how many and why."""
     projected, target = sample.projected_seconds() / 60, sample.minutes
+    if sample.windows == sample.of:
+        return (f"the quality search is projected at {projected:.1f} min on all {sample.of} calibration windows "
+                f"(its time target: {target:g} min)")
     fit = (f"to fit its time target of {target:g} min: projected {projected:.1f} min" if projected <= target else
            f"the fewest it uses, though projected at {projected:.1f} min, over its time target of {target:g} min")
     return (f"the quality search runs on {sample.windows} of {sample.of} calibration windows ({sample.tokens:,} of "
