@@ -151,8 +151,9 @@ print(all_finite(t), status("VmHWM") - before)
 @pytest.mark.parametrize("nan_at", [-1, 0, (16 << 20) - 1])
 def test_checking_a_bfloat16_tensor_for_non_finite_values_takes_no_float64_copy_of_it(nan_at):
     """all_finite sums a block at a time in float64: the check of a 32 MiB bfloat16 tensor raises the
-    peak by far less than the 128 MiB that sum(dtype=float64) of the whole would copy, and still finds
-    a nan in the first or the last block."""
+    peak by at most half the 128 MiB that sum(dtype=float64) of the whole would copy, and still finds
+    a nan in the first or the last block. The allocator may keep a few freed 8 MiB blocks: 18 runs
+    alone rose by 9.9-35.6 MiB, so a 32 MiB bound failed about one run in twenty."""
     done = subprocess.run([sys.executable, "-c", FINITE_CHECK_PEAK, str(nan_at)], check=True, capture_output=True,
                           text=True).stdout.split()
-    assert done[0] == str(nan_at == -1) and int(done[1]) < 32 << 20
+    assert done[0] == str(nan_at == -1) and int(done[1]) < 64 << 20
