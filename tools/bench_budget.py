@@ -23,6 +23,7 @@ import edgemoe
 from edgemoe.bundled import BUNDLED_DIR
 from edgemoe.convert import QualityBudget
 from edgemoe.convert.budget import IMPORTANCE_METHODS, metric_loss, parse_budget
+from edgemoe.convert.pipeline import SEARCH_MINUTES
 from edgemoe.evaluate import evaluate
 from edgemoe.store import inspect_store
 from edgemoe.convert import convert
@@ -48,7 +49,7 @@ def main() -> None:
     parser.add_argument("--metric", default="ppl")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--importance", nargs="+", default=["local"], choices=IMPORTANCE_METHODS)
-    parser.add_argument("--search-minutes", nargs="+", type=float, default=[QualityBudget(0).search_minutes])
+    parser.add_argument("--search-minutes", nargs="+", type=float, default=[SEARCH_MINUTES])
     parser.add_argument("--no-uniform", action="store_true", help="Only the budget stores.")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()

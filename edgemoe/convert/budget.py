@@ -775,7 +775,7 @@ class BudgetSearch:
         uniform ends and those this run's searches tried."""
         measured = {}
         for k in sorted(self._counts_tried | {0, count_all}):
-            kept = self._kept_loss(widths_for(k), windows) if k <= count_all else None
+            kept = self._kept_loss(widths_for(k), windows)
             if kept is not None:
                 measured[k] = kept[1]
         return measured
