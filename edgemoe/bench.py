@@ -9,7 +9,8 @@ Modes:
 - "predictive": the RAM capacity and the store's default scheme (StoreOptions' defaults: adaptive
   eviction, the preload predictor chosen for the store, the guard), popularity placement at load,
   the store's routing profile (or the bench's), and reads overlapped with compute; with
-  `skip_below` / `fallback_below`, also those quality trade-offs.
+  `skip_below` / `fallback_below`, also those quality trade-offs; with `policy` / `preload`, that
+  eviction policy or predictor instead of the default's (to break the scheme's cost down).
 
 A run: a fresh store (empty RAM tier; `cold` first drops the store's files from the page cache),
 a prompt of L tokens fed in chunks (time to first token: up to the first token chosen), then
@@ -65,6 +66,8 @@ class BenchConfig:
     compute: str = "auto"                      # the experts' compute path (edgemoe.quantized)
     skip_below: float = 0.0                    # the predictive mode's quality trade-offs (StoreOptions):
     fallback_below: float = 0.0                # adaptive top-k and fallback copies (off by default)
+    policy: str | None = None                  # the predictive mode's eviction and predictor instead of the
+    preload: str | None = None                 # store's defaults (a breakdown of the scheme's parts)
 
     def __post_init__(self):
         unknown = [m for m in self.modes if m not in MODES]
@@ -247,8 +250,9 @@ def store_options(mode: str, config: "BenchConfig"):
         return StoreOptions(ram=None, policy="lru", preload="none", place_popular=False, **run)
     if mode == "on-demand-lru":
         return StoreOptions(ram=config.ram, policy="lru", preload="none", place_popular=False, **run)
+    chosen = {name: value for name, value in (("policy", config.policy), ("preload", config.preload)) if value}
     return StoreOptions(ram=config.ram, place_popular=True, routing_profile=config.routing_profile,
-                        skip_below=config.skip_below, fallback_below=config.fallback_below, **run)
+                        skip_below=config.skip_below, fallback_below=config.fallback_below, **chosen, **run)
 
 
 def open_model(store_path: Path, mode: str, config: BenchConfig):

@@ -237,3 +237,15 @@ def test_generated_routing_fits_the_model_and_profiles_another_text(store):
                          warmup_tokens=1, repeats=1, replay=replay, routing_profile=profile)
     (record,), _ = bench(store, config, bandwidths=FIXED)
     assert record["mode"] == "predictive" and record["decode_tok_s"] > 0
+
+
+def test_predictive_mode_takes_a_policy_or_predictor_in_place_of_the_defaults():
+    """A breakdown of the default scheme's cost swaps one part of it; the other modes keep theirs."""
+    from edgemoe.bench import store_options
+    from edgemoe.loader import StoreOptions
+
+    default = store_options("predictive", BenchConfig(ram=1 << 20))
+    assert (default.policy, default.preload) == (StoreOptions().policy, StoreOptions().preload)
+    swapped = store_options("predictive", BenchConfig(ram=1 << 20, policy="lru", preload="none"))
+    assert (swapped.policy, swapped.preload) == ("lru", "none")
+    assert store_options("on-demand-lru", BenchConfig(ram=1 << 20, policy="lfu")).policy == "lru"

@@ -7,7 +7,8 @@
 
 A case is MODE:STORE[:OPTIONS]: MODE one of edgemoe bench's modes (lru is on-demand-lru), STORE a
 label given by --store, OPTIONS comma-separated: the predictive mode's trade-offs (skip=W,
-fallback=W) and, for any mode, the disk tier's reads (io=direct|buffered; default direct). Every RAM
+fallback=W) and parts of its scheme (policy=NAME, preload=PREDICTOR: the default's eviction or predictor
+replaced, to break its cost down) and, for any mode, the disk tier's reads (io=direct|buffered; default direct). Every RAM
 budget is a share of the FIRST store's expert bytes, so that a store of narrower experts (a --budget
 store) gets the same bytes of RAM as the uniform store it is held against. Each run is cold (the
 store's files dropped from the page cache), routed by generated Mixtral-like routing (the same trace
@@ -32,6 +33,7 @@ from edgemoe.store import read_manifest
 
 MODE_NAMES = {"lru": "on-demand-lru", "predictive": "predictive", "all-in-ram": "all-in-ram"}
 TRADE_OFFS = {"skip": "skip_below", "fallback": "fallback_below"}   # predictive mode only
+SCHEME_PARTS = ("policy", "preload")                                # predictive mode only
 
 
 def parse_case(text: str, stores: dict[str, Path]) -> dict:
@@ -46,10 +48,13 @@ def parse_case(text: str, stores: dict[str, Path]) -> dict:
             options["io"] = value
         elif name in TRADE_OFFS:
             options[TRADE_OFFS[name]] = float(value)
+        elif name in SCHEME_PARTS:
+            options[name] = value
         else:
-            raise SystemExit(f"--case {text!r}: unknown option {name!r} (expected skip=, fallback= or io=)")
+            raise SystemExit(f"--case {text!r}: unknown option {name!r} (expected skip=, fallback=, policy=, "
+                             f"preload= or io=)")
     if set(options) - {"io"} and parts[0] != "predictive":
-        raise SystemExit(f"--case {text!r}: the trade-offs apply to the predictive mode only")
+        raise SystemExit(f"--case {text!r}: the trade-offs and scheme parts apply to the predictive mode only")
     return {"label": text, "mode": MODE_NAMES[parts[0]], "store": stores[parts[1]], "options": options}
 
 
