@@ -1,7 +1,7 @@
 """A policy's resident_victim (the least of each layer's first keys, edgemoe/scheduling/policies.py
 LayerOrder) picks exactly what victim() picks among every resident key that is not pinned: checked at
 every eviction of random request streams, for every policy, in ghost caches and in the simulator's
-tiers, and for frequency-distance scores that round equal."""
+tiers; and frequency-distance's exact scores."""
 
 import pytest
 
@@ -49,17 +49,33 @@ def test_ghost_victims_equal_the_whole_pools(monkeypatch, name):
     assert len(checks) > 500
 
 
-def test_a_larger_frequency_whose_scaled_score_rounds_equal_wins_by_its_older_use():
-    """Frequencies 3 and 3 + 2**-51 both score 2.7 at distance 1 of 10 layers: the tie goes to the
-    least recently used, here the more frequent one, which the order within the layer puts second."""
-    policy = POLICIES["frequency-distance"](10, {(5, 1): 2.0 ** -51})
+def test_frequency_distance_scores_are_exact_at_every_distance():
+    """Frequencies 3 and 3 + 2**-20 (a prior of the scores' unit) would round equal as floats times
+    (L - d) / L at some distance; kept exact, the larger one scores higher at every distance, so the
+    order within a layer is the victim order, and the less frequent goes although used later."""
+    policy = POLICIES["frequency-distance"](10, {(5, 1): 2.0 ** -20})
     for key in ((5, 1), (5, 0)):            # (5, 1) first: the older use
         policy.insert(key)
         policy.touch(key)
         policy.touch(key)
-    policy.set_layer(4)
-    assert policy.score((5, 0)) == policy.score((5, 1)) and policy.frequency((5, 1)) > policy.frequency((5, 0))
-    assert policy.victim([(5, 0), (5, 1)]) == (5, 1) == policy.resident_victim(())
+    for running in range(10):
+        policy.set_layer(running)
+        assert policy.score((5, 0)) < policy.score((5, 1))
+        assert policy.victim([(5, 0), (5, 1)]) == (5, 0) == policy.resident_victim(())
+
+
+def test_frequency_distance_ties_across_layers_go_to_the_least_recently_used():
+    """With layer 0 running (4 layers), frequency 1 at distance 0 scores 1 x 4, and frequency 2 at
+    distance 2 scores 2 x 2: a tie, which the older use loses, however frequent."""
+    for events, older in ((["insert 0", "insert 2", "touch 2"], (0, 0)),
+                          (["insert 2", "touch 2", "insert 0"], (2, 0))):
+        policy = POLICIES["frequency-distance"](4)
+        for event in events:
+            action, layer = event.split()
+            getattr(policy, action)((int(layer), 0))
+        policy.set_layer(0)
+        assert policy.score((0, 0)) == policy.score((2, 0))
+        assert policy.victim([(0, 0), (2, 0)]) == older == policy.resident_victim(())
 
 
 @pytest.mark.parametrize("policy", ["adaptive", "expected-use", "frequency-distance"])

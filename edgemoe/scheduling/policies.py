@@ -12,7 +12,8 @@ fits in free room); every policy but "expected-use" admits every preload. Keys a
   (1 + accesses + prior) * (L - d) / L, where d in 0..L-1 is how many layers after the running one
   the expert's layer comes (0: the layer running now, L-1: the one that just ran); the lowest score
   goes, ties by LRU. `prior` is the profile's popularity when one is given; the 1 keeps a fresh
-  (preloaded, not yet used) expert from being the first victim for being new.
+  (preloaded, not yet used) expert from being the first victim for being new. Scores are kept as
+  exact integers (frequencies in units of 2**-PRIOR_BITS, times L - d), so that no two round equal.
 - "expected-use": EdgeMoE's idea (keep what is used often and soon) with its frequency replaced by
   a probability. Each resident expert's estimate p = P(used the next time its layer runs), from the
   routing profile: for the layer that runs next in this step, P(e | this step's experts at the
@@ -52,9 +53,11 @@ fits in free room); every policy but "expected-use" admits every preload. Keys a
 Finding a victim. `victim(candidates)` defines each policy's choice over a list of keys;
 `resident_victim(pinned)`, what the tiers and ghosts call, makes the same choice among the keys the
 policy was given by insert and not yet by remove, but pinned, without going through all of them:
-every policy's victim order is a per-layer order (its distance term is the same for a layer's keys)
-kept sorted per layer (LayerOrder), so an eviction compares one key per layer, plus, where a
-distance scales a score, the keys whose scaled scores round equal (tests/test_victim_order.py checks
+every policy's victim value is a distance-free order within a layer (layer_order_key) weighed by the
+layer's distance to the running layer (layer_values), and a larger order never has a smaller value
+(exact scores, and the order itself as the tie-break), so the victim is the least of each layer's
+least key (LayerOrder): an eviction compares one value per layer, each kept until its layer changes
+or, for the policies that weigh distance, the running layer moves (tests/test_victim_order.py checks
 the two at every eviction of random streams).
 
 Every policy is told its tier's byte capacity (set_capacity, again when a tier grows: only "adaptive"
@@ -74,16 +77,18 @@ Key = tuple[int, int]
 
 
 class LayerOrder:
-    """A policy's resident keys by layer, each layer's kept in the policy's order within a layer
-    (`order_key`, sorted again only after something in that layer changed). A policy's victim is the
-    least of each layer's first keys, not of every resident key: a layer's keys share their distance
-    to the running layer, so within a layer the order needs no distance."""
+    """A policy's resident keys by layer, with each layer's first key in the policy's order within a
+    layer (`order_key`: distance-free, so kept until something in that layer changes) and that key's
+    victim value (`values`: the policy's layer_values, which weigh the layer's distance to the running
+    layer, so dropped whenever the running layer moves). A policy's victim is the least of the layers'
+    values, not of every resident key: within a layer the victim order is the order within the layer."""
 
     def __init__(self, order_key):
         self.order_key = order_key
         self.keys: dict[int, set[Key]] = {}
-        self._sorted: dict[int, list[Key]] = {}   # the clean layers' keys, in order
-        self.first: dict[int, tuple[Key, tuple]] = {}   # a clean layer's victim, none pinned, and its key
+        self.first: dict[int, tuple[tuple, Key]] = {}    # layer -> (order, key): its least key, none pinned
+        self.values: dict[int, tuple[tuple, Key]] = {}   # layer -> (victim value, key) of that key
+        self.stale: set[int] = set()                     # layers whose values are not made (or hold no key)
 
     def add(self, key: Key) -> None:
         self.keys.setdefault(key[0], set()).add(key)
@@ -98,26 +103,27 @@ class LayerOrder:
         self.changed(key[0])
 
     def changed(self, layer: int) -> None:
-        self._sorted.pop(layer, None)
         self.first.pop(layer, None)
+        self.values.pop(layer, None)
+        self.stale.add(layer)
 
     def moved(self) -> None:
         """The running layer moved: every layer's distance changed (not the order within a layer)."""
-        self.first.clear()
+        self.values.clear()
+        self.stale = set(self.keys)
 
-    def in_order(self, layer: int) -> list[Key]:
-        order = self._sorted.get(layer)
-        if order is None:
-            order = self._sorted[layer] = sorted(self.keys[layer], key=self.order_key)
-        return order
+    def least(self, layer: int, pinned: Container[Key] = ()) -> tuple[tuple, Key] | None:
+        """(order, key) of the layer's least key that is not pinned, None if every one is."""
+        if not pinned:
+            entry = self.first.get(layer)
+            if entry is None:
+                entry = self.first[layer] = min((self.order_key(k), k) for k in self.keys[layer])
+            return entry
+        return min(((self.order_key(k), k) for k in self.keys[layer] if k not in pinned), default=None)
 
 
 class LRUPolicy:
     name = "lru"
-    # The order within a layer (layer_order_key) is the victim order itself: a layer's first key that is not
-    # pinned is its candidate. Otherwise (a score scaled by the layer's distance) keys whose scaled scores
-    # round equal are compared too.
-    order_is_victim_order = True
 
     def __init__(self, num_layers: int = 1, popularity: dict[Key, float] | None = None, profile=None):
         self._clock = itertools.count()
@@ -142,52 +148,43 @@ class LRUPolicy:
     def set_layer(self, layer: int, needed: Iterable[Key] = ()) -> None:
         pass
 
-    def victim_key(self, key: Key) -> tuple:
-        """What victim minimises: the first element may depend on the key's layer's distance, the
-        rest breaks ties (the last use, unique among inserted keys, last)."""
+    def layer_order_key(self, key: Key) -> tuple:
+        """The victim order among one layer's keys (no distance in it), the last use last: unique
+        among inserted keys."""
         return (self.last_use.get(key, -1),)
 
-    def layer_order_key(self, key: Key) -> tuple:
-        """The order within one layer: the same as victim_key's, up to rounding of its first element
-        (victim_key's first element never decreases as this one's grows)."""
-        return self.victim_key(key)
+    def layer_values(self, firsts: Mapping[int, tuple[tuple, Key]]) -> dict[int, tuple[tuple, Key]]:
+        """layer -> (victim value, key) for layer -> (order, key): what victim minimises across layers,
+        the order weighed by the layer's distance. Within a layer a larger order never has a smaller
+        value: the order within a layer is the victim order."""
+        return dict(firsts)
+
+    def victim_key(self, key: Key) -> tuple:
+        """What victim minimises: layer_values for the key alone."""
+        return self.layer_values({key[0]: (self.layer_order_key(key), key)})[key[0]][0]
 
     def victim(self, candidates: Iterable[Key]) -> Key:
         return min(candidates, key=self.victim_key)
 
     def resident_victim(self, pinned: Container[Key]) -> Key | None:
         """victim() among the resident keys (inserted, not removed) that are not pinned, None if there
-        are none; the same key, found among each layer's first keys (LayerOrder)."""
-        best, best_value = None, None
-        first = self.resident.first
-        for layer in self.resident.keys:
-            if layer not in first:   # a layer's victim with nothing pinned lasts until the layer changes
-                first[layer] = self._layer_victim(layer, ())
-            key, value = first[layer]
-            if key in pinned:
-                key, value = self._layer_victim(layer, pinned)
-            if key is not None and (best is None or value < best_value):
-                best, best_value = key, value
-        return best
-
-    def _layer_victim(self, layer: int, pinned: Container[Key]) -> tuple[Key | None, tuple | None]:
-        best = value = best_order = None
-        for key in self.resident.in_order(layer):
-            if key in pinned:
-                continue
-            if best is None:
-                best, value, best_order = key, self.victim_key(key), self.layer_order_key(key)[0]
-                if self.order_is_victim_order:
-                    break
-                continue
-            if self.layer_order_key(key)[0] == best_order:   # the same score, used later: cannot come first
-                continue
-            candidate = self.victim_key(key)
-            if candidate[0] != value[0]:            # a larger score: so are all that follow
-                break
-            if candidate < value:                   # a larger order key whose score rounded equal
-                best, value = key, candidate
-        return best, value
+        are none; the same key, found among each layer's least key (LayerOrder)."""
+        order = self.resident
+        if order.stale:
+            first, keys = order.first, order.keys
+            order.values.update(self.layer_values({l: first[l] if l in first else order.least(l)
+                                                   for l in order.stale if l in keys}))
+            order.stale.clear()
+        if not order.values:
+            return None
+        best = min(order.values.values())
+        if best[1] not in pinned:
+            return best[1]
+        choices = [entry for entry in order.values.values() if entry[1] not in pinned]
+        for layer, (_, key) in order.values.items():
+            if key in pinned and (least := order.least(layer, pinned)) is not None:
+                choices.extend(self.layer_values({layer: least}).values())
+        return min(choices)[1] if choices else None
 
     def admits(self, probability: float, victim: Key | None) -> bool:
         return True
@@ -208,8 +205,14 @@ class LFUPolicy(LRUPolicy):
         self.resident.add(key)
         LRUPolicy.touch(self, key)  # residency is not an access: only the model's use counts
 
-    def victim_key(self, key: Key) -> tuple:
+    def layer_order_key(self, key: Key) -> tuple:
         return self.accesses.get(key, 0), self.last_use.get(key, -1)
+
+
+# frequency-distance's frequencies in units of 2**-PRIOR_BITS (an integer): its scores, frequency x
+# (layers - distance), are then exact, so that within a layer a larger frequency never scores equal
+# (a rounding tie would break by last use against the order within the layer).
+PRIOR_BITS = 20
 
 
 class FrequencyDistancePolicy(LFUPolicy):
@@ -219,26 +222,26 @@ class FrequencyDistancePolicy(LFUPolicy):
         super().__init__(num_layers)
         self.num_layers = num_layers
         self.current_layer = 0
-        self.prior = popularity or {}
+        self.prior = {key: round(p * (1 << PRIOR_BITS)) for key, p in (popularity or {}).items()}
 
     def set_layer(self, layer: int, needed: Iterable[Key] = ()) -> None:
         self.current_layer = layer
         self.resident.moved()
 
-    order_is_victim_order = False
+    def frequency(self, key: Key) -> int:
+        """1 + accesses + prior, in units of 2**-PRIOR_BITS."""
+        return ((1 + self.accesses.get(key, 0)) << PRIOR_BITS) + self.prior.get(key, 0)
 
-    def frequency(self, key: Key) -> float:
-        return 1 + self.accesses.get(key, 0) + self.prior.get(key, 0.0)
-
-    def score(self, key: Key) -> float:
-        distance = (key[0] - self.current_layer) % self.num_layers   # 0 = running now
-        return self.frequency(key) * (self.num_layers - distance) / self.num_layers
-
-    def victim_key(self, key: Key) -> tuple:
-        return self.score(key), self.last_use.get(key, -1)
+    def score(self, key: Key) -> int:
+        """The frequency times (L - d), d = (key's layer - running layer) mod L: 0 = running now."""
+        return self.frequency(key) * (self.num_layers - (key[0] - self.current_layer) % self.num_layers)
 
     def layer_order_key(self, key: Key) -> tuple:
         return self.frequency(key), self.last_use.get(key, -1)
+
+    def layer_values(self, firsts):
+        n, now = self.num_layers, self.current_layer
+        return {l: ((order[0] * (n - (l - now) % n), order[1]), key) for l, (order, key) in firsts.items()}
 
 
 class ExpectedUsePolicy(LRUPolicy):
@@ -257,8 +260,6 @@ class ExpectedUsePolicy(LRUPolicy):
         self.used_in: dict[Key, int] = {}        # expert -> the last step that used it (kept on eviction)
         self.next_probability: dict[Key, float] = {}
         self._reuse: dict[tuple[int, int, bool], float] = {}
-
-    order_is_victim_order = False
 
     def set_layer(self, layer: int, needed: Iterable[Key] = ()) -> None:
         if self.current is not None and self.position.get(layer, 0) <= self.position.get(self.current, 0):
@@ -313,12 +314,17 @@ class ExpectedUsePolicy(LRUPolicy):
         d = (self.position.get(key[0], 0) - self.position.get(self.current, 0)) % n
         return d or n
 
-    def victim_key(self, key: Key) -> tuple:
-        d = self.distance(key)
-        return self.estimate(key) / d, -d, self.last_use.get(key, -1)
-
     def layer_order_key(self, key: Key) -> tuple:
         return self.estimate(key), self.last_use.get(key, -1)
+
+    def layer_values(self, firsts):
+        """(p / d, -d, p, last use): the expected uses per layer of residence; ties go to the furthest
+        layer; the p repeats the order within a layer where p / d rounds equal."""
+        values = {}
+        for layer, (order, key) in firsts.items():
+            d = self.distance(key)
+            values[layer] = ((order[0] / d, -d) + order, key)
+        return values
 
     def admits(self, probability: float, victim: Key | None) -> bool:
         displaced = self.estimate(victim) if victim is not None else 0.0
