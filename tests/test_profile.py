@@ -302,3 +302,18 @@ def test_a_convert_writes_the_same_store_twice(tiny_model, tmp_path):
     names = sorted(p.name for p in stores[0].iterdir())
     assert "profile.json" in names and names == sorted(p.name for p in stores[1].iterdir())
     assert [n for n in names if (stores[0] / n).read_bytes() != (stores[1] / n).read_bytes()] == []
+
+
+def test_remembered_predictions_follow_the_counts_and_are_the_callers_to_change():
+    """predict remembers its answers per table row: counting more tokens answers anew, and a caller
+    changing the list it got changes nothing the next caller gets."""
+    profile = RoutingProfile([0, 1], num_experts=4, top_k=1, min_count=1)
+    profile.add_token({0: (0,), 1: (1,)})
+    first = profile.predict(1, {0: (0,)})
+    assert first[0] == (1, 1.0)
+    first.clear()
+    assert profile.predict(1, {0: (0,)})[0] == (1, 1.0)
+    for _ in range(3):
+        profile.add_token({0: (0,), 1: (2,)})
+    assert profile.predict(1, {0: (0,)})[0] == (2, 0.75)
+    assert profile.predict(1, {0: (3,)}) == profile.predict(1, {})   # unseen history: popularity, either way

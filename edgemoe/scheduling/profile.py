@@ -124,6 +124,9 @@ def consecutive_tokens(records) -> list[tuple[Routing, Routing]]:
 
 
 # ---- the profile ------------------------------------------------------------------------------------
+PROFILE_ANSWERS = 1024   # predictions remembered (RoutingProfile.predict)
+
+
 def _key(experts) -> str:
     return ",".join(str(e) for e in sorted(experts))
 
@@ -149,10 +152,15 @@ class RoutingProfile:
         self.before: dict[int, list[int]] = {l: [0] * num_experts for l in self.moe_layers}
         self.after: dict[int, list[int]] = {l: [0] * num_experts for l in self.moe_layers}
         self.both: dict[int, list[int]] = {l: [0] * num_experts for l in self.moe_layers}
+        # (layer, id of the counts predict read) -> its answer: in a decode the preloader and adaptive
+        # eviction's expected-use ghost and follower ask the same question per layer, and every
+        # history a layer's popularity answers for has the same answer
+        self._answers: dict[tuple[int, int], tuple[tuple[int, float], ...]] = {}
 
     # ---- building ---------------------------------------------------------------------------------
     def add_token(self, routing: Routing) -> None:
         """Count one token's routing; layers missing from it are skipped (and keys needing them)."""
+        self._answers.clear()
         for layer, experts in routing.items():
             self._check(layer, experts)
         for layer, experts in routing.items():
@@ -167,6 +175,7 @@ class RoutingProfile:
     def add_pair(self, first: Routing, second: Routing) -> None:
         """Count two consecutive tokens of one sequence (temporal statistics); layers missing from
         either are skipped."""
+        self._answers.clear()
         for routing in (first, second):
             for layer, experts in routing.items():
                 self._check(layer, experts)
@@ -249,11 +258,20 @@ class RoutingProfile:
 
     def predict(self, layer: int, history: Routing) -> list[tuple[int, float]]:
         """All E experts as (expert, P(chosen at layer | history)), most probable first; ties go to
-        the more popular expert, then the lower id. history: experts at earlier MoE layers."""
+        the more popular expert, then the lower id. history: experts at earlier MoE layers. The
+        answer is remembered per table row (at most PROFILE_ANSWERS, then all forgotten at once: an
+        atomic clear, so that threads asking at once need no lock; counting more tokens forgets them)."""
         _, seen, counts = self._table(layer, history)
-        popular = self.counts[layer]
-        probs = [(e, counts[e] / seen if seen else 0.0) for e in range(self.num_experts)]
-        return sorted(probs, key=lambda ep: (-ep[1], -popular[ep[0]], ep[0]))
+        key = (layer, id(counts))     # a row lives as long as the profile's tables, which add_* clear for
+        answer = self._answers.get(key)
+        if answer is None:
+            popular = self.counts[layer]
+            probs = [(e, counts[e] / seen if seen else 0.0) for e in range(self.num_experts)]
+            answer = tuple(sorted(probs, key=lambda ep: (-ep[1], -popular[ep[0]], ep[0])))
+            if len(self._answers) >= PROFILE_ANSWERS:
+                self._answers.clear()
+            self._answers[key] = answer
+        return list(answer)
 
     # ---- serialisation ----------------------------------------------------------------------------
     def to_json(self) -> dict:
