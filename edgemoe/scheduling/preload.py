@@ -113,7 +113,7 @@ class Preloader:
             return
         weights, experts = self.route(nxt, hidden)
         scores = torch.zeros(self.spec.num_experts).index_add_(0, experts.reshape(-1), weights.reshape(-1).float())
-        self._issue(nxt, scores, affordable, least=1e-9, certain=True)
+        self._issue(nxt, scores.tolist(), affordable, least=1e-9, certain=True)
 
     def on_routing(self, layer, experts, weights, positions, segments) -> None:
         if self.store.holds_everything():   # a model that fits: predicting would only cost time
@@ -129,11 +129,13 @@ class Preloader:
         nxt = self.next_moe.get(layer)
         affordable = self._affordable(len(chosen)) if nxt is not None and self.predictor == "correlation" else 0
         if affordable:
-            unneeded = torch.ones(self.spec.num_experts)   # P(no token needs e)
+            # P(no token needs e), in Python floats: E scalar torch ops a layer cost a fine-grained
+            # model's decode several ms a token (docs/benchmarks.md)
+            unneeded = [1.0] * self.spec.num_experts
             for history in self._history:
                 for e, p in self.profile.predict(nxt, history):
                     unneeded[e] *= 1 - p
-            self._issue(nxt, 1 - unneeded, affordable, least=MIN_PROBABILITY)
+            self._issue(nxt, [1 - u for u in unneeded], affordable, least=MIN_PROBABILITY)
 
     # ---- internals --------------------------------------------------------------------------------
     def _time_layer(self) -> None:
@@ -167,13 +169,13 @@ class Preloader:
             return 0
         return self.affordable_reads(tokens)
 
-    def _issue(self, layer: int, scores: torch.Tensor, affordable: int, least: float, certain: bool = False) -> None:
+    def _issue(self, layer: int, scores: list[float], affordable: int, least: float, certain: bool = False) -> None:
         """Preload the best-scored experts of `layer` scoring at least `least` that the store admits
         (not resident nor being read, worth their read: TieredStore.admit), at most `affordable`.
-        scores are probabilities of use, unless `certain` (then each counts as p = 1)."""
-        values = scores.tolist()
-        likely = [((layer, e), 1.0 if certain else values[e])
-                  for e in torch.argsort(scores, descending=True, stable=True).tolist() if values[e] >= least]
+        scores (one per expert) are probabilities of use, unless `certain` (then each counts as p = 1);
+        equal scores go by expert id."""
+        ranked = sorted((e for e, score in enumerate(scores) if score >= least), key=lambda e: -scores[e])
+        likely = [((layer, e), 1.0 if certain else scores[e]) for e in ranked]
         chosen = self.store.admit(likely)[:affordable]
         self.credit = max(0.0, self.credit - len(chosen))
         self._predicted[layer] = {e for _, e in chosen}
