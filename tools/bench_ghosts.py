@@ -1,11 +1,12 @@
 #!/usr/bin/env python
 """What the eviction bookkeeping costs: process CPU time per layer call of the simulator (the store's
-own cache and policies), LRU alone against adaptive eviction (its four ghost caches), on generated
-traces (tools/bench_eviction.py's TRACES), at one token's working set and at half the experts.
+own cache and policies), LRU alone against adaptive eviction (its four ghost caches) and the store's
+default scheme (SCHEMES), on generated traces (tools/bench_eviction.py's TRACES), at one token's working
+set and at half the experts.
 
     python tools/bench_ghosts.py [--trace qwen64-flat ...] [--tokens 32] [--rounds 2]
 
-Each (trace, size, policy) is timed --rounds times, alternated, and the hits printed beside: a change
+Each (trace, size, scheme) is timed --rounds times, alternated, and the hits printed beside: a change
 to how victims are found must leave them as they were.
 """
 
@@ -19,6 +20,16 @@ from pathlib import Path
 from edgemoe.scheduling import simulate as sim
 from edgemoe.scheduling.profile import RoutingProfile, tokens_from_trace
 from edgemoe.scheduling.synthetic_routing import generate
+
+
+# What is timed: LRU alone, adaptive eviction alone (its four ghost caches), and the store's default
+# scheme (adaptive eviction, correlation preload from the profile, the guard: what `edgemoe simulate`
+# marks "default").
+SCHEMES = {
+    "lru": lambda profile: {"policy": "lru"},
+    "adaptive": lambda profile: {"policy": "adaptive"},
+    "default": lambda profile: {"policy": sim.DEFAULT_POLICY, "preload_profile": profile, "guard": True},
+}
 
 
 def _eviction_tool():
@@ -46,13 +57,13 @@ def main() -> None:
         scored_tokens = tokens_from_trace(scored)
         calls = len(scored_tokens) * layers
         for size in (layers * top_k, layers * experts // 2):
-            times = {policy: [] for policy in ("lru", "adaptive")}
+            times = {scheme: [] for scheme in SCHEMES}
             hits = {}
             for _ in range(args.rounds):
-                for policy in times:
+                for scheme, options in SCHEMES.items():
                     start = time.process_time()
-                    hits[policy] = sim.simulate(scored_tokens, size, policy, prior=profile)["hits"]
-                    times[policy].append((time.process_time() - start) / calls * 1e3)
+                    hits[scheme] = sim.simulate(scored_tokens, size, prior=profile, **options(profile))["hits"]
+                    times[scheme].append((time.process_time() - start) / calls * 1e3)
             for policy, t in times.items():
                 print(f"| {name} | {size} | {policy} | {' / '.join(f'{v:.3f}' for v in t)} | {hits[policy]} |")
 

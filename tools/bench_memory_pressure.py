@@ -29,11 +29,13 @@ from pathlib import Path
 
 from edgemoe.bench import (BenchConfig, generated_routing, machine_summary, measure_bandwidths, prompt_tokens,
                            run_once, warm_up)
+from edgemoe.scheduling.policies import POLICIES
+from edgemoe.scheduling.preload import PREDICTORS
 from edgemoe.store import read_manifest
 
 MODE_NAMES = {"lru": "on-demand-lru", "predictive": "predictive", "all-in-ram": "all-in-ram"}
 TRADE_OFFS = {"skip": "skip_below", "fallback": "fallback_below"}   # predictive mode only
-SCHEME_PARTS = ("policy", "preload")                                # predictive mode only
+SCHEME_PARTS = {"policy": sorted(POLICIES), "preload": PREDICTORS}   # predictive mode only: the choices
 
 
 def parse_case(text: str, stores: dict[str, Path]) -> dict:
@@ -49,6 +51,8 @@ def parse_case(text: str, stores: dict[str, Path]) -> dict:
         elif name in TRADE_OFFS:
             options[TRADE_OFFS[name]] = float(value)
         elif name in SCHEME_PARTS:
+            if value not in SCHEME_PARTS[name]:
+                raise SystemExit(f"--case {text!r}: {name}={value!r}: expected one of {', '.join(SCHEME_PARTS[name])}")
             options[name] = value
         else:
             raise SystemExit(f"--case {text!r}: unknown option {name!r} (expected skip=, fallback=, policy=, "
