@@ -173,23 +173,26 @@ class SchemeGuard:
 
 class GuardedPolicy:
     """A policy and LRU fed the same events; victims come from LRU while the guard says so, so that
-    switching loses no history."""
+    switching loses no history. A guard that never steps down to LRU eviction (an adaptive policy's:
+    LRU is one of its candidates) keeps no LRU: it would be fed every event for nothing."""
 
     def __init__(self, primary, guard: SchemeGuard):
-        self.primary, self.lru, self.guard = primary, LRUPolicy(), guard
+        self.primary, self.guard = primary, guard
+        self.lru = LRUPolicy() if guard.lowest >= LEVELS.index("lru") else None
         self.name = primary.name
+        self._followers = [p for p in (primary, self.lru) if p is not None]
 
     def touch(self, key: Key) -> None:
-        self.primary.touch(key)
-        self.lru.touch(key)
+        for policy in self._followers:
+            policy.touch(key)
 
     def insert(self, key: Key) -> None:
-        self.primary.insert(key)
-        self.lru.insert(key)
+        for policy in self._followers:
+            policy.insert(key)
 
     def remove(self, key: Key) -> None:
-        self.primary.remove(key)
-        self.lru.remove(key)
+        for policy in self._followers:
+            policy.remove(key)
 
     def set_capacity(self, capacity: int) -> None:
         self.primary.set_capacity(capacity)
