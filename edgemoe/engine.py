@@ -33,7 +33,7 @@ from .generate import Event, Generation, GenerationOptions, step
 from .kv_cache import KVCache
 from .loader import kv_cache_bytes, step_row_bytes
 from .model import MoEModel
-from .store.memory import GROWN_MARGIN_FIXED, GROWN_MARGIN_SHARE, read_memory_facts
+from .store.memory import GROWN_MARGIN_FIXED, GROWN_MARGIN_SHARE, read_memory_facts, return_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -213,6 +213,7 @@ class Engine:
             return False
         try:
             running = self._this_step()
+            prompted = any(len(r.generation.feed.pending) > 1 for r in running)
             events = step(self.model, [r.generation for r in running])
         except Exception as e:   # a failing store or device: fail the requests of this step, keep serving
             for request in self.active:
@@ -221,6 +222,8 @@ class Engine:
             for request, event in zip(running, events):
                 if event is not None:           # None: still prefilling
                     self._deliver(request, event)
+            if prompted:   # a prompt chunk's activations, freed, go back to the system, not the heap
+                return_freed_memory()
         self.active = [r for r in self.active if r.finish_reason is None]
         return True
 
