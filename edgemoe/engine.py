@@ -33,14 +33,14 @@ from .generate import Event, Generation, GenerationOptions, step
 from .kv_cache import KVCache
 from .loader import kv_cache_bytes, step_row_bytes
 from .model import MoEModel
-from .store.memory import GROWN_MARGIN_FIXED, GROWN_MARGIN_SHARE, read_memory_facts, return_freed_memory
+from .store.memory import grown_margin, read_memory_facts, return_freed_memory
 
 log = logging.getLogger(__name__)
 
 # Prompt tokens a step feeds at most, all requests together (one default prefill chunk): a step's
-# activations then stay those of one chunk whatever the batch. Three 1,000-token prompts prefilled
-# side by side took 600-650 MiB above the level before them (bench-qwen3moe, every expert in RAM;
-# the allocator keeps what one step frees for the next), one chunk a step 390-415 MiB, in the same time.
+# activations then stay those of one chunk whatever the batch, which the allocator otherwise keeps
+# for the next step (docs/scheduling.md, "Serving inside a memory limit": 392-415 MiB against
+# 597-653 for three 1,000-token prompts, in the same time).
 STEP_PROMPT_TOKENS = 512
 
 
@@ -112,10 +112,6 @@ class MemoryAdmission:
     def __init__(self, model: MoEModel, memory_root: str | os.PathLike = "/"):
         self.model, self.memory_root = model, memory_root
 
-    def admits(self, generation: Generation, active: Sequence[Generation]) -> bool:
-        room = self.room(active)
-        return room is None or self.need(generation) <= room
-
     def need(self, generation: Generation) -> int:
         """Bytes the generation will take: its KV cache at its final length, at most twice that (the
         cache doubles), as --ram auto reserves one; and its decoding token's rows of a step's
@@ -137,8 +133,7 @@ class MemoryAdmission:
         facts = read_memory_facts(self.memory_root)
         if facts.available is None:
             return None
-        margin = GROWN_MARGIN_FIXED + int(GROWN_MARGIN_SHARE * (facts.limit or facts.available))
-        return facts.available - self._unfilled_tier() - sum(map(self.future, active)) - margin
+        return facts.available - self._unfilled_tier() - sum(map(self.future, active)) - grown_margin(facts)
 
     @staticmethod
     def final_length(generation: Generation) -> int:
@@ -162,6 +157,8 @@ class Engine:
                  step_prompt_tokens: int = STEP_PROMPT_TOKENS):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if step_prompt_tokens < 1:
+            raise ValueError(f"step_prompt_tokens must be >= 1, got {step_prompt_tokens}")
         self.model = model
         self.max_batch = max_batch
         self.step_prompt_tokens = step_prompt_tokens
@@ -253,19 +250,20 @@ class Engine:
                 self._held.popleft()
                 self._deliver(request, Event([], "", request.finish_reason))
                 continue
-            if self.active and not self.memory.admits(request.generation, [r.generation for r in self.active]):
-                self._say_waiting(request)
-                return
+            if self.active:
+                need, room = self.memory.need(request.generation), self.memory.room([r.generation for r in self.active])
+                if room is not None and need > room:
+                    self._say_waiting(request, need, room)
+                    return
             self._held.popleft()
             self._told_waiting.discard(request.id)
             self.active.append(request)
 
-    def _say_waiting(self, request: Request) -> None:
+    def _say_waiting(self, request: Request, need: int, room: int) -> None:
         if request.id not in self._told_waiting:
             self._told_waiting.add(request.id)
             log.info("request %d waits for memory: it needs %.1f MiB beside the %d active, %.1f MiB left",
-                     request.id, self.memory.need(request.generation) / 2**20, len(self.active),
-                     (self.memory.room([r.generation for r in self.active]) or 0) / 2**20)
+                     request.id, need / 2**20, len(self.active), room / 2**20)
 
     def _end(self, request: Request, reason: str, error: str | None = None) -> None:
         """End a request for the engine's reasons (cancelled, error): its state is freed now."""

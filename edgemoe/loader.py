@@ -398,8 +398,8 @@ def step_row_bytes(spec: ModelSpec, tokens: int) -> int:
     """A sequence's float32 rows of a step's activations, `tokens` of them in the step, besides the
     attention scores (computed one sequence at a time): a few hidden-sized tensors per token, two
     per (token, expert) pair (the routed tokens' inputs and outputs, edgemoe.quantized), and its
-    logits row. The peak of a 3 x 512-token prefill step of bench-qwen3moe (top-8) above the level
-    after it measured 106 MiB, 35 MiB a sequence; this gives 48.1 MiB."""
+    logits row (edgemoe.engine's admission counts a decoding token's; a step's prompt chunks are
+    bounded by the engine's step budget)."""
     widest = max(spec.hidden_size, spec.expert_hidden, spec.num_heads * spec.head_dim)
     return 4 * (spec.vocab_size + tokens * (8 * widest + 2 * spec.top_k * spec.hidden_size))
 

@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 import edgemoe
 from edgemoe.bundled import bundled_model_path
@@ -152,7 +153,10 @@ def test_the_ram_tier_not_yet_filled_counts_against_the_room(tmp_path):
         served.close()
 
 
-def test_a_step_feeds_prompt_chunks_up_to_its_budget_and_every_decoding_token(model):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_step_feeds_prompt_chunks_up_to_its_budget_and_every_decoding_token(dtype):
+    """Greedy outputs identical to each prompt alone, in either compute dtype."""
+    model = edgemoe.load(bundled_model_path(), dtype)
     chunked = GenerationOptions(max_new_tokens=6, temperature=0.0, stop_token_ids=[], prefill_chunk=8)
     text = model.tokenizer.encode("To be, or not to be, that is the question: whether 'tis nobler in the "
                                   "mind to suffer the slings and arrows of outrageous fortune")
@@ -186,3 +190,8 @@ def test_a_chunk_larger_than_the_budget_still_goes_first_and_decoding_never_wait
     assert [tokens for tokens, _ in model.timings.per_step][:2] == [1 + 8, 1 + 8]
     assert early.output_ids == generate_batch(model, [text[:5]], chunked)[0]
     assert late.output_ids == generate_batch(model, [text[:16]], chunked)[0]
+
+
+def test_a_step_budget_below_one_token_is_refused(model):
+    with pytest.raises(ValueError, match="step_prompt_tokens"):
+        Engine(model, step_prompt_tokens=0)

@@ -87,10 +87,16 @@ def grown_ram_budget(facts: MemoryFacts, capacity: int, cached: int, expert_byte
                  "capacity_before": capacity}
     if facts.available is None:
         return capacity, {**breakdown, "margin": 0, "grown_by": 0}
-    margin = GROWN_MARGIN_FIXED + int(GROWN_MARGIN_SHARE * (facts.limit or facts.available))
+    margin = grown_margin(facts)
     room = facts.available - transient - future - (capacity - cached) - margin
     grown = min(max(capacity + room, capacity), max(expert_bytes, capacity))
     return grown, {**breakdown, "margin": margin, "grown_by": grown - capacity}
+
+
+def grown_margin(facts: MemoryFacts) -> int:
+    """The margin kept once a run has shown what it takes (known memory): GROWN_MARGIN_FIXED +
+    GROWN_MARGIN_SHARE of the limit (of what is available, without one)."""
+    return GROWN_MARGIN_FIXED + int(GROWN_MARGIN_SHARE * (facts.limit or facts.available))
 
 
 class PeakWatch:
