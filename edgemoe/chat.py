@@ -26,7 +26,7 @@ def chat_loop(model: MoEModel, read_line: Callable[[], str], out: TextIO, max_ne
     if tokenizer is None or not tokenizer.chat_template:
         raise EdgeMoEError(f"{model.name}: the tokenizer has no chat_template (tokenizer_config.json), so it "
                            f"cannot chat; use `edgemoe run` to continue plain text")
-    context = model.spec.max_position_embeddings
+    context = model.context_length
     preamble = [{"role": "system", "content": system}] if system else []
     history: list[dict] = []
     out.write(f"{HELP}\n")
@@ -58,7 +58,7 @@ def chat_loop(model: MoEModel, read_line: Callable[[], str], out: TextIO, max_ne
         prompt_ids = _fit(tokenizer, preamble, history, context, room=min(max_new_tokens, context // 2), out=out)
         if prompt_ids is None:
             history.pop()
-            out.write(f"[that message alone fills the model's context of {context} tokens]\n")
+            out.write(f"[that message alone fills the context of {context} tokens]\n")
             continue
         history.append({"role": "assistant", "content": _answer(model, prompt_ids, out,
                                                                 min(max_new_tokens, context - len(prompt_ids)),
@@ -91,4 +91,4 @@ def _fit(tokenizer, preamble: list[dict], history: list[dict], context: int, roo
         if len(ids) + room <= context or len(history) == 1:
             return ids if len(ids) < context else None
         del history[:2]
-        out.write("[oldest exchange dropped: the history outgrew the model's context]\n")
+        out.write("[oldest exchange dropped: the history outgrew the context]\n")

@@ -117,7 +117,8 @@ class MemoryAdmission:
         cache doubles), as --ram auto reserves one; and its decoding token's rows of a step's
         activations (step_row_bytes). Its prompt chunks take no more room than the chunk a step
         feeds at most (Engine.step_prompt_tokens), which the first request's took already."""
-        return (kv_cache_bytes(self.model.spec, self.final_length(generation), self.model.kv_dtype)
+        return (kv_cache_bytes(self.model.spec, self.final_length(generation), self.model.kv_dtype,
+                               self.model.context_length)
                 + step_row_bytes(self.model.spec, 1))
 
     def future(self, generation: Generation) -> int:

@@ -110,8 +110,9 @@ def fit_context(model: MoEModel, prompt_ids: Sequence[int], opts: GenerationOpti
     if n < limit:
         return list(prompt_ids)
     if not opts.truncate:
-        raise ContextLengthError(f"the prompt has {n} tokens and the model's context is {limit} "
-                                 f"(max_position_embeddings): shorten it, or truncate it from the left "
+        which = ("the model's context is {} (max_position_embeddings)" if limit == model.spec.max_position_embeddings
+                 else "the served context is {} (--context)").format(limit)
+        raise ContextLengthError(f"the prompt has {n} tokens and {which}: shorten it, or truncate it from the left "
                                  f"(--truncate, truncate=True)")
     keep = limit - min(max(opts.max_new_tokens, 1), limit // 2)
     warn(f"prompt truncated from the left to its last {keep} of {n} tokens (the model's context is {limit})")
@@ -239,7 +240,7 @@ class Generation:
             return self._finish("stop", [token], text)
         if len(self.output) >= self.limit:
             if self.limit < self.opts.max_new_tokens:
-                self.warn(f"stopped at the model's context of {self.context_length} tokens")
+                self.warn(f"stopped at the context of {self.context_length} tokens")
             return self._finish("length", [token], text)
         return Event([token], text)
 

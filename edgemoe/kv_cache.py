@@ -26,8 +26,13 @@ KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", capacity: int = 64, value_dim: int | None = None):
+                 device: torch.device | str = "cpu", capacity: int = 64, value_dim: int | None = None,
+                 limit: int | None = None):
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        # Positions no sequence of this cache goes past (the context it is served at): growing stops
+        # there rather than doubling past it, which would hold up to twice the context's bytes.
+        self.limit = limit
+        capacity = capacity if limit is None else max(1, min(capacity, limit))
         self.value_dim = head_dim if value_dim is None else value_dim
         self.dtype, self.device = dtype, torch.device(device)
         self.length = 0
@@ -36,10 +41,11 @@ class KVCache:
         self._addresses: tuple[np.ndarray, np.ndarray] | None = None   # layer_addresses', until _grow
 
     @classmethod
-    def for_spec(cls, spec, dtype: torch.dtype = torch.float32, capacity: int = 64) -> "KVCache":
+    def for_spec(cls, spec, dtype: torch.dtype = torch.float32, capacity: int = 64,
+                 limit: int | None = None) -> "KVCache":
         """A cache in the layout the model's attention kind keeps (ModelSpec.cache_layout)."""
         heads, key_dim, value_dim = spec.cache_layout
-        return cls(spec.num_layers, heads, key_dim, dtype, capacity=capacity, value_dim=value_dim)
+        return cls(spec.num_layers, heads, key_dim, dtype, capacity=capacity, value_dim=value_dim, limit=limit)
 
     def _empty(self, capacity: int, dim: int) -> torch.Tensor:
         return torch.empty(self.num_kv_heads, capacity, dim, dtype=self.dtype, device=self.device)
@@ -49,18 +55,24 @@ class KVCache:
         return self._k[0].shape[1]
 
     def growth_to(self, length: int) -> int:
-        """Bytes this cache will still allocate to hold `length` positions, as _grow doubles it: the
+        """Bytes this cache will still allocate to hold `length` positions, as _grow grows it: the
         final arrays' growth over today's, plus one layer's old arrays, alive while they are copied."""
-        capacity = final = max(self.capacity, 1)
-        while final < length:     # one position a step: each growth doubles
-            final *= 2
+        capacity = final = previous = max(self.capacity, 1)
+        while final < length:     # one position a step: each growth doubles, up to the limit
+            previous, final = final, self._grown(final, final + 1)
         per_position = self.num_layers * self.num_kv_heads * (self.head_dim + self.value_dim) * self.dtype.itemsize
-        copying = per_position // self.num_layers * (final // 2) if final > capacity else 0
+        copying = per_position // self.num_layers * previous if final > capacity else 0
         return per_position * (final - capacity) + copying
+
+    def _grown(self, capacity: int, needed: int) -> int:
+        """The capacity a layer's arrays of `capacity` positions grow to, to hold `needed`: doubled, but
+        not past the limit while `needed` is within it."""
+        doubled = max(needed, 2 * capacity)
+        return doubled if self.limit is None or needed > self.limit else min(doubled, self.limit)
 
     def _grow(self, layer: int, needed: int) -> None:
         self._addresses = None
-        capacity = max(needed, 2 * self._k[layer].shape[1])
+        capacity = self._grown(self._k[layer].shape[1], needed)
         for store, dim in ((self._k, self.head_dim), (self._v, self.value_dim)):
             bigger = self._empty(capacity, dim)
             bigger[:, :self.length] = store[layer][:, :self.length]
@@ -110,7 +122,7 @@ class KVCache:
 
     def fork(self) -> "KVCache":
         twin = KVCache(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.device, capacity=1,
-                       value_dim=self.value_dim)
+                       value_dim=self.value_dim, limit=self.limit)
         twin._k = [k.clone() for k in self._k]
         twin._v = [v.clone() for v in self._v]
         twin.length = self.length

@@ -219,11 +219,11 @@ def expert_gemm_dtype(dense: dict[str, torch.Tensor]) -> torch.dtype:
 def load_store(path: str | os.PathLike, options: StoreOptions | None = None, dtype: torch.dtype | None = None,
                threads: int | None = None, manifest=None, dense_bits: int | str | None = None,
                context: int | None = None, batch: int = 1, kv_dtype: str = "float32",
-               score_windows: bool = False) -> MoEModel:
+               score_windows: bool = False, cap_context: bool = False) -> MoEModel:
     """A model whose experts stay in a tiered store, held and run as `options` say (default
     StoreOptions()); the model owns the store: close it with model.close() or use the model as a
     context manager. manifest: the store's, already parsed (the converter's store before commit).
-    dense_bits, context, batch, kv_dtype, score_windows: what ram="auto" reserves for the dense
+    dense_bits, context, batch, kv_dtype, score_windows, cap_context: what ram="auto" reserves for the dense
     weights, the KV cache and the activations (auto_ram); the store's breakdown of that choice is
     store.ram_breakdown (None without "auto")."""
     o = options or StoreOptions()
@@ -231,7 +231,7 @@ def load_store(path: str | os.PathLike, options: StoreOptions | None = None, dty
     if ram == "auto":
         manifest = manifest if manifest is not None else read_manifest(Path(path))
         ram, ram_breakdown = auto_ram(manifest, dtype, dense_bits, context, batch, kv_dtype=kv_dtype,
-                                      score_windows=score_windows)
+                                      score_windows=score_windows, cap_context=cap_context)
     store = TieredStore(path, ram=ram, vram=o.vram, device=o.device, policy=o.policy, io=o.io,
                         place_popular=o.place_popular, routing_profile=o.routing_profile, manifest=manifest,
                         place_now=False)
@@ -315,25 +315,90 @@ def _finite_rows(fd: int, info, start: int, stop: int, where: str) -> torch.Tens
     return rows
 
 
+# --context auto serves no fewer tokens than this where the model's context is longer: llama.cpp's
+# fitting shortens a context to fit memory down to this many, and ollama serves this many by default.
+MIN_AUTO_CONTEXT = 4096
+
+
+@dataclass
+class ServedContext:
+    """serve and chat's context: `tokens`, the longest sequence served (prompt and completion), and
+    why, in words; `shortened` when auto chose less than the model's context."""
+    tokens: int
+    why: str
+    shortened: bool = False
+
+
+def served_context(path: str | os.PathLike, requested: int | None, store: StoreOptions,
+                   dtype: torch.dtype | None = None, dense_bits: int | str | None = "auto", kv_dtype: str = "float32",
+                   root: str | os.PathLike = "/") -> ServedContext:
+    """--context: `requested` tokens, at most the model's context; None (auto): the model's context,
+    unless the store's RAM tier is sized by ram="auto", memory can be read, and one sequence at that
+    context would leave too little room to cache every expert; then the longest of MIN_AUTO_CONTEXT
+    and its doublings below the model's context that still would, else MIN_AUTO_CONTEXT (or the model's
+    context, if shorter). A KV cache at the whole context can take more than the experts that would
+    otherwise be cached (Qwen3-30B-A3B: 40,960 positions of float32 keys and values are 7.5 GiB), and
+    a conversation rarely needs it."""
+    from_store = is_store(path)
+    manifest = read_manifest(Path(path)) if from_store else None
+    spec = manifest.spec if from_store else _checkpoint_spec(path)
+    whole = spec.max_position_embeddings
+    if requested is not None:
+        if requested > whole:
+            raise OptionError("--context", requested, f"longer than the model's context of {whole} tokens "
+                                                      f"(max_position_embeddings)")
+        return ServedContext(requested, f"--context {requested}", shortened=requested < whole)
+    if not from_store or store.ram != "auto":
+        return ServedContext(whole, "the model's context")
+    facts = read_memory_facts(root)
+    if facts.available is None:
+        return ServedContext(whole, "the model's context (free memory unknown)")
+    shorter = [MIN_AUTO_CONTEXT << k for k in range(whole.bit_length()) if MIN_AUTO_CONTEXT << k < whole]
+    for tokens in [whole, *reversed(shorter)]:
+        needs = run_needs(manifest, dtype, dense_bits, tokens, 1, kv_dtype, cap_context=True)
+        if ram_budget(facts, manifest.expert_bytes, needs)[0] >= manifest.expert_bytes:
+            break
+    else:
+        tokens = min(whole, MIN_AUTO_CONTEXT)
+    if tokens == whole:
+        return ServedContext(whole, "the model's context")
+    kv_whole = kv_cache_bytes(spec, whole, KV_DTYPES[kv_dtype], whole)
+    return ServedContext(tokens, f"--context auto: one sequence at the model's {whole} tokens would reserve "
+                                 f"{kv_whole / 2**20:.0f} MiB of KV cache that caching experts can use; "
+                                 f"--context {whole} serves it whole", shortened=True)
+
+
+def _checkpoint_spec(path: str | os.PathLike) -> ModelSpec:
+    ckpt = Checkpoint(path)
+    try:
+        return read_spec(ckpt)
+    finally:
+        ckpt.close()
+
+
 def auto_ram(manifest: Manifest, dtype: torch.dtype | None = None, dense_bits: int | str | None = "auto",
              context: int | None = None, batch: int = 1, root: str | os.PathLike = "/",
-             kv_dtype: str = "float32", score_windows: bool = False) -> tuple[int, dict]:
+             kv_dtype: str = "float32", score_windows: bool = False, cap_context: bool = False) -> tuple[int, dict]:
     """ram="auto": the RAM tier's capacity for this store and run, and its breakdown (ram_budget): the
     memory this process may still take (read under `root`), less what the run holds besides experts."""
-    needs = run_needs(manifest, dtype, dense_bits, context, batch, kv_dtype, score_windows)
+    needs = run_needs(manifest, dtype, dense_bits, context, batch, kv_dtype, score_windows, cap_context)
     return ram_budget(read_memory_facts(root), manifest.expert_bytes, needs)
 
 
 def run_needs(manifest: Manifest, dtype: torch.dtype | None, dense_bits: int | str | None, context: int | None,
-              batch: int, kv_dtype: str = "float32", score_windows: bool = False) -> dict[str, int]:
+              batch: int, kv_dtype: str = "float32", score_windows: bool = False,
+              cap_context: bool = False) -> dict[str, int]:
     """Bytes a run of `batch` sequences of up to `context` tokens (None or more: the model's context
     length) holds besides cached experts, by name, once loaded; "kernel_compile" only where numba's
     cache lacks the kernels (kernels_compiled). score_windows: the run scores every position of a
-    `context`-token window in one step (eval), else it generates (activation_bytes)."""
+    `context`-token window in one step (eval), else it generates (activation_bytes). cap_context:
+    `context` is the model's context_length too, where each KV cache stops growing (else the model's
+    own context is)."""
     spec = manifest.spec
     tokens = min(context or spec.max_position_embeddings, spec.max_position_embeddings)
+    limit = tokens if cap_context else spec.max_position_embeddings
     return {"dense": dense_bytes(manifest, dtype, dense_bits),
-            "kv_cache": batch * kv_cache_bytes(spec, tokens, KV_DTYPES[kv_dtype]),
+            "kv_cache": batch * kv_cache_bytes(spec, tokens, KV_DTYPES[kv_dtype], limit),
             "activations": batch * activation_bytes(spec, tokens, score_windows),
             "read_buffers": read_buffer_bytes(manifest),
             "runtime": RUNTIME_GROWTH,
@@ -374,12 +439,17 @@ def _codes_bytes(shape, bits: int) -> int:
     return shape[0] * ngroups * (group * bits // 8 + 8)
 
 
-def kv_cache_bytes(spec: ModelSpec, tokens: int, dtype: torch.dtype = torch.float32) -> int:
+def kv_cache_bytes(spec: ModelSpec, tokens: int, dtype: torch.dtype = torch.float32, limit: int | None = None) -> int:
     """One sequence's KVCache at `tokens`: it grows by doubling from 64 positions, so its capacity
-    may reach twice the tokens held."""
+    may reach twice the tokens held; a cache with a `limit` (KVCache.limit: the context it is served
+    at) stops there, holding the limit's positions and, while its last growth copies, one layer's
+    old arrays beside them."""
     heads, key_dim, value_dim = spec.cache_layout
     per_token = spec.num_layers * heads * (key_dim + value_dim) * dtype.itemsize
-    return per_token * max(64, 2 * tokens)
+    doubled = max(64, 2 * tokens)
+    if limit is None or doubled <= limit or tokens > limit:
+        return per_token * doubled
+    return per_token * limit + per_token // spec.num_layers * limit
 
 
 def activation_bytes(spec: ModelSpec, tokens: int, score_windows: bool = False) -> int:
@@ -406,7 +476,8 @@ def step_row_bytes(spec: ModelSpec, tokens: int) -> int:
 
 def load(path: str | os.PathLike, dtype: torch.dtype | None = None, threads: int | None = None,
          store: StoreOptions | None = None, dense_bits: int | None = None, context: int | None = None,
-         batch: int = 1, kv_dtype: str = "float32", score_windows: bool = False, **options) -> MoEModel:
+         batch: int = 1, kv_dtype: str = "float32", score_windows: bool = False, cap_context: bool = False,
+         **options) -> MoEModel:
     """A model from a Hugging Face checkpoint directory (all in RAM) or from a store (experts tiered,
     held and run as `store` says, or StoreOptions(**options): load(path, ram="25%", policy="lfu")).
     Dense weight matrices in `dtype`, by default as the checkpoint stores them where the CPU
@@ -418,7 +489,9 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None, threads: int
     context, batch: the tokens of KV cache per sequence (None: the model's context length) and the
     sequences the caller will run at once, reserved by ram="auto" (auto_ram); score_windows: the
     caller scores every position of `context`-token windows (edgemoe.evaluate), not generates, so
-    auto reserves their logits. kv_dtype: the KV cache's "float32" or "bfloat16" (edgemoe.kv_cache.KV_DTYPES)."""
+    auto reserves their logits. kv_dtype: the KV cache's "float32" or "bfloat16" (edgemoe.kv_cache.KV_DTYPES).
+    cap_context: `context` is also the longest sequence the model runs (model.context_length: serve and
+    chat's --context), where its KV caches stop growing; a prompt that fills it is refused."""
     if store is not None and options:
         raise TypeError("load: give store=StoreOptions(...) or option keywords, not both")
     if dense_bits not in (None, "auto", "none", *DENSE_BITS):
@@ -429,7 +502,7 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None, threads: int
     from_store = is_store(path)
     if from_store:
         model = load_store(path, store, dtype, threads, dense_bits=dense_bits, context=context, batch=batch,
-                           kv_dtype=kv_dtype, score_windows=score_windows)
+                           kv_dtype=kv_dtype, score_windows=score_windows, cap_context=cap_context)
     else:
         given = store.given()
         if given:
@@ -441,6 +514,8 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None, threads: int
     if dense_bits is not None:
         model.quantize_dense(dense_bits)
     model.kv_dtype = KV_DTYPES[kv_dtype]
+    if cap_context and context is not None:
+        model.context_length = min(context, model.spec.max_position_embeddings)
     if model.spec.is_encoder_decoder and model.kv_dtype != torch.float32:
         model.close()
         require_decoder_only(model.spec, path, "kv_dtype= (--kv-dtype)")

@@ -183,7 +183,7 @@ class MoEModel(StoreOwner):
         self.decode_engine = DecodeEngine.for_model(self.spec, self.layers)
 
     def new_cache(self) -> KVCache:
-        return KVCache.for_spec(self.spec, self.kv_dtype)
+        return KVCache.for_spec(self.spec, self.kv_dtype, limit=self.context_length)
 
     @torch.inference_mode()
     def logits(self, token_ids: Sequence[int] | torch.Tensor, cache: KVCache | None = None,

@@ -83,7 +83,7 @@ def test_old_exchanges_are_dropped_when_the_history_outgrows_the_context(model):
     first = answer(model, [user])
     second = answer(model, [user, {"role": "assistant", "content": first}, user])
     third = answer(model, [user, {"role": "assistant", "content": second}, user])    # the first exchange dropped
-    assert f"> {first}\n> {second}\n> [oldest exchange dropped: the history outgrew the model's context]\n" \
+    assert f"> {first}\n> {second}\n> [oldest exchange dropped: the history outgrew the context]\n" \
            f"{third}\n> " in out.getvalue()
 
 
@@ -98,6 +98,16 @@ def test_the_chat_command_on_stdin(model):
                           input="Who art thou?\n/exit\n", capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert f"> {answer(model, [{'role': 'user', 'content': 'Who art thou?'}])}\n> " in done.stdout
+
+
+def test_the_chat_command_serves_the_context_asked_for_and_refuses_a_longer_one(model):
+    whole = model.spec.max_position_embeddings
+    short = subprocess.run([sys.executable, "-m", "edgemoe", "chat", "--context", "40"], input="/exit\n",
+                           capture_output=True, text=True, timeout=120)
+    assert short.returncode == 0 and "serving a context of 40 tokens (--context 40)" in short.stderr
+    long = subprocess.run([sys.executable, "-m", "edgemoe", "chat", "--context", str(whole + 1)], input="/exit\n",
+                          capture_output=True, text=True, timeout=120)
+    assert long.returncode == 2 and f"--context {whole + 1}" in long.stderr and "longer than the model's" in long.stderr
 
 
 def interrupted_chat() -> tuple[str, int, str]:

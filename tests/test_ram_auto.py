@@ -296,8 +296,9 @@ def test_run_needs_follow_the_context_the_batch_the_cache_type_and_the_dense_wid
     needs = run_needs(manifest, None, "auto", 100, 3)
     assert needs["kv_cache"] == 3 * per_token * 200              # doubling: room for twice the tokens
     assert run_needs(manifest, None, "auto", 100, 3, "bfloat16")["kv_cache"] == needs["kv_cache"] // 2
-    capped = run_needs(manifest, None, "auto", 10 ** 9, 1)["kv_cache"]
-    assert capped == per_token * 2 * spec.max_position_embeddings
+    whole = run_needs(manifest, None, "auto", 10 ** 9, 1)["kv_cache"]     # the cache stops at the context,
+    context = spec.max_position_embeddings                                # one layer's old arrays beside it
+    assert whole == per_token * context + per_token // spec.num_layers * context
     as_loaded, int8 = (run_needs(manifest, None, bits, 100, 1)["dense"] for bits in ("none", 8))
     assert int8 < as_loaded        # the projections' float copies let go, their INT8 codes kept
     assert dense_bytes(manifest, None, "none") == as_loaded and dense_bytes(manifest, None, 8) == int8

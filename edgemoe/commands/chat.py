@@ -13,8 +13,8 @@ from edgemoe import options
 from .cannot_act import refuse_sampling_flags_if_greedy
 from .common import load_served
 from .options import (COMPUTE, DENSE_BITS, DEVICE, DTYPE, FALLBACK_BELOW, KV_DTYPE, MODEL, POLICY, PRELOAD, RAM, SEED,
-                      SKIP_BELOW, TEMPERATURE, THREADS, TOP_K, TOP_P, VRAM, as_store_options, checked, model_path,
-                      sampling)
+                      SERVED_CONTEXT, SKIP_BELOW, TEMPERATURE, THREADS, TOP_K, TOP_P, VRAM, as_store_options, checked,
+                      model_path, sampling)
 
 
 def chat(
@@ -37,6 +37,7 @@ def chat(
     dtype: str = DTYPE,
     dense_bits: str = DENSE_BITS,
     kv_dtype: str = KV_DTYPE,
+    context: Optional[int] = SERVED_CONTEXT,
     threads: Optional[int] = THREADS,
 ):
     """Chat on stdin/stdout through the tokenizer's chat template (/reset, /exit; Ctrl-C stops an answer)."""
@@ -48,7 +49,8 @@ def chat(
     system = None if system is None else valid_text(system, "--system")
     if hasattr(sys.stdin, "reconfigure"):   # a line that is not UTF-8 reaches the loop, which refuses it
         sys.stdin.reconfigure(errors="surrogateescape")
-    m = load_served(model, dtype, dense_bits, kv_dtype, threads, store_options)
+    m = load_served(model, dtype, dense_bits, kv_dtype, threads, store_options, context,
+                    say=lambda text: print(text, file=sys.stderr))
     refuse_sampling_flags_if_greedy(m, model_path(model), temperature,
                                      {"--top-k": top_k, "--top-p": top_p, "--seed": seed})
     chat_loop(m, input, sys.stdout, max_new_tokens=max_new_tokens, system=system, seed=seed,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from edgemoe import files
 from edgemoe.bundled import BUNDLED_DIR
@@ -43,14 +43,20 @@ def replay_for(spec, trace: Optional[Path]):
     return RoutingReplay(read_trace(trace), spec.moe_layer_ids, spec.num_experts, spec.top_k, str(trace))
 
 
-def load_served(model: Optional[Path], dtype: str, dense_bits: str, kv_dtype: str, threads, store_options):
-    """The model for serve and chat (store options given for a checkpoint directory are refused)."""
+def load_served(model: Optional[Path], dtype: str, dense_bits: str, kv_dtype: str, threads, store_options,
+                context: Optional[int] = None, say: Callable[[str], None] = print):
+    """The model for serve and chat (store options given for a checkpoint directory are refused), its
+    context_length the served context (--context, None: auto; edgemoe.loader.served_context), which
+    `say` reports where it is shorter than the model's."""
     import edgemoe
-    from edgemoe.loader import require_decoder_only
+    from edgemoe.loader import require_decoder_only, served_context
 
     path = model_path(model)
+    served = served_context(path, context, store_options, torch_dtype(dtype), dense_bits, kv_dtype)
     m = edgemoe.load(path, torch_dtype(dtype), threads, store=store_options, dense_bits=dense_bits,
-                     kv_dtype=kv_dtype)
+                     kv_dtype=kv_dtype, context=served.tokens, cap_context=True)
+    if served.shortened:
+        say(f"serving a context of {served.tokens} tokens ({served.why})")
     warn_ram_auto(m)
     require_decoder_only(m.spec, path, "serving and chat (edgemoe serve / chat)")
     if m.tokenizer is None:

@@ -94,6 +94,10 @@ DENSE_BITS = typer.Option("auto", "--dense-bits", callback=checked(options.dense
 KV_DTYPE = typer.Option("float32", "--kv-dtype", callback=checked(options.one_of, ("float32", "bfloat16")),
                         help="The KV cache's keys and values: float32, or bfloat16 (half the memory; faster only "
                         "at long contexts, docs/benchmarks.md).")
+SERVED_CONTEXT = typer.Option(None, "--context", callback=checked(options.integer_at_least, 2),
+                              help="Longest sequence served, prompt and answer, in tokens (default: the model's "
+                              "context, shortened to 4096 or a doubling of it where its KV cache would leave too "
+                              "little room to cache every expert; docs/serving.md).")
 THREADS = typer.Option(None, "--threads", callback=checked(options.thread_count),
                        help="Threads for the kernels (default: the cores other processes leave free, followed as "
                        "the load changes).")

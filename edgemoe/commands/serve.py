@@ -12,7 +12,7 @@ from edgemoe import options
 
 from .common import load_served
 from .options import (COMPUTE, DENSE_BITS, DEVICE, DTYPE, FALLBACK_BELOW, KV_DTYPE, MODEL, POLICY, PRELOAD, RAM,
-                      SKIP_BELOW, THREADS, VRAM, as_store_options, checked)
+                      SERVED_CONTEXT, SKIP_BELOW, THREADS, VRAM, as_store_options, checked)
 
 
 def _port(value: int, flag: str) -> int:
@@ -49,6 +49,7 @@ def serve(
     dtype: str = DTYPE,
     dense_bits: str = DENSE_BITS,
     kv_dtype: str = KV_DTYPE,
+    context: Optional[int] = SERVED_CONTEXT,
     threads: Optional[int] = THREADS,
 ):
     """OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) with continuous batching."""
@@ -57,6 +58,6 @@ def serve(
     store_options = as_store_options(ram=ram, vram=vram, device=device, policy=policy, preload=preload,
                                      skip_below=skip_below, fallback_below=fallback_below, compute=compute)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    m = load_served(model, dtype, dense_bits, kv_dtype, threads, store_options)
+    m = load_served(model, dtype, dense_bits, kv_dtype, threads, store_options, context, say=logging.info)
     serve_http(m, host, port, model_name=model_name, max_batch=max_batch, max_connections=max_connections,
                request_timeout=request_timeout, keep_alive_timeout=keep_alive_timeout)
