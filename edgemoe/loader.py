@@ -362,10 +362,11 @@ def served_context(path: str | os.PathLike, requested: int | None, store: StoreO
         tokens = min(whole, MIN_AUTO_CONTEXT)
     if tokens == whole:
         return ServedContext(whole, "the model's context")
-    kv_whole = kv_cache_bytes(spec, whole, KV_DTYPES[kv_dtype], whole)
+    at_whole = run_needs(manifest, dtype, dense_bits, whole, 1, kv_dtype, cap_context=True)
+    reserved = at_whole["kv_cache"] + at_whole["activations"]
     return ServedContext(tokens, f"--context auto: one sequence at the model's {whole} tokens would reserve "
-                                 f"{kv_whole / 2**20:.0f} MiB of KV cache that caching experts can use; "
-                                 f"--context {whole} serves it whole", shortened=True)
+                                 f"{reserved / 2**20:.0f} MiB (its KV cache, a prompt chunk's attention) that "
+                                 f"caching experts can use; --context {whole} serves it whole", shortened=True)
 
 
 def _checkpoint_spec(path: str | os.PathLike) -> ModelSpec:

@@ -3,7 +3,7 @@
 do the requests take?
 
     python tools/bench_serve_limit.py STORE --limit 1GiB [--requests 8] [--prompt-tokens 1000] \\
-        [--max-tokens 32] [--max-batch 16] [--before TREE] [--json OUT]
+        [--max-tokens 32] [--max-batch 16] [--serve-args "--context 8192"] [--before TREE] [--json OUT]
 
 The server (`edgemoe serve STORE --ram auto`) starts inside a fresh cgroup v1 memory group of that
 limit (the whole process charged, page cache included), the store's files dropped from the page cache
@@ -11,7 +11,8 @@ first. Once it answers, `--requests` completions are sent at once, each a prompt
 `--prompt-tokens` tokens (a text repeated, cut by the store's tokenizer) and `max_tokens`
 `--max-tokens`, greedy. Reported per server: whether the limit killed it (exit 137 or -9), the
 requests answered, the seconds until the last answer, how many requests the log says waited for
-memory, the group's peak and how often it hit the limit (memory.failcnt). --before TREE also runs
+memory, the context the log says it serves where shortened, the group's peak and how often it hit
+the limit (memory.failcnt). --serve-args are added to every server's command line. --before TREE also runs
 another source tree (PYTHONPATH=TREE) the same way, after this tree's (run the script from outside
 both trees). Needs Linux, root and the cgroup v1 memory controller.
 """
@@ -83,7 +84,7 @@ def serve_in_limit(args, tree: str | None, run_id: int) -> dict:
         (group / "memory.limit_in_bytes").write_text(str(parse_bytes(args.limit, "--limit")))
         env = f"PYTHONPATH={tree} " if tree else ""
         command = (f"{env}exec {sys.executable} -m edgemoe serve {args.store} --port {port} "
-                   f"--max-batch {args.max_batch} --ram auto")
+                   f"--max-batch {args.max_batch} --ram auto {args.serve_args}")
         with log.open("w") as out:
             server = subprocess.Popen(["sh", "-c", f"echo $$ > {group}/cgroup.procs && {command}"],
                                       stdout=out, stderr=subprocess.STDOUT)
@@ -113,6 +114,8 @@ def serve_in_limit(args, tree: str | None, run_id: int) -> dict:
             "answered": len(answered), "requests": args.requests,
             "seconds_to_last": max((a[2] for a in answered), default=start) - start,
             "completion_tokens": sum(a[1] for a in answered), "waited_for_memory": text.count("waits for memory"),
+            "context": next((line.split("serving a context of ")[1].split(" ")[0] for line in text.splitlines()
+                             if "serving a context of " in line), "the model's"),
             "statuses": sorted({str(a[0]) for a in answers if a is not None}), "peak_bytes": peak,
             "limit_hits": hits, "log_tail": text.splitlines()[-12:]}
 
@@ -125,6 +128,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=1000)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--serve-args", default="", help="more options for every server, e.g. '--context 8192'")
     parser.add_argument("--before", default=None, help="another source tree, run the same way after this one")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
@@ -137,7 +141,7 @@ def main() -> None:
         r = runs[-1]
         print(f"{r['tree']}: {'killed' if r['killed'] else 'alive'}, {r['answered']}/{r['requests']} answered "
               f"({', '.join(r['statuses'])}) in {r['seconds_to_last']:.0f} s, {r['completion_tokens']} tokens; "
-              f"{r['waited_for_memory']} waited for memory; peak {r['peak_bytes'] / 2**20:.0f} MiB, "
+              f"{r['waited_for_memory']} waited for memory; context {r['context']}; peak {r['peak_bytes'] / 2**20:.0f} MiB, "
               f"limit hit {r['limit_hits']} times", flush=True)
     if args.json:
         args.json.write_text(json.dumps(runs, indent=1))
