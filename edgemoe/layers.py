@@ -95,10 +95,82 @@ def attention_mask(q_pos: torch.Tensor, kv_len: int, window: int | None) -> torc
     return mask
 
 
+# Several queries' attention (a prompt chunk) holds their scores whole: with a mask, SDPA on the CPU
+# computes them in float32 and keeps two to five [H, S, L] arrays at once, and with fewer kv heads
+# than query heads it first widens the keys and values to every query head (measured above the level
+# before, 16 query heads of 64 dims over 4 kv heads: 338 MiB for 512 queries against 4,096 positions,
+# 3,291 MiB against 40,960). Where that would pass ATTENTION_BLOCK_BYTES, attend() takes one kv head
+# at a time, its query heads folded into rows over its keys and values as they lie, and the queries in
+# blocks; each output is bit for bit the one call's (tested).
+ATTENTION_BLOCK_BYTES = 64 << 20
+SCORE_COPIES = 5
+# Blocks keep at least this many queries: products of 1-3 rows take other kernels and round differently.
+MIN_BLOCK_QUERIES = 16
+
+
+def attention_peak_bytes(heads: int, kv_heads: int, key_dim: int, queries: int, keys: int) -> int:
+    """The most attend() holds at once for `queries` rows of `heads` heads against `keys` positions
+    of `kv_heads` heads of `key_dim` (a latent cache's values are a slice of its keys)."""
+    whole = _one_call_bytes(heads, kv_heads, key_dim, queries, keys)
+    if whole <= ATTENTION_BLOCK_BYTES:
+        return whole
+    per_call = _heads_per_call(heads, kv_heads)
+    return SCORE_COPIES * 4 * per_call * _query_block(per_call, queries, keys) * keys
+
+
+def _one_call_bytes(heads: int, kv_heads: int, key_dim: int, queries: int, keys: int) -> int:
+    widened = 4 * heads * keys * 2 * key_dim if kv_heads < heads else 0
+    return SCORE_COPIES * 4 * heads * queries * keys + widened
+
+
+def _heads_per_call(heads: int, kv_heads: int) -> int:
+    """Query heads a blocked call takes: a kv head's group (none widened), or all where each query
+    head has its own kv head (nothing to widen; a call per head would round differently)."""
+    return heads if kv_heads == heads else heads // kv_heads
+
+
+def _query_block(heads: int, queries: int, keys: int) -> int:
+    """Queries a call of `heads` heads takes at once: equal blocks (no small last one) whose scores fit
+    ATTENTION_BLOCK_BYTES, at least MIN_BLOCK_QUERIES."""
+    rows = max(MIN_BLOCK_QUERIES, ATTENTION_BLOCK_BYTES // (SCORE_COPIES * 4 * heads * keys))
+    blocks = -(-queries // rows)
+    return -(-queries // blocks)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
            scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [S, H, Dk], k [K, L, Dk], v [K, L, Dv] -> [S, H*Dv] (grouped-query attention; scale None =
-    1/sqrt(Dk)); sinks [H]: a per-head logit that joins each softmax and is dropped after it."""
+    1/sqrt(Dk)); sinks [H]: a per-head logit that joins each softmax and is dropped after it. mask:
+    [S, L] or [H, S, L], True (or 0) where a query sees a key. Large ones go by kv head and block of
+    queries (ATTENTION_BLOCK_BYTES)."""
+    (S, H, Dk), (K, L) = q.shape, k.shape[:2]
+    if _one_call_bytes(H, K, Dk, S, L) <= ATTENTION_BLOCK_BYTES:
+        return _attend(q, k, v, mask, scale, sinks)
+    group, Dv = _heads_per_call(H, K), v.shape[-1]
+    rows = _query_block(group, S, L)
+    out = torch.empty(S, H, Dv, dtype=q.dtype)
+    for g in range(H // group):
+        heads = slice(g * group, (g + 1) * group)
+        for i in range(0, S, rows):
+            n = min(rows, S - i)
+            block = None if mask is None else mask[heads, i:i + n] if mask.dim() == 3 else mask[i:i + n]
+            if K == H:                # every head in the call, over the cache as it lies
+                part = _attend(q[i:i + n], k, v, block, scale, sinks).view(n, H, Dv)
+            elif sinks is not None:   # a sink per head: the heads stay heads, over a view of the kv head
+                part = _attend(q[i:i + n, heads], k[g:g + 1].expand(group, -1, -1),
+                               v[g:g + 1].expand(group, -1, -1), block, scale, sinks[heads]).view(n, group, Dv)
+            else:                     # the heads as rows: [1, group * n] queries against the kv head
+                folded = q[i:i + n, heads].transpose(0, 1).reshape(1, group * n, Dk)
+                rows_mask = None if block is None else block.reshape(group * n, L) if block.dim() == 3 else \
+                    block.repeat(group, 1)
+                part = F.scaled_dot_product_attention(folded, k[g:g + 1], v[g:g + 1], attn_mask=rows_mask,
+                                                      scale=scale).view(group, n, Dv).transpose(0, 1)
+            out[i:i + n, heads] = part
+    return out.reshape(S, H * Dv)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+            scale: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
     if sinks is not None:
         return attend_with_sinks(q, k, v, mask, scale, sinks)
     if q.shape[0] == 1 and mask is None:

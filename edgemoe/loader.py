@@ -30,6 +30,7 @@ from .dense import (DENSE_BITS, GROUP_SIZE, QuantizedLinear, dense_bits_for, qua
 from .generate import GenerationOptions
 from .kernels.ops import kernels_compiled
 from .kv_cache import KV_DTYPES
+from .layers import attention_peak_bytes
 from .experts import DenseExpert, ExpertProvider, InMemoryExperts, expert_activations
 from .model import MoEModel
 from .seq2seq import Seq2SeqModel
@@ -455,14 +456,16 @@ def kv_cache_bytes(spec: ModelSpec, tokens: int, dtype: torch.dtype = torch.floa
 
 def activation_bytes(spec: ModelSpec, tokens: int, score_windows: bool = False) -> int:
     """One sequence's float32 activations in its largest step against `tokens` of context: a few
-    hidden-sized tensors per token of the step, its logits, and the attention scores with their
-    softmax. Generating, the step is a prefill chunk whose last token alone gets logits
+    hidden-sized tensors per token of the step, its logits, and what its attention holds at once
+    (edgemoe.layers.attention_peak_bytes: a block of scores, keys and values widened). Generating, the step is a prefill chunk whose last token alone gets logits
     (MoEModel.next_logits); scoring windows (score_windows, edgemoe.evaluate), the step is the whole
     window and every position's logits are kept beside their log-softmax."""
     step = tokens if score_windows else min(tokens, GenerationOptions().prefill_chunk)
     logit_rows = 2 * step if score_windows else 1
     widest = max(spec.hidden_size, spec.expert_hidden, spec.num_heads * spec.head_dim)
-    return 4 * (logit_rows * spec.vocab_size + step * (8 * widest + 2 * spec.num_heads * tokens))
+    kv_heads, key_dim, _ = spec.cache_layout
+    return (4 * (logit_rows * spec.vocab_size + step * 8 * widest)
+            + attention_peak_bytes(spec.num_heads, kv_heads, key_dim, step, tokens))
 
 
 def step_row_bytes(spec: ModelSpec, tokens: int) -> int:

@@ -54,3 +54,36 @@ def test_latent_attention_is_attention_over_the_expanded_keys_and_values(tiny_mo
         expected.append(torch.softmax(scores, dim=-1) @ (latent @ kv_b[h, N:].T))
     assert got.shape == (queries, H * Dv)
     assert torch.allclose(got.double(), torch.stack(expected, dim=1).reshape(queries, H * Dv), atol=1e-5)
+
+
+@pytest.mark.parametrize("heads, kv_heads, key_dim, value_dim, mask_kind", [
+    (16, 4, 32, 32, "causal"), (8, 8, 16, 16, "window"), (6, 1, 40, 32, "causal"),   # GQA, MHA, latent-like
+    (4, 4, 16, 16, "bias"),                                                           # a per-head float bias
+    (8, 2, 16, 16, "sinks")])
+def test_a_large_attention_goes_by_kv_head_and_query_block_with_the_one_calls_result(
+        monkeypatch, heads, kv_heads, key_dim, value_dim, mask_kind):
+    """Past ATTENTION_BLOCK_BYTES attend() takes one kv head's query heads at a time, in blocks of
+    queries; every output must be bit for bit the single call's."""
+    from edgemoe import layers
+    g = torch.Generator().manual_seed(heads + kv_heads)
+    queries, keys = 100, 300
+    q = torch.randn(queries, heads, key_dim, generator=g)
+    k = torch.randn(kv_heads, keys, key_dim, generator=g)
+    v = k[..., :value_dim] if key_dim != value_dim else torch.randn(kv_heads, keys, value_dim, generator=g)
+    positions = torch.arange(keys - queries, keys)
+    mask = attention_mask(positions, keys, 50 if mask_kind == "window" else None)
+    if mask_kind == "bias":
+        mask = torch.randn(heads, queries, keys, generator=g).masked_fill(~mask, float("-inf"))
+    sinks = torch.randn(heads, generator=g) if mask_kind == "sinks" else None
+    whole = attend(q, k, v, mask, 0.2, sinks)
+    monkeypatch.setattr(layers, "ATTENTION_BLOCK_BYTES", 1 << 16)   # blocks of at least 16 queries
+    assert layers._query_block(layers._heads_per_call(heads, kv_heads), queries, keys) < queries
+    assert torch.equal(attend(q, k, v, mask, 0.2, sinks), whole)
+
+
+def test_a_long_prompt_chunks_attention_is_bounded_by_the_block():
+    from edgemoe.layers import ATTENTION_BLOCK_BYTES, attention_peak_bytes
+    assert attention_peak_bytes(16, 4, 64, 512, 256) > 0
+    long = attention_peak_bytes(16, 4, 64, 512, 40960)               # 3.3 GB in one call, measured
+    assert long <= ATTENTION_BLOCK_BYTES
+    assert attention_peak_bytes(16, 4, 64, 512, 1 << 20) > ATTENTION_BLOCK_BYTES   # 16 queries at the least
