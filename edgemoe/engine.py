@@ -114,7 +114,7 @@ class MemoryAdmission:
 
     def need(self, generation: Generation) -> int:
         """Bytes the generation will take: its KV cache at its final length, at most twice that (the
-        cache doubles), as --ram auto reserves one; and its decoding token's rows of a step's
+        cache doubles) or the served context, as --ram auto reserves one; and its decoding token's rows of a step's
         activations (step_row_bytes). Its prompt chunks take no more room than the chunk a step
         feeds at most (Engine.step_prompt_tokens), which the first request's took already."""
         return (kv_cache_bytes(self.model.spec, self.final_length(generation), self.model.kv_dtype,

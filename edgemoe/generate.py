@@ -110,8 +110,8 @@ def fit_context(model: MoEModel, prompt_ids: Sequence[int], opts: GenerationOpti
     if n < limit:
         return list(prompt_ids)
     if not opts.truncate:
-        which = ("the model's context is {} (max_position_embeddings)" if limit == model.spec.max_position_embeddings
-                 else "the served context is {} (--context)").format(limit)
+        which = (f"the model's context is {limit} (max_position_embeddings)"
+                 if limit == model.spec.max_position_embeddings else f"the served context is {limit} (--context)")
         raise ContextLengthError(f"the prompt has {n} tokens and {which}: shorten it, or truncate it from the left "
                                  f"(--truncate, truncate=True)")
     keep = limit - min(max(opts.max_new_tokens, 1), limit // 2)

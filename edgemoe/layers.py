@@ -153,7 +153,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         heads = slice(g * group, (g + 1) * group)
         for i in range(0, S, rows):
             n = min(rows, S - i)
-            block = None if mask is None else mask[heads, i:i + n] if mask.dim() == 3 else mask[i:i + n]
+            block = _mask_block(mask, heads, i, n)
             if K == H:                # every head in the call, over the cache as it lies
                 part = _attend(q[i:i + n], k, v, block, scale, sinks).view(n, H, Dv)
             elif sinks is not None:   # a sink per head: the heads stay heads, over a view of the kv head
@@ -161,12 +161,25 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
                                v[g:g + 1].expand(group, -1, -1), block, scale, sinks[heads]).view(n, group, Dv)
             else:                     # the heads as rows: [1, group * n] queries against the kv head
                 folded = q[i:i + n, heads].transpose(0, 1).reshape(1, group * n, Dk)
-                rows_mask = None if block is None else block.reshape(group * n, L) if block.dim() == 3 else \
-                    block.repeat(group, 1)
-                part = F.scaled_dot_product_attention(folded, k[g:g + 1], v[g:g + 1], attn_mask=rows_mask,
+                part = F.scaled_dot_product_attention(folded, k[g:g + 1], v[g:g + 1],
+                                                      attn_mask=_folded_mask(block, group, n, L),
                                                       scale=scale).view(group, n, Dv).transpose(0, 1)
             out[i:i + n, heads] = part
     return out.reshape(S, H * Dv)
+
+
+def _mask_block(mask: torch.Tensor | None, heads: slice, start: int, n: int) -> torch.Tensor | None:
+    """Queries start..start+n-1 of a [S, L] mask, or of `heads` of an [H, S, L] one."""
+    if mask is None:
+        return None
+    return mask[heads, start:start + n] if mask.dim() == 3 else mask[start:start + n]
+
+
+def _folded_mask(block: torch.Tensor | None, group: int, n: int, keys: int) -> torch.Tensor | None:
+    """A block's mask for its `group` heads folded into rows ([group * n, L], head-major)."""
+    if block is None:
+        return None
+    return block.reshape(group * n, keys) if block.dim() == 3 else block.repeat(group, 1)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

@@ -354,17 +354,17 @@ def served_context(path: str | os.PathLike, requested: int | None, store: StoreO
     facts = read_memory_facts(root)
     if facts.available is None:
         return ServedContext(whole, "the model's context (free memory unknown)")
+    needs = run_needs(manifest, dtype, dense_bits, whole, 1, kv_dtype, cap_context=True)
     shorter = [MIN_AUTO_CONTEXT << k for k in range(whole.bit_length()) if MIN_AUTO_CONTEXT << k < whole]
     for tokens in [whole, *reversed(shorter)]:
-        needs = run_needs(manifest, dtype, dense_bits, tokens, 1, kv_dtype, cap_context=True)
-        if ram_budget(facts, manifest.expert_bytes, needs)[0] >= manifest.expert_bytes:
+        at = {**needs, **sequence_needs(spec, tokens, kv_dtype, cap_context=True)}
+        if ram_budget(facts, manifest.expert_bytes, at)[0] >= manifest.expert_bytes:
             break
     else:
         tokens = min(whole, MIN_AUTO_CONTEXT)
     if tokens == whole:
         return ServedContext(whole, "the model's context")
-    at_whole = run_needs(manifest, dtype, dense_bits, whole, 1, kv_dtype, cap_context=True)
-    reserved = at_whole["kv_cache"] + at_whole["activations"]
+    reserved = needs["kv_cache"] + needs["activations"]
     return ServedContext(tokens, f"--context auto: one sequence at the model's {whole} tokens would reserve "
                                  f"{reserved / 2**20:.0f} MiB (its KV cache, a prompt chunk's attention) that "
                                  f"caching experts can use; --context {whole} serves it whole", shortened=True)
@@ -398,13 +398,21 @@ def run_needs(manifest: Manifest, dtype: torch.dtype | None, dense_bits: int | s
     own context is)."""
     spec = manifest.spec
     tokens = min(context or spec.max_position_embeddings, spec.max_position_embeddings)
-    limit = tokens if cap_context else spec.max_position_embeddings
+    sequence = sequence_needs(spec, tokens, kv_dtype, score_windows, cap_context)
     return {"dense": dense_bytes(manifest, dtype, dense_bits),
-            "kv_cache": batch * kv_cache_bytes(spec, tokens, KV_DTYPES[kv_dtype], limit),
-            "activations": batch * activation_bytes(spec, tokens, score_windows),
+            **{name: batch * size for name, size in sequence.items()},
             "read_buffers": read_buffer_bytes(manifest),
             "runtime": RUNTIME_GROWTH,
             **({} if kernels_compiled() else {"kernel_compile": KERNEL_COMPILE_GROWTH})}
+
+
+def sequence_needs(spec: ModelSpec, tokens: int, kv_dtype: str = "float32", score_windows: bool = False,
+                   cap_context: bool = False) -> dict[str, int]:
+    """What one sequence of `tokens` takes (run_needs's kv_cache and activations): its KV cache,
+    stopping at `tokens` with cap_context, else at the model's context, and its largest step."""
+    limit = tokens if cap_context else spec.max_position_embeddings
+    return {"kv_cache": kv_cache_bytes(spec, tokens, KV_DTYPES[kv_dtype], limit),
+            "activations": activation_bytes(spec, tokens, score_windows)}
 
 
 def dense_bytes(manifest: Manifest, dtype: torch.dtype | None, dense_bits: int | str | None) -> int:
