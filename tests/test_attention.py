@@ -87,3 +87,15 @@ def test_a_long_prompt_chunks_attention_is_bounded_by_the_block():
     long = attention_peak_bytes(16, 4, 64, 512, 40960)               # 3.3 GB in one call, measured
     assert long <= ATTENTION_BLOCK_BYTES
     assert attention_peak_bytes(16, 4, 64, 512, 1 << 20) > ATTENTION_BLOCK_BYTES   # 16 queries at the least
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompt_gives_the_same_logits_with_its_attention_blocked(tiny_model, monkeypatch, dtype):
+    """The whole model, dense weights in each dtype: a 120-token prompt's logits are bit for bit the
+    same whether each layer's attention runs as one call or by kv head and block of queries."""
+    from edgemoe import layers
+    model = edgemoe.load(tiny_model("mixtral", max_position_embeddings=256), dtype=dtype)
+    prompt = list(range(3, 123))
+    whole = model.logits(prompt)
+    monkeypatch.setattr(layers, "ATTENTION_BLOCK_BYTES", 1 << 12)
+    assert torch.equal(model.logits(prompt), whole)
