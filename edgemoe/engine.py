@@ -12,8 +12,10 @@ The engine knows nothing of HTTP: `submit` returns a Request whose `events()` yi
 token ids and the text that is safe to show, then a final one with the finish reason).
 
 Requests join in the order submitted, while fewer than `max_batch` are active and, but for the
-first, while what they will take fits in memory (MemoryAdmission): a request waits rather than grow
-the process past its memory limit.
+first, while what they will take next fits in memory (MemoryAdmission): a request waits rather than
+grow the process past its memory limit. Where the active ones' next growth no longer fits, the one
+that joined last is paused: its KV cache dropped, it waits again at the head of the queue and
+recomputes its cache from its prompt and output when it rejoins.
 
 Shapes: T tokens in a step (the sum over active requests), V vocab, B active requests.
 """
@@ -42,6 +44,12 @@ log = logging.getLogger(__name__)
 # for the next step (docs/scheduling.md, "Serving inside a memory limit": 392-415 MiB against
 # 597-653 for three 1,000-token prompts, in the same time).
 STEP_PROMPT_TOKENS = 512
+
+# Tokens past where a request is (prompt and output so far) that admission counts its KV cache to,
+# where its final length is further (MemoryAdmission.committed_length). A request without max_tokens
+# may run to the served context, but most end long before: counted there, it would keep others
+# waiting for memory it may never take; counted this far ahead, pausing covers the rest.
+ADMISSION_HORIZON = 512
 
 
 @dataclass
@@ -113,21 +121,27 @@ class MemoryAdmission:
         self.model, self.memory_root = model, memory_root
 
     def need(self, generation: Generation) -> int:
-        """Bytes the generation will take: its KV cache at its final length, at most twice that (the
-        cache doubles) or the served context, as --ram auto reserves one; and its decoding token's rows of a step's
-        activations (step_row_bytes). Its prompt chunks take no more room than the chunk a step
-        feeds at most (Engine.step_prompt_tokens), which the first request's took already."""
-        return (kv_cache_bytes(self.model.spec, self.final_length(generation), self.model.kv_dtype,
+        """Bytes the generation will take next: its KV cache at its committed length, at most twice that
+        (the cache doubles) or the served context, as --ram auto reserves one; and its decoding
+        token's rows of a step's activations (step_row_bytes). Its prompt chunks take no more room
+        than the chunk a step feeds at most (Engine.step_prompt_tokens), which the first request's
+        took already."""
+        return (kv_cache_bytes(self.model.spec, self.committed_length(generation), self.model.kv_dtype,
                                self.model.context_length)
                 + step_row_bytes(self.model.spec, 1))
 
     def future(self, generation: Generation) -> int:
-        """Bytes an admitted generation will still allocate: its opened KV cache's growth to its final
-        length, all of `need` before its first step (or for a state that is not a KVCache)."""
+        """Bytes an admitted generation will still allocate: its opened KV cache's growth to its
+        committed length, all of `need` before its first step (or for a state that is not a KVCache)."""
         state = generation.feed.state if generation.feed is not None else None
         if isinstance(state, KVCache):
-            return state.growth_to(self.final_length(generation))
+            return state.growth_to(self.committed_length(generation))
         return self.need(generation)
+
+    def released_by_pausing(self, generation: Generation) -> int:
+        """Room that pausing an active generation makes: its KV cache's bytes and its future."""
+        state = generation.feed.state if generation.feed is not None else None
+        return (state.nbytes if isinstance(state, KVCache) else 0) + self.future(generation)
 
     def room(self, active: Sequence[Generation]) -> int | None:
         """Bytes one more request may take now (None: memory unknown, no limit applies)."""
@@ -139,6 +153,13 @@ class MemoryAdmission:
     @staticmethod
     def final_length(generation: Generation) -> int:
         return min(len(generation.prompt) + generation.opts.max_new_tokens, generation.context_length)
+
+    @classmethod
+    def committed_length(cls, generation: Generation) -> int:
+        """The length its KV cache is counted at: its final length, or ADMISSION_HORIZON tokens past
+        where it is now where that is nearer."""
+        now = len(generation.prompt) + len(generation.output)
+        return min(cls.final_length(generation), now + ADMISSION_HORIZON)
 
     def _unfilled_tier(self) -> int:
         """The RAM tier's capacity not yet taken by experts: it fills as they are read."""
@@ -152,7 +173,8 @@ class MemoryAdmission:
 class Engine:
     """Owns `model`: call step() yourself (tests) or start() a thread that steps whenever there is
     work. `max_batch` requests at most share a step, and only as many as fit in memory (MemoryAdmission,
-    read under `memory_root`); the others wait in order of submission."""
+    read under `memory_root`); the others wait in order of submission, and the last to join is paused
+    where the active ones' growth no longer fits (_pause_for_memory)."""
 
     def __init__(self, model: MoEModel, max_batch: int = 16, memory_root: str | os.PathLike = "/",
                  step_prompt_tokens: int = STEP_PROMPT_TOKENS):
@@ -209,6 +231,7 @@ class Engine:
         self.active = [r for r in self.active if r.finish_reason is None]
         if not self.active:
             return False
+        self._pause_for_memory()
         try:
             running = self._this_step()
             prompted = any(len(r.generation.feed.pending) > 1 for r in running)
@@ -259,6 +282,30 @@ class Engine:
             self._held.popleft()
             self._told_waiting.discard(request.id)
             self.active.append(request)
+
+    def _pause_for_memory(self) -> None:
+        """While more than one request is active and their next growth does not fit (room below zero),
+        pause the one that joined last: its state dropped, it waits again at the head of the queue and
+        rejoins by the admission rule, recomputing its state from its prompt and output. Only a KV
+        cache is dropped: a request holding other state (an encoder-decoder's) is not paused."""
+        room = self.memory.room([r.generation for r in self.active]) if len(self.active) > 1 else None
+        paused = []
+        while room is not None and room < 0 and len(self.active) > 1:
+            pausable = [r for r in self.active[1:] if r.generation.feed is None
+                        or isinstance(r.generation.feed.state, KVCache)]
+            if not pausable:
+                break
+            request = pausable[-1]
+            room += self.memory.released_by_pausing(request.generation)
+            paused.append(request)
+            self.active.remove(request)
+            self._held.appendleft(request)
+            self._told_waiting.add(request.id)          # the line below says it waits
+            log.info("request %d paused for memory after %d tokens (%d active left): it resumes, recomputing "
+                     "its KV cache, when room is made", request.id, len(request.output_ids), len(self.active))
+            request.generation.suspend()
+        if paused:
+            return_freed_memory()
 
     def _say_waiting(self, request: Request, need: int, room: int) -> None:
         if request.id not in self._told_waiting:

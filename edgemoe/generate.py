@@ -13,9 +13,10 @@ Drivers: decode (plain decoding of one sequence: stream_tokens, generate, chat),
 serving engine (edgemoe/engine.py: requests joining and leaving between steps), speculative decoding
 (edgemoe/speculative.py: the prompt through decode, then draft-verify rounds whose tokens the
 Generation accepts), beam search (edgemoe/beam.py: a Generation's prompt, context, limit and stop
-tokens, beams fed through forward_step). A model takes part through two methods: open_sequence(prompt)
--> (state, first tokens to feed) and next_logits(runs, states); an encoder-decoder model's open its
-encoder output and feed the decoder's start token (edgemoe/seq2seq.py).
+tokens, beams fed through forward_step). A model takes part through two methods: open_sequence(prompt,
+output) -> (state, first tokens to feed) and next_logits(runs, states); an encoder-decoder model's open
+its encoder output and feed the decoder's start token (edgemoe/seq2seq.py), each followed by the
+output already chosen where a suspended sequence opens again.
 
 Sampling applies temperature, then top-k, then top-p, as transformers' logits warpers do.
 """
@@ -221,12 +222,19 @@ class Generation:
         self.context_length = min(self.context_length, context_length)
 
     def open(self) -> Feed:
-        """Its feed, opened by the model on first use."""
+        """Its feed, opened by the model on first use, and again after `suspend`: the state recomputed
+        from the prompt and the output so far, fed as a prompt is."""
         if self.feed is None:
-            state, first = self.model.open_sequence(self.prompt)
+            state, first = self.model.open_sequence(self.prompt, self.output)
             self.feed = Feed(state, first, self.opts.prefill_chunk)
-            self.limit = min(self.opts.max_new_tokens, self.context_length - len(first))
+            if self.limit is None:
+                self.limit = min(self.opts.max_new_tokens, self.context_length - len(first))
         return self.feed
+
+    def suspend(self) -> None:
+        """Drop its decoding state to free its memory (the serving engine pausing it); its next step
+        opens it again. Its sampler, text stream and limit carry on, so it goes on where it stopped."""
+        self.feed = None
 
     def accept(self, token: int) -> Event:
         """Take the next token, however it was chosen: a stop token ends the sequence unseen, a token

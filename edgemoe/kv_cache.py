@@ -54,6 +54,11 @@ class KVCache:
     def capacity(self) -> int:
         return self._k[0].shape[1]
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes its arrays hold, every layer's keys and values."""
+        return sum(t.nbytes for t in self._k + self._v)
+
     def growth_to(self, length: int) -> int:
         """Bytes this cache will still allocate to hold `length` positions, as _grow grows it: the
         final arrays' growth over today's, plus one layer's old arrays, alive while they are copied."""

@@ -437,9 +437,10 @@ class MoEModel(StoreOwner):
         return out
 
     # ---- the generation loop's entry points (generate.py) -----------------------------------------
-    def open_sequence(self, prompt_ids: Sequence[int]) -> tuple[KVCache, list[int]]:
-        """A new sequence's decoding state (an empty KV cache) and the tokens it feeds first (the prompt)."""
-        return self.new_cache(), list(prompt_ids)
+    def open_sequence(self, prompt_ids: Sequence[int], output_ids: Sequence[int] = ()) -> tuple[KVCache, list[int]]:
+        """A new sequence's decoding state (an empty KV cache) and the tokens it feeds first: the prompt,
+        and the output already chosen where a suspended sequence opens again."""
+        return self.new_cache(), [*prompt_ids, *output_ids]
 
     def next_logits(self, runs: Sequence[Sequence[int]], caches: Sequence[KVCache]) -> torch.Tensor:
         """One forward step: each cache continued by its run of tokens; the float32 logits [len(runs), V]

@@ -285,10 +285,12 @@ class Seq2SeqModel(StoreOwner):
         return weights, experts
 
     # ---- the generation loop's entry points (generate.py) -----------------------------------------
-    def open_sequence(self, prompt_ids: Sequence[int]) -> tuple[DecoderState, list[int]]:
+    def open_sequence(self, prompt_ids: Sequence[int],
+                      output_ids: Sequence[int] = ()) -> tuple[DecoderState, list[int]]:
         """A new sequence's decoding state (the encoder's output over the prompt, read once) and the
-        tokens it feeds first (the decoder's start token)."""
-        return self.start(self.encode(prompt_ids)), [self.stacks.decoder_start_token_id]
+        tokens it feeds first: the decoder's start token, and the output already chosen where a
+        suspended sequence opens again."""
+        return self.start(self.encode(prompt_ids)), [self.stacks.decoder_start_token_id, *output_ids]
 
     def next_logits(self, runs: Sequence[Sequence[int]], states: Sequence[DecoderState]) -> torch.Tensor:
         """Each state's decoder continued by its run of tokens; the float32 logits [len(runs), V] of each

@@ -1,6 +1,7 @@
 """Serving's admission by memory (edgemoe.engine.MemoryAdmission): a request joins the active ones only
-if what it will take fits in what the process may still take, read from a fake /proc tree; one that
-does not waits, then runs with the output it has alone."""
+if what it will take next fits in what the process may still take, read from a fake /proc tree; one
+that does not waits, then runs with the output it has alone; where the active ones' growth no longer
+fits, the last to join is paused and later resumes with the output it would have had alone."""
 
 import math
 from pathlib import Path
@@ -11,9 +12,11 @@ import torch
 import edgemoe
 from edgemoe.bundled import bundled_model_path
 from edgemoe.convert import convert
+from edgemoe import engine as engine_module
 from edgemoe.engine import Engine, MemoryAdmission
 from edgemoe.generate import Generation, GenerationOptions, generate_batch, step
 from edgemoe.kv_cache import KVCache
+from edgemoe.loader import kv_cache_bytes, step_row_bytes
 from edgemoe.store.memory import GROWN_MARGIN_FIXED, GROWN_MARGIN_SHARE
 
 GREEDY = GenerationOptions(max_new_tokens=40, temperature=0.0, stop_token_ids=[])
@@ -116,6 +119,92 @@ def test_a_request_that_does_not_fit_waits_for_the_first_then_runs_as_alone(mode
     run_until_idle(engine)
     assert first.output_ids == generate_batch(model, [prompts[0]], GREEDY)[0]
     assert second.output_ids == generate_batch(model, [prompts[1]], GREEDY)[0]
+
+
+def test_a_request_without_a_near_limit_is_counted_a_horizon_past_where_it_is(model, monkeypatch):
+    """One that may run to the context (a served request without max_tokens) is counted
+    ADMISSION_HORIZON tokens ahead, and its count moves on with its output."""
+    monkeypatch.setattr(engine_module, "ADMISSION_HORIZON", 16)
+    ids = model.tokenizer.encode("ROMEO:")
+    unbounded = Generation(model, ids, GenerationOptions(max_new_tokens=model.context_length, stop_token_ids=[]))
+    admission = MemoryAdmission(model)
+    assert MemoryAdmission.final_length(unbounded) == model.context_length
+    assert MemoryAdmission.committed_length(unbounded) == len(ids) + 16
+    assert admission.need(unbounded) == (kv_cache_bytes(model.spec, len(ids) + 16, model.kv_dtype, model.context_length)
+                                         + step_row_bytes(model.spec, 1))
+    for _ in range(5):
+        step(model, [unbounded])
+    assert MemoryAdmission.committed_length(unbounded) == len(ids) + 5 + 16
+    assert admission.future(unbounded) == unbounded.feed.state.growth_to(len(ids) + 5 + 16)
+    near = Generation(model, ids, GenerationOptions(max_new_tokens=4))
+    assert MemoryAdmission.committed_length(near) == len(ids) + 4
+
+
+def _solo_events(model, prompt, opts):
+    generation = Generation(model, prompt, opts, text=True)
+    events = []
+    while not generation.finished:
+        events += [e for e in step(model, [generation]) if e is not None]
+    return events
+
+
+@pytest.mark.parametrize("dtype, sampled", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
+def test_the_last_to_join_is_paused_when_growth_does_not_fit_and_resumes_as_if_alone(tmp_path, caplog, dtype, sampled):
+    """Two requests decode side by side; the memory read falls below what their growth takes: the
+    second is paused (its cache dropped, back in the queue, no event), the first goes on; once room
+    is made the second recomputes its cache and goes on. Each one's events are those it has alone."""
+    model = edgemoe.load(bundled_model_path(), dtype)
+    opts = (GenerationOptions(max_new_tokens=30, temperature=0.9, top_p=0.95, seed=7, stop_token_ids=[])
+            if sampled else GenerationOptions(max_new_tokens=30, temperature=0.0, stop_token_ids=[]))
+    prompts = [model.tokenizer.encode(p) for p in ("ROMEO:", "To be, or not to be")]
+    root = meminfo_root(tmp_path, 4 << 30)
+    engine = Engine(model, memory_root=root)
+    first, second = (engine.submit(p, opts) for p in prompts)
+    for _ in range(6):
+        engine.step()
+    assert engine.active == [first, second] and len(second.output_ids) == 6   # a token a step
+    meminfo_root(tmp_path, 0)
+    with caplog.at_level("INFO", logger="edgemoe.engine"):
+        for _ in range(8):
+            engine.step()
+            assert engine.active == [first] and second.generation.feed is None and len(second.output_ids) == 6
+    assert [r.getMessage() for r in caplog.records if "paused" in r.getMessage()] == [
+        "request 1 paused for memory after 6 tokens (1 active left): it resumes, recomputing its KV cache, "
+        "when room is made"]
+    meminfo_root(tmp_path, 4 << 30)
+    run_until_idle(engine)
+    for request, prompt in zip((first, second), prompts):
+        events = list(request.events())
+        alone = _solo_events(model, prompt, opts)
+        assert [e.token_ids for e in events] == [e.token_ids for e in alone]
+        assert "".join(e.text for e in events) == "".join(e.text for e in alone)
+        assert events[-1].finish_reason == "length"
+
+
+def test_pausing_stops_at_the_first_request_and_makes_the_room_it_counts(model, tmp_path):
+    """With no room at all every request but the first is paused, the last to join first; each
+    pause adds its cache and its growth to the room; unknown memory pauses none."""
+    root = meminfo_root(tmp_path, 4 << 30)
+    engine = Engine(model, memory_root=root)
+    requests = [engine.submit(model.tokenizer.encode(p), GREEDY) for p in ("ROMEO:", "JULIET:", "To be")]
+    for _ in range(3):
+        engine.step()
+    assert engine.active == requests
+    released = [engine.memory.released_by_pausing(r.generation) for r in requests]
+    cache = requests[2].generation.feed.state
+    assert released[2] == cache.nbytes + cache.growth_to(MemoryAdmission.committed_length(requests[2].generation))
+    room = engine.memory.room([r.generation for r in requests])
+    engine.step()                           # the same memory: room stays >= 0, nobody is paused
+    assert engine.active == requests
+    meminfo_root(tmp_path, 0)
+    engine.step()
+    assert engine.active == requests[:1] and list(engine._held) == requests[1:]
+    assert room > 0 and all(r.generation.feed is None for r in requests[1:])
+    unknown = Engine(model, memory_root=tmp_path / "unknown")
+    spared = [unknown.submit(model.tokenizer.encode(p), GREEDY) for p in ("ROMEO:", "JULIET:")]
+    for _ in range(3):
+        unknown.step()
+    assert unknown.active == spared
 
 
 def test_the_first_request_runs_even_without_room_and_unknown_memory_admits_all(model, tmp_path):

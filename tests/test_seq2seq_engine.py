@@ -8,7 +8,7 @@ import torch
 import edgemoe
 from edgemoe.convert import convert
 from edgemoe.decode import EncoderDecoderEngine
-from edgemoe.generate import GenerationOptions, stream_tokens
+from edgemoe.generate import Generation, GenerationOptions, step, stream_tokens
 from edgemoe.kernels import cpu_seq2seq, int_paths
 from edgemoe.kernels.ops import INT_PATH_ENV
 
@@ -146,3 +146,23 @@ def test_a_decoder_token_is_one_call_a_layer(stores, numba_dispatches, monkeypat
                 + RESIDENT_DISPATCHES["per step"])
     assert dispatcher["calls"] - before == expected
     assert step.count <= TORCH_CALLS_PER_LAYER * layers, step.count
+
+
+def test_a_suspended_generation_opens_again_with_its_output_and_goes_on_as_before(stores):
+    """Generation.suspend drops the decoder's state; the next step encodes the prompt again and feeds
+    the start token and the output so far: the greedy tokens are those of a generation never suspended."""
+    with edgemoe.load(stores["untied"]) as model:
+        ids = model.tokenizer.encode(PROMPT)
+        opts = GenerationOptions(max_new_tokens=10, stop_token_ids=[])
+        whole = Generation(model, ids, opts)
+        while not whole.finished:
+            step(model, [whole])
+        suspended = Generation(model, ids, opts)
+        for _ in range(4):
+            step(model, [suspended])
+        suspended.suspend()
+        assert suspended.feed is None
+        assert suspended.open().pending == [model.stacks.decoder_start_token_id, *suspended.output]
+        while not suspended.finished:
+            step(model, [suspended])
+        assert suspended.output == whole.output and len(whole.output) == 10
