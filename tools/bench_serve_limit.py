@@ -3,18 +3,22 @@
 do the requests take?
 
     python tools/bench_serve_limit.py STORE --limit 1GiB [--requests 8] [--prompt-tokens 1000] \\
-        [--max-tokens 32] [--max-batch 16] [--serve-args "--context 8192"] [--before TREE] [--json OUT]
+        [--max-tokens 32] [--temperature 0] [--stop STR ...] [--max-batch 16] [--serve-args "--context 8192"] \\
+        [--before TREE] [--rounds 1] [--json OUT]
 
 The server (`edgemoe serve STORE --ram auto`) starts inside a fresh cgroup v1 memory group of that
 limit (the whole process charged, page cache included), the store's files dropped from the page cache
 first. Once it answers, `--requests` completions are sent at once, each a prompt of about
 `--prompt-tokens` tokens (a text repeated, cut by the store's tokenizer) and `max_tokens`
-`--max-tokens`, greedy. Reported per server: whether the limit killed it (exit 137 or -9), the
-requests answered, the seconds until the last answer, how many requests the log says waited for
-memory, the context the log says it serves where shortened, the group's peak and how often it hit
-the limit (memory.failcnt). --serve-args are added to every server's command line. --before TREE also runs
-another source tree (PYTHONPATH=TREE) the same way, after this tree's (run the script from outside
-both trees). Needs Linux, root and the cgroup v1 memory controller.
+`--max-tokens`, greedy, or at `--temperature` with request i's seed i, ending at any `--stop`
+string: with `--max-tokens` at the served context, answers whose lengths the server cannot know
+ahead, as a chat client's without max_tokens. Reported per server: whether the
+limit killed it (exit 137 or -9), the requests answered, the seconds until the last answer and
+to an answer on average, each answer's tokens, how many times the log says a request waited for memory or was paused, the
+context the log says it serves where shortened, the group's peak and how often it hit the limit
+(memory.failcnt). --serve-args are added to every server's command line. --before TREE also runs
+another source tree (PYTHONPATH=TREE) the same way, after this tree's, `--rounds` times, alternated
+(run the script from outside both trees). Needs Linux, root and the cgroup v1 memory controller.
 """
 
 from __future__ import annotations
@@ -93,8 +97,8 @@ def serve_in_limit(args, tree: str | None, run_id: int) -> dict:
             answers: list = [None] * args.requests
             start = time.time()
             if up:
-                body = {"prompt": args.prompt, "max_tokens": args.max_tokens, "temperature": 0}
-                threads = [threading.Thread(target=post, args=(base + "/v1/completions", body, answers, i))
+                threads = [threading.Thread(target=post, args=(base + "/v1/completions", request_body(args, i),
+                                                               answers, i))
                            for i in range(args.requests)]
                 for t in threads:
                     t.start()
@@ -113,11 +117,19 @@ def serve_in_limit(args, tree: str | None, run_id: int) -> dict:
     return {"tree": tree or "this", "limit": args.limit, "up": up, "killed": killed,
             "answered": len(answered), "requests": args.requests,
             "seconds_to_last": max((a[2] for a in answered), default=start) - start,
-            "completion_tokens": sum(a[1] for a in answered), "waited_for_memory": text.count("waits for memory"),
+            "mean_seconds_to_answer": sum(a[2] - start for a in answered) / max(len(answered), 1),
+            "completion_tokens": sum(a[1] for a in answered), "answer_tokens": [a[1] if a else None for a in answers],
+            "waited_for_memory": text.count("waits for memory"), "paused": text.count("paused for memory"),
             "context": next((line.split("serving a context of ")[1].split(" ")[0] for line in text.splitlines()
                              if "serving a context of " in line), "the model's"),
             "statuses": sorted({str(a[0]) for a in answers if a is not None}), "peak_bytes": peak,
             "limit_hits": hits, "log_tail": text.splitlines()[-12:]}
+
+
+def request_body(args, i: int) -> dict:
+    body = {"prompt": args.prompt, "temperature": args.temperature, "max_tokens": args.max_tokens,
+            "seed": i if args.temperature > 0 else None, "stop": args.stop or None}
+    return {k: v for k, v in body.items() if v is not None}
 
 
 def main() -> None:
@@ -127,22 +139,28 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=1000)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeat for more)")
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--serve-args", default="", help="more options for every server, e.g. '--context 8192'")
     parser.add_argument("--before", default=None, help="another source tree, run the same way after this one")
+    parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     if not (CGROUP_V1_MEMORY / "cgroup.procs").exists():
         raise SystemExit(f"no cgroup v1 memory controller at {CGROUP_V1_MEMORY}")
     args.prompt = prompt_of(args.store, args.prompt_tokens)
     runs = []
-    for run_id, tree in enumerate([None] + ([args.before] if args.before else [])):
+    trees = [None] + ([args.before] if args.before else [])
+    for run_id, tree in enumerate(trees * args.rounds):
         runs.append(serve_in_limit(args, tree, run_id))
         r = runs[-1]
         print(f"{r['tree']}: {'killed' if r['killed'] else 'alive'}, {r['answered']}/{r['requests']} answered "
-              f"({', '.join(r['statuses'])}) in {r['seconds_to_last']:.0f} s, {r['completion_tokens']} tokens; "
-              f"{r['waited_for_memory']} waited for memory; context {r['context']}; peak {r['peak_bytes'] / 2**20:.0f} MiB, "
-              f"limit hit {r['limit_hits']} times", flush=True)
+              f"({', '.join(r['statuses'])}) in {r['seconds_to_last']:.0f} s (mean {r['mean_seconds_to_answer']:.0f} s), "
+              f"{r['completion_tokens']} tokens "
+              f"{r['answer_tokens']}; {r['waited_for_memory']} waited for memory, {r['paused']} paused; "
+              f"context {r['context']}; peak {r['peak_bytes'] / 2**20:.0f} MiB, limit hit {r['limit_hits']} times",
+              flush=True)
     if args.json:
         args.json.write_text(json.dumps(runs, indent=1))
 
