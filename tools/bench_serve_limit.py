@@ -12,13 +12,13 @@ first. Once it answers, `--requests` completions are sent at once, each a prompt
 `--prompt-tokens` tokens (a text repeated, cut by the store's tokenizer) and `max_tokens`
 `--max-tokens`, greedy, or at `--temperature` with request i's seed i, ending at any `--stop`
 string: with `--max-tokens` at the served context, answers whose lengths the server cannot know
-ahead, as a chat client's without max_tokens. Reported per server: whether the
-limit killed it (exit 137 or -9), the requests answered, the seconds until the last answer and
-to an answer on average, each answer's tokens, how many times the log says a request waited for memory or was paused, the
-context the log says it serves where shortened, the group's peak and how often it hit the limit
-(memory.failcnt). --serve-args are added to every server's command line. --before TREE also runs
-another source tree (PYTHONPATH=TREE) the same way, after this tree's, `--rounds` times, alternated
-(run the script from outside both trees). Needs Linux, root and the cgroup v1 memory controller.
+ahead, as a chat client's without max_tokens. Reported per server: whether the limit killed it
+(exit 137 or -9), the requests answered, the seconds until the last answer and to an answer on
+average, each answer's tokens, how many times the log says a request waited for memory or was
+paused, the context the log says it serves where shortened, the group's peak and how often it hit
+the limit (memory.failcnt). --serve-args are added to every server's command line. --before TREE
+also runs another source tree (PYTHONPATH=TREE) the same way, after this tree's, `--rounds` times,
+alternated (run the script from outside both trees). Needs Linux, root and the cgroup v1 memory controller.
 """
 
 from __future__ import annotations
