@@ -113,8 +113,9 @@ class Request:
 
 class MemoryAdmission:
     """Whether one more request fits in memory beside the active ones (docs/architecture.md, "Admission
-    by memory"): what it will take (need) against what the process may still take, read now, less
-    the RAM tier's room not yet filled, what the active requests will still allocate, and a margin
+    by memory, and pausing for it"): what it will take next (need) against what the process may still
+    take, read now, less the RAM tier's room not yet filled, what the active requests will still
+    allocate, and a margin
     (room). Memory under `memory_root` (tests pass a fake tree)."""
 
     def __init__(self, model: MoEModel, memory_root: str | os.PathLike = "/"):
