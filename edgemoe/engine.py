@@ -115,8 +115,7 @@ class MemoryAdmission:
     """Whether one more request fits in memory beside the active ones (docs/architecture.md, "Admission
     by memory, and pausing for it"): what it will take next (need) against what the process may still
     take, read now, less the RAM tier's room not yet filled, what the active requests will still
-    allocate, and a margin
-    (room). Memory under `memory_root` (tests pass a fake tree)."""
+    allocate, and a margin (room). Memory under `memory_root` (tests pass a fake tree)."""
 
     def __init__(self, model: MoEModel, memory_root: str | os.PathLike = "/"):
         self.model, self.memory_root = model, memory_root
