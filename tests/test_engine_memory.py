@@ -15,6 +15,7 @@ from edgemoe.convert import convert
 from edgemoe import engine as engine_module
 from edgemoe.engine import Engine, MemoryAdmission
 from edgemoe.generate import Generation, GenerationOptions, generate_batch, step
+from edgemoe.kernels.ops import INT_PATH_ENV, int_paths
 from edgemoe.kv_cache import KVCache
 from edgemoe.loader import kv_cache_bytes, step_row_bytes
 from edgemoe.store.memory import GROWN_MARGIN_FIXED, GROWN_MARGIN_SHARE
@@ -148,14 +149,10 @@ def _solo_events(model, prompt, opts):
     return events
 
 
-@pytest.mark.parametrize("dtype, sampled", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
-def test_the_last_to_join_is_paused_when_growth_does_not_fit_and_resumes_as_if_alone(tmp_path, caplog, dtype, sampled):
+def _pause_and_resume(model, tmp_path, caplog, opts) -> None:
     """Two requests decode side by side; the memory read falls below what their growth takes: the
     second is paused (its cache dropped, back in the queue, no event), the first goes on; once room
     is made the second recomputes its cache and goes on. Each one's events are those it has alone."""
-    model = edgemoe.load(bundled_model_path(), dtype)
-    opts = (GenerationOptions(max_new_tokens=30, temperature=0.9, top_p=0.95, seed=7, stop_token_ids=[])
-            if sampled else GenerationOptions(max_new_tokens=30, temperature=0.0, stop_token_ids=[]))
     prompts = [model.tokenizer.encode(p) for p in ("ROMEO:", "To be, or not to be")]
     root = meminfo_root(tmp_path, 4 << 30)
     engine = Engine(model, memory_root=root)
@@ -179,6 +176,33 @@ def test_the_last_to_join_is_paused_when_growth_does_not_fit_and_resumes_as_if_a
         assert [e.token_ids for e in events] == [e.token_ids for e in alone]
         assert "".join(e.text for e in events) == "".join(e.text for e in alone)
         assert events[-1].finish_reason == "length"
+
+
+@pytest.mark.parametrize("dtype, sampled", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
+def test_the_last_to_join_is_paused_when_growth_does_not_fit_and_resumes_as_if_alone(tmp_path, caplog, dtype, sampled):
+    opts = (GenerationOptions(max_new_tokens=30, temperature=0.9, top_p=0.95, seed=7, stop_token_ids=[])
+            if sampled else GenerationOptions(max_new_tokens=30, temperature=0.0, stop_token_ids=[]))
+    _pause_and_resume(edgemoe.load(bundled_model_path(), dtype), tmp_path, caplog, opts)
+
+
+@pytest.fixture(scope="module")
+def int4_store(tmp_path_factory):
+    store = tmp_path_factory.mktemp("paused") / "int4"
+    convert(bundled_model_path(), store, bits=4)
+    return store
+
+
+@pytest.mark.parametrize("path", int_paths())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_paused_request_of_a_store_resumes_as_if_alone_on_every_integer_path(int4_store, tmp_path, caplog,
+                                                                               monkeypatch, path, dtype):
+    """The same on an INT4 store as the commands load it (the decode engine, integer expert kernels):
+    the recomputed cache is fed as a prompt is, the tokens after it decoded one a step, on every
+    integer path this CPU runs, in either dense dtype."""
+    monkeypatch.setenv(INT_PATH_ENV, path)
+    with edgemoe.load(int4_store, dtype, dense_bits="auto") as model:
+        _pause_and_resume(model, tmp_path, caplog, GenerationOptions(max_new_tokens=30, temperature=0.0,
+                                                                     stop_token_ids=[]))
 
 
 def test_pausing_stops_at_the_first_request_and_makes_the_room_it_counts(model, tmp_path):

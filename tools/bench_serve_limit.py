@@ -147,6 +147,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
     if not (CGROUP_V1_MEMORY / "cgroup.procs").exists():
         raise SystemExit(f"no cgroup v1 memory controller at {CGROUP_V1_MEMORY}")
     args.prompt = prompt_of(args.store, args.prompt_tokens)
