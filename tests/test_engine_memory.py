@@ -194,15 +194,32 @@ def int4_store(tmp_path_factory):
 
 @pytest.mark.parametrize("path", int_paths())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_paused_request_of_a_store_resumes_as_if_alone_on_every_integer_path(int4_store, tmp_path, caplog,
-                                                                               monkeypatch, path, dtype):
-    """The same on an INT4 store as the commands load it (the decode engine, integer expert kernels):
-    the recomputed cache is fed as a prompt is, the tokens after it decoded one a step, on every
-    integer path this CPU runs, in either dense dtype."""
+def test_a_paused_request_of_a_store_resumes_from_its_prompt_and_output_on_every_integer_path(
+        int4_store, tmp_path, monkeypatch, path, dtype):
+    """On an INT4 store as the commands load it (the decode engine, integer expert kernels), on every
+    integer path this CPU runs, in either dense dtype: the paused request waits until the first ends,
+    then goes on as a request whose prompt is its prompt and the tokens it had, fed as a prompt is,
+    with no token lost or sent twice. (Its tokens before the pause, decoded beside the first's, are
+    not compared with a run alone: a step of several tokens rounds its attention in other last bits
+    than the one-token decode engine.)"""
     monkeypatch.setenv(INT_PATH_ENV, path)
+    opts = GenerationOptions(max_new_tokens=30, temperature=0.0, stop_token_ids=[])
     with edgemoe.load(int4_store, dtype, dense_bits="auto") as model:
-        _pause_and_resume(model, tmp_path, caplog, GenerationOptions(max_new_tokens=30, temperature=0.0,
-                                                                     stop_token_ids=[]))
+        prompts = [model.tokenizer.encode(p) for p in ("ROMEO:", "To be, or not to be")]
+        engine = Engine(model, memory_root=meminfo_root(tmp_path, 4 << 30))
+        first, second = (engine.submit(p, opts) for p in prompts)
+        for _ in range(6):
+            engine.step()
+        meminfo_root(tmp_path, 0)
+        while first.finish_reason is None:
+            engine.step()
+            assert second.generation.feed is None and len(second.output_ids) == 6
+        had = list(second.output_ids)
+        run_until_idle(engine)
+        events = list(second.events())
+        assert [t for e in events for t in e.token_ids] == second.output_ids and len(second.output_ids) == 30
+        rest = GenerationOptions(max_new_tokens=30 - len(had), temperature=0.0, stop_token_ids=[])
+        assert second.output_ids == had + generate_batch(model, [prompts[1] + had], rest)[0]
 
 
 def test_pausing_stops_at_the_first_request_and_makes_the_room_it_counts(model, tmp_path):
