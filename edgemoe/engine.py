@@ -6,7 +6,9 @@ sampled last, all in a single forward step, so each expert is read once per step
 (prompt chunks up to `step_prompt_tokens` in all, so that a step's activations stay one chunk's);
 sampling, stop tokens and strings and the token limit are the loop's. Requests join (submit)
 and leave (finish, cancel) between steps; each keeps its own KV cache, random generator, sampling
-options and stop strings, so its output does not depend on which others share its steps.
+options and stop strings, so its output does not depend on which others share its steps (on a
+store, but for the last bits a step of several tokens rounds otherwise than the one-token decode
+engine: docs/architecture.md, "Engine").
 
 The engine knows nothing of HTTP: `submit` returns a Request whose `events()` yield Events (new
 token ids and the text that is safe to show, then a final one with the finish reason).
@@ -111,6 +113,12 @@ class Request:
                 return
 
 
+def opened_kv_cache(generation: Generation) -> KVCache | None:
+    """The generation's KV cache once opened; None before, or for a state that is not a KVCache."""
+    state = generation.feed.state if generation.feed is not None else None
+    return state if isinstance(state, KVCache) else None
+
+
 class MemoryAdmission:
     """Whether one more request fits in memory beside the active ones (docs/architecture.md, "Admission
     by memory, and pausing for it"): what it will take next (need) against what the process may still
@@ -133,15 +141,13 @@ class MemoryAdmission:
     def future(self, generation: Generation) -> int:
         """Bytes an admitted generation will still allocate: its opened KV cache's growth to its
         committed length, all of `need` before its first step (or for a state that is not a KVCache)."""
-        state = generation.feed.state if generation.feed is not None else None
-        if isinstance(state, KVCache):
-            return state.growth_to(self.committed_length(generation))
-        return self.need(generation)
+        cache = opened_kv_cache(generation)
+        return cache.growth_to(self.committed_length(generation)) if cache is not None else self.need(generation)
 
     def released_by_pausing(self, generation: Generation) -> int:
         """Room that pausing an active generation makes: its KV cache's bytes and its future."""
-        state = generation.feed.state if generation.feed is not None else None
-        return (state.nbytes if isinstance(state, KVCache) else 0) + self.future(generation)
+        cache = opened_kv_cache(generation)
+        return (cache.nbytes if cache is not None else 0) + self.future(generation)
 
     def room(self, active: Sequence[Generation]) -> int | None:
         """Bytes one more request may take now (None: memory unknown, no limit applies)."""
@@ -291,8 +297,8 @@ class Engine:
         room = self.memory.room([r.generation for r in self.active]) if len(self.active) > 1 else None
         paused = []
         while room is not None and room < 0 and len(self.active) > 1:
-            pausable = [r for r in self.active[1:] if r.generation.feed is None
-                        or isinstance(r.generation.feed.state, KVCache)]
+            pausable = [r for r in self.active[1:]
+                        if r.generation.feed is None or opened_kv_cache(r.generation) is not None]
             if not pausable:
                 break
             request = pausable[-1]

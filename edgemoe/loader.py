@@ -465,9 +465,10 @@ def kv_cache_bytes(spec: ModelSpec, tokens: int, dtype: torch.dtype = torch.floa
 def activation_bytes(spec: ModelSpec, tokens: int, score_windows: bool = False) -> int:
     """One sequence's float32 activations in its largest step against `tokens` of context: a few
     hidden-sized tensors per token of the step, its logits, and what its attention holds at once
-    (edgemoe.layers.attention_peak_bytes: a block of scores, keys and values widened). Generating, the step is a prefill chunk whose last token alone gets logits
-    (MoEModel.next_logits); scoring windows (score_windows, edgemoe.evaluate), the step is the whole
-    window and every position's logits are kept beside their log-softmax."""
+    (edgemoe.layers.attention_peak_bytes: a block of scores, keys and values widened). Generating,
+    the step is a prefill chunk whose last token alone gets logits (MoEModel.next_logits); scoring
+    windows (score_windows, edgemoe.evaluate), the step is the whole window and every position's
+    logits are kept beside their log-softmax."""
     step = tokens if score_windows else min(tokens, GenerationOptions().prefill_chunk)
     logit_rows = 2 * step if score_windows else 1
     widest = max(spec.hidden_size, spec.expert_hidden, spec.num_heads * spec.head_dim)
