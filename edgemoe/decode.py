@@ -239,10 +239,10 @@ class DecodeEngine:
         return self.tables[l][cpu_layer.SHARED] != 0
 
     def add_shared(self, l: int, h: torch.Tensor, out: torch.Tensor) -> None:
-        """out float32 [1, D] += layer l's shared expert on one token's h [1, D] (computes_shared),
-        gated where the model gates it, in place: the bits moe() and step() add."""
-        cpu_layer.shared_expert_kernel(_int_path(None), self.tables[l], h.numpy()[0], out.numpy()[0],
-                                       cpu.row_blocks())
+        """out float32 [T, D] += layer l's shared expert on each token's h [T, D] (computes_shared),
+        gated where the model gates it, in place: the bits moe() and step() add, a call per token."""
+        for h_row, out_row in zip(h.numpy(), out.numpy()):
+            cpu_layer.shared_expert_kernel(_int_path(None), self.tables[l], h_row, out_row, cpu.row_blocks())
 
     def moe(self, l: int, x: torch.Tensor, h: torch.Tensor, logits: torch.Tensor, layouts: np.ndarray,
             replayed: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,9 +259,13 @@ class DecodeEngine:
         return weights, experts
 
     def choose(self, logits: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The router's choice from the layer's logits [1, E]: (weights [1, A] float32, experts [1, A]),
-        as layers.choose_experts; a router in ROUTERS in one numba call, the one moe() and step() make
-        (softmax, top-k and renormalisation in torch cost ~10 us a layer, most of it per-op overhead)."""
+        """The router's choice from the layer's logits [T, E]: (weights [T, A] float32, experts [T, A]),
+        as layers.choose_experts, each token's as it is chosen alone; a router in ROUTERS in one numba
+        call a token, the one moe() and step() make (softmax, top-k and renormalisation in torch cost
+        ~10 us a layer, most of it per-op overhead)."""
+        if logits.shape[0] != 1:
+            rows = [self.choose(row, bias) for row in logits.split(1)]
+            return torch.cat([w for w, _ in rows]), torch.cat([e for _, e in rows])
         spec = self.spec
         if self.router is None:
             return choose_experts(logits, bias, spec)

@@ -7,8 +7,7 @@ sampled last, all in a single forward step, so each expert is read once per step
 sampling, stop tokens and strings and the token limit are the loop's. Requests join (submit)
 and leave (finish, cancel) between steps; each keeps its own KV cache, random generator, sampling
 options and stop strings, so its output does not depend on which others share its steps (on a
-store, but for the last bits a step of several tokens rounds otherwise than the one-token decode
-engine: docs/architecture.md, "Engine").
+store, bit for bit: docs/architecture.md, "Sequences decoded together").
 
 The engine knows nothing of HTTP: `submit` returns a Request whose `events()` yield Events (new
 token ids and the text that is safe to show, then a final one with the finish reason).

@@ -12,7 +12,7 @@ Shapes: T tokens, D hidden, I expert hidden, E experts, A active experts per tok
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
 from typing import Callable, Protocol
 
@@ -100,6 +100,40 @@ class ExpertBatches:
     pair_tokens: torch.Tensor     # [P] int64: the token index of each pair
     pair_weights: torch.Tensor    # [P] float32: its routing weight
     starts: np.ndarray = field(repr=False, compare=False)   # int64 [A + 1]: expert i's pairs are starts[i]:starts[i + 1]
+    # int64 [P]: the part of the step each pair's token is in (model.StepParts): 0, a decoding token,
+    # to be computed on the path one token takes; i > 0, a run's, on the path chosen for that run's own
+    # count. StoreExperts then computes each part as in its steps alone. None: one part, unsplit.
+    parts: np.ndarray | None = field(default=None, repr=False, compare=False)
+
+    def with_parts(self, part_of_token: np.ndarray) -> "ExpertBatches":
+        """These batches with each pair's part marked (part_of_token: int64 [T], each token's)."""
+        return replace(self, parts=part_of_token[self.pair_tokens.numpy()])
+
+    def path_groups(self, i: int) -> list[tuple[np.ndarray, int]]:
+        """Active expert i's pairs in the groups a path is chosen for: (pair indices, the token count
+        the path is chosen by), one group a part: its decoding pairs chosen as one token, a run's by
+        their count. Unmarked, all its pairs by their count."""
+        pairs = np.arange(self.starts[i], self.starts[i + 1])
+        if self.parts is None:
+            return [(pairs, len(pairs))]
+        of_pair = self.parts[pairs]
+        if not of_pair.any():   # decoding tokens only (a step of decoding sequences)
+            return [(pairs, 1)]
+        groups = [pairs[of_pair == part] for part in np.unique(of_pair).tolist()]
+        return [(group, 1 if self.parts[group[0]] == 0 else len(group)) for group in groups]
+
+    def path_counts(self) -> tuple[np.ndarray, np.ndarray]:
+        """path_groups for every active expert at once: (the expert index [G], the token count its path
+        is chosen by [G]) of each group."""
+        counts = np.diff(self.starts)
+        if self.parts is None:
+            return np.arange(len(counts)), counts
+        if not self.parts.any():   # decoding tokens only
+            return np.arange(len(counts)), np.ones(len(counts), np.int64)
+        expert_of_pair = np.repeat(np.arange(len(counts)), counts)
+        parts = int(self.parts.max()) + 1
+        groups, sizes = np.unique(expert_of_pair * parts + self.parts, return_counts=True)
+        return groups // parts, np.where(groups % parts == 0, 1, sizes)
 
     @classmethod
     def from_lists(cls, experts: list[int], tokens: list[torch.Tensor], weights: list[torch.Tensor]) -> "ExpertBatches":

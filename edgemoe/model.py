@@ -2,7 +2,10 @@
 
 A step takes the new tokens of one or more sequences, flattened: tokens [T], with one Segment per
 sequence (its KV cache and its run of tokens). Everything but attention works on the flat [T, D]
-batch, so the expert path never depends on how many sequences, beams or positions arrive.
+batch, so the expert path never depends on how many sequences, beams or positions arrive. With the
+decode engine (quantized dense matrices), a step of several sequences is computed in parts, each as
+in its own steps alone (StepParts): a sequence's logits are then the same bits whoever shares its
+steps (docs/architecture.md, "Sequences decoded together").
 
 The parts that differ between architectures are chosen by spec fields: the q/k/v projections by
 spec.attention (edgemoe/attention.py), the router by spec.routing (edgemoe/models/), the norm kind
@@ -18,11 +21,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from .attention import ATTEND, QKV_PROJECTIONS
 from .decode import DecodeEngine
-from .dense import quantize_layer, quantize_matrix
+from .dense import KERNEL_MAX_TOKENS, quantize_layer, quantize_matrix
 from .experts import ExpertBatches, ExpertProvider
 from .kv_cache import KVCache
 from .layers import (attention_mask, layer_norm, linear, rms_norm, rope_tables,
@@ -65,6 +69,63 @@ class Timings:
 
     def reset(self) -> None:
         self.__init__()
+
+
+@dataclass(frozen=True)
+class StepParts:
+    """A step's rows in the parts computed apart, each as in its own steps alone, on a model that has
+    the decode engine: the decoding rows (each its sequence's only token in the step), whose attention
+    blocks the engine runs, then each longer run of one sequence (a prompt chunk)."""
+
+    decoding: torch.Tensor                    # [n] int64: the decoding rows, ascending (n may be 0)
+    runs: list[tuple[torch.Tensor, Segment]]  # each longer run's rows [S] and its segment, in step order
+    part_of_row: np.ndarray                   # int64 [T]: 0 for a decoding row, i + 1 for run i's
+
+    @classmethod
+    def of(cls, segments: Sequence[Segment]) -> "StepParts":
+        decoding, runs, part_of_row, at = [], [], [], 0
+        for segment in segments:
+            if segment.num_tokens == 1:
+                decoding.append(at)
+                part_of_row.append(0)
+            else:
+                runs.append((torch.arange(at, at + segment.num_tokens), segment))
+                part_of_row += [len(runs)] * segment.num_tokens
+            at += segment.num_tokens
+        return cls(torch.tensor(decoding, dtype=torch.long), runs, np.array(part_of_row, np.int64))
+
+
+# StepParts.of one token of one sequence: made once, the hot path asks every step
+ONE_TOKEN = StepParts.of([Segment(None, 1)])
+
+# Rows a product takes at once where each row must get the bits of its own one-token step: a quantized
+# matrix multiplies up to this many on its integer kernel, which computes each row on its own (more go
+# to a dequantized GEMM, which rounds otherwise).
+ONE_TOKEN_ROWS = min(KERNEL_MAX_TOKENS.values())
+
+
+def as_one_token_steps(function, x: torch.Tensor) -> torch.Tensor:
+    """function (rows [S, D] -> [S, D']) on x [T, D], ONE_TOKEN_ROWS rows at a time."""
+    if x.shape[0] <= ONE_TOKEN_ROWS:
+        return function(x)
+    return torch.cat([function(rows) for rows in x.split(ONE_TOKEN_ROWS)])
+
+
+def in_parts(function, x: torch.Tensor, parts: StepParts | None) -> torch.Tensor:
+    """function (rows [S, D] -> [S, D']) on x [T, D], each part of the step apart (the decoding rows
+    as_one_token_steps), so that each part's products round as in its steps alone; on all rows at
+    once where the step is not split (parts None)."""
+    if parts is None:
+        return function(x)
+    if not parts.runs:
+        return as_one_token_steps(function, x)
+    pieces = [(rows, function(x[rows])) for rows, _ in parts.runs]
+    if len(parts.decoding):
+        pieces.append((parts.decoding, as_one_token_steps(function, x[parts.decoding])))
+    out = pieces[0][1].new_empty((x.shape[0], *pieces[0][1].shape[1:]))
+    for rows, piece in pieces:
+        out[rows] = piece
+    return out
 
 
 class StoreOwner:
@@ -218,10 +279,13 @@ class MoEModel(StoreOwner):
             x = self.run_layers(self.embeddings(tokens), positions, segments)   # [T, D]
         for s in segments:
             s.cache.advance(s.num_tokens)
-        if last_only:
+        if last_only:   # a row a sequence, each with the bits of that sequence's step alone
             ends = torch.tensor([s.num_tokens for s in segments]).cumsum(0) - 1
-            x = x[ends]
-        logits = torch.cat([self.head(row) for row in x.split(1)]) if one_token_at_a_time else self.head(x)
+            logits = as_one_token_steps(self.head, x[ends])
+        elif one_token_at_a_time:
+            logits = torch.cat([self.head(row) for row in x.split(1)])
+        else:
+            logits = in_parts(self.head, x, self._step_parts(segments))
         elapsed = time.perf_counter() - start
         t.steps += 1
         t.tokens += tokens.numel()
@@ -234,13 +298,14 @@ class MoEModel(StoreOwner):
                    stop: int | None = None) -> torch.Tensor:
         """Decoder layers start..stop - 1 (default: to the last) on hidden states x [T, D] (the caches
         are not advanced; the budget search runs one layer at a time)."""
-        cos, sin = self._rope(positions)
+        parts = self._step_parts(segments)
+        cos, sin = self._rope_tables(positions, parts)
         if start == 0 and stop is None:
             layouts = self._resident_step_layouts(x, segments)
             if layouts is not None:
-                return self._resident_step(x, positions, cos, sin, segments, layouts)
+                return self._resident_step(x, positions, cos, sin, segments, layouts, parts)
         for l in range(start, self.spec.num_layers if stop is None else stop):
-            x = self._layer(l, x, positions, cos, sin, segments)
+            x = self._layer(l, x, positions, cos, sin, segments, parts)
         return x
 
     def _layers_one_token_at_a_time(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -259,7 +324,8 @@ class MoEModel(StoreOwner):
                 for i in range(len(rows)):
                     cache.length = start + i      # token i's step: the cache holds the tokens before it
                     position = positions[i:i + 1]
-                    rows[i] = self._layer(l, rows[i], position, *self._rope(position), [Segment(cache, 1)])
+                    rows[i] = self._layer(l, rows[i], position, *self._rope(position), [Segment(cache, 1)],
+                                          self._step_parts([Segment(cache, 1)]))
         finally:
             cache.length = start
         return torch.cat(rows)
@@ -268,30 +334,78 @@ class MoEModel(StoreOwner):
         rotary = self.spec.rotary
         return rope_tables(positions, self.spec.rope_dim, rotary.rope_theta, *rotary.frequencies(positions))
 
+    def _step_parts(self, segments: Sequence[Segment]) -> StepParts | None:
+        """The step's parts computed apart (StepParts), on a model that has the decode engine; None for
+        one run of one sequence (a prompt chunk alone: nothing to split) or a model without it."""
+        if self.decode_engine is None:
+            return None
+        if len(segments) == 1:
+            return ONE_TOKEN if segments[0].num_tokens == 1 else None
+        return StepParts.of(segments)
+
+    def _rope_tables(self, positions: torch.Tensor, parts: StepParts | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """_rope's tables [T, Dk], each part's rows made apart, each decoding row alone: the bits of
+        the part's steps alone (torch's cos and sin of several positions may round otherwise than of
+        one, or of others)."""
+        if parts is None or positions.numel() == 1:
+            return self._rope(positions)
+        cos, sin = self._rope(positions)
+        for rows in [rows for rows, _ in parts.runs] + list(parts.decoding.split(1)):
+            cos[rows], sin[rows] = self._rope(positions[rows])
+        return cos, sin
+
     def _layer(self, l: int, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               segments: Sequence[Segment]) -> torch.Tensor:
-        """Decoder layer l on hidden states x [T, D]: attention, then the MLP or MoE block. One token
-        of one sequence: the attention block by the decode engine, when the model has one."""
+               segments: Sequence[Segment], parts: StepParts | None = None) -> torch.Tensor:
+        """Decoder layer l on hidden states x [T, D]: attention, then the MLP or MoE block. Split into
+        parts (_step_parts), each part as in its steps alone: a decoding row's attention block by the
+        decode engine (cos, sin: those of _rope_tables), a longer run's by the generic block on its
+        rows; the MLP or MoE block splits alike (_mlp)."""
         t, w = self.timings, self.layers[l]
         t0 = time.perf_counter()
-        if self.decode_engine is not None and x.shape[0] == 1 and len(segments) == 1:
-            cache = segments[0].cache   # the token goes where cache.append would put it
-            x, h, logits = self.decode_engine.layer(l, x, cache.length, cos, sin, cache)
-            layouts = self._resident_moe(l)
+        if parts is None:
+            x = x + self._attention(l, w, self._norm(x, w, "attn_norm"), positions, cos, sin, segments)
+            h, logits = self._norm(x, w, "mlp_norm"), None
+        else:
+            x, h, logits = self._attention_in_parts(l, w, x, positions, cos, sin, segments, parts)
+            layouts = self._resident_moe(l) if parts is ONE_TOKEN else None
             if layouts is not None:
                 t1 = time.perf_counter()
                 self._resident_moe_block(l, x, h, logits, layouts, positions, segments)
                 t.attention += t1 - t0
                 t.experts += time.perf_counter() - t1
                 return x
-        else:
-            x = x + self._attention(l, w, self._norm(x, w, "attn_norm"), positions, cos, sin, segments)
-            h, logits = self._norm(x, w, "mlp_norm"), None
         t1 = time.perf_counter()
-        x = x + self._mlp(l, w, h, positions, segments, logits)
+        x = x + self._mlp(l, w, h, positions, segments, logits, parts)
         t.attention += t1 - t0
         t.experts += time.perf_counter() - t1
         return x
+
+    def _attention_in_parts(self, l: int, w: dict, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                            sin: torch.Tensor, segments: Sequence[Segment], parts: StepParts
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Layer l's attention block: each decoding row by the decode engine, one call a token, its keys
+        and values written where cache.append would put them; each longer run by the generic block on
+        its rows. Returns (x + attention [T, D], MoE input h [T, D], the decoding rows' router logits
+        [len(parts.decoding), E], or None where there are none or the layer does not route). A call a
+        token, not one batched product: a step of several tokens rounds its attention otherwise, so a
+        sequence's tokens would depend on who shares its steps."""
+        engine = self.decode_engine
+        if parts is ONE_TOKEN:
+            return engine.layer(l, x, segments[0].cache.length, cos, sin, segments[0].cache)
+        decoding = [s for s in segments if s.num_tokens == 1]
+        done = [engine.layer(l, x[r:r + 1], s.cache.length, cos[r:r + 1], sin[r:r + 1], s.cache)
+                for r, s in zip(parts.decoding.tolist(), decoding)]
+        logits = None if not done or done[0][2] is None else torch.cat([d[2] for d in done])
+        if not parts.runs:
+            return torch.cat([d[0] for d in done]), torch.cat([d[1] for d in done]), logits
+        x, h = x.clone(), torch.empty_like(x)
+        for rows, segment in parts.runs:
+            x[rows] = x[rows] + self._attention(l, w, self._norm(x[rows], w, "attn_norm"), positions[rows], cos[rows],
+                                                sin[rows], [segment])
+            h[rows] = self._norm(x[rows], w, "mlp_norm")
+        if done:
+            x[parts.decoding], h[parts.decoding] = torch.cat([d[0] for d in done]), torch.cat([d[1] for d in done])
+        return x, h, logits
 
     def _resident_step_layouts(self, x: torch.Tensor, segments: Sequence[Segment]):
         """The experts' layouts when the decode engine runs this step's layers from its step_start on in
@@ -304,13 +418,13 @@ class MoEModel(StoreOwner):
         return self.experts.resident_step_layouts(engine.step_start)
 
     def _resident_step(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       segments: Sequence[Segment], layouts) -> torch.Tensor:
+                       segments: Sequence[Segment], layouts, parts: StepParts) -> torch.Tensor:
         """run_layers: the layers before the engine's step_start (dense ones) one by one, then the rest
         by the decode engine in one call; then, layer by layer, the hooks and the store's counts see
         what _mlp would show them (after the compute: nothing is left to read)."""
         first = self.decode_engine.step_start
         for l in range(first):
-            x = self._layer(l, x, positions, cos, sin, segments)
+            x = self._layer(l, x, positions, cos, sin, segments, parts)
         start = time.perf_counter()
         x = x.clone()   # updated in place
         replayed = None
@@ -410,31 +524,71 @@ class MoEModel(StoreOwner):
         return linear(torch.cat(outputs), w["o"], w.get("o_bias"))
 
     def _mlp(self, l: int, w: dict, x: torch.Tensor, positions: torch.Tensor, segments,
-             router_logits: torch.Tensor | None = None) -> torch.Tensor:
+             router_logits: torch.Tensor | None = None, parts: StepParts | None = None) -> torch.Tensor:
+        """Layer l's MLP or MoE block on its input x [T, D]. parts (_step_parts; router_logits: its
+        decoding rows'): each part computed as in its steps alone: the decoding rows' router choices by
+        the engine's, a longer run's by route() on its rows; each part's experts on the path chosen
+        for its own count, one token for a decoding row (ExpertBatches.parts); the decoding rows'
+        shared expert by the engine; dense products on each part's rows apart."""
         if not self.spec.moe_layers[l]:
-            return swiglu(x, w["mlp.gate"], w["mlp.up"], w["mlp.down"])
+            return in_parts(lambda rows: swiglu(rows, w["mlp.gate"], w["mlp.up"], w["mlp.down"]), x, parts)
         for hook in self.moe_input_hooks:
             hook(l, x)
         if self.routing_override is not None:
             weights, experts = self.routing_override(l, positions)
-        elif router_logits is not None:
-            weights, experts = self.decode_engine.choose(router_logits, w.get("router_bias"))
+        elif parts is not None:
+            weights, experts = self._route_in_parts(l, w, x, router_logits, parts)
         else:
             weights, experts = self.route(l, x)
         batches = ExpertBatches.from_routing(weights, experts)
+        if parts is not None and x.shape[0] > 1:   # (one token: every path is chosen for one already)
+            batches = batches.with_parts(parts.part_of_row)
         self.experts.prepare(l, batches)
         for hook in self.routing_hooks:
             hook(l, experts, weights, positions, segments)
         out = self.experts.run(l, x, batches)
-        if self.spec.shared_expert_hidden and router_logits is not None and self.decode_engine.computes_shared(l):
-            out = out.float().contiguous()   # one token after the engine's attention block: moe()'s bits
-            self.decode_engine.add_shared(l, x, out)
-        elif self.spec.shared_expert_hidden:
-            shared = swiglu(x, w["shared.gate"], w["shared.up"], w["shared.down"])
-            if self.spec.shared_expert_gated:
-                shared = torch.sigmoid(linear(x, w["shared_gate"])) * shared
-            out = out + shared
+        if self.spec.shared_expert_hidden:
+            out = self._add_shared_expert(l, w, x, out, parts)
         return out
+
+    def _route_in_parts(self, l: int, w: dict, x: torch.Tensor, logits: torch.Tensor | None, parts: StepParts
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router's choice (weights [T, A] float32, experts [T, A]): the decoding rows' from their
+        logits [len(parts.decoding), E] by the engine's router, each run's by route() on its rows."""
+        if not parts.runs:
+            return self.decode_engine.choose(logits, w.get("router_bias"))
+        chosen = [(rows, self.route(l, x[rows])) for rows, _ in parts.runs]
+        if len(parts.decoding):
+            chosen.append((parts.decoding, self.decode_engine.choose(logits, w.get("router_bias"))))
+        weights = torch.empty(x.shape[0], self.spec.top_k, dtype=torch.float32)
+        experts = torch.empty(x.shape[0], self.spec.top_k, dtype=torch.long)
+        for rows, (row_weights, row_experts) in chosen:
+            weights[rows], experts[rows] = row_weights, row_experts
+        return weights, experts
+
+    def _add_shared_expert(self, l: int, w: dict, x: torch.Tensor, out: torch.Tensor,
+                           parts: StepParts | None) -> torch.Tensor:
+        """out + layer l's shared expert on x [T, D] (gated where the model gates it): the decoding rows
+        by the engine where it computes it (the bits of moe()), the rest by the generic block, each
+        part apart."""
+        if parts is None or not len(parts.decoding) or not self.decode_engine.computes_shared(l):
+            return out + in_parts(lambda rows: self._shared_expert(w, rows), x, parts)
+        out = out.float().contiguous()
+        if not parts.runs:
+            self.decode_engine.add_shared(l, x, out)
+            return out
+        rows = out[parts.decoding]
+        self.decode_engine.add_shared(l, x[parts.decoding], rows)
+        out[parts.decoding] = rows
+        for rows, _ in parts.runs:
+            out[rows] += self._shared_expert(w, x[rows])
+        return out
+
+    def _shared_expert(self, w: dict, x: torch.Tensor) -> torch.Tensor:
+        shared = swiglu(x, w["shared.gate"], w["shared.up"], w["shared.down"])
+        if self.spec.shared_expert_gated:
+            shared = torch.sigmoid(linear(x, w["shared_gate"])) * shared
+        return shared
 
     # ---- the generation loop's entry points (generate.py) -----------------------------------------
     def open_sequence(self, prompt_ids: Sequence[int], output_ids: Sequence[int] = ()) -> tuple[KVCache, list[int]]:

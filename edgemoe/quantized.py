@@ -51,6 +51,7 @@ class QuantizedExpert:
         self.activation = activation  # None: SwiGLU
         self.gemm_dtype = gemm_dtype  # what "dequant" dequantizes to and multiplies in (StoreExperts)
         self.nbytes = resident.nbytes
+        self._dequantized: dict[str, torch.Tensor] | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.on_device(x.shape[0]):
@@ -63,8 +64,15 @@ class QuantizedExpert:
             t = r.tensors
             y = FUSED[path](x.float().contiguous().numpy(), t["gate"], t["up"], t["down"])
             return torch.from_numpy(y).to(x.dtype)
-        w = {role: kernels.dequantize(qt, self.gemm_dtype) for role, qt in r.tensors.items()}
+        w = self._dequantize()
         return swiglu(x.float(), w["gate"], w["up"], w["down"]).to(x.dtype)
+
+    def _dequantize(self) -> dict[str, torch.Tensor]:
+        """The matrices dequantized to gemm_dtype, made once for every call on this object (a step's
+        groups of the expert's tokens: ExpertBatches.path_groups)."""
+        if self._dequantized is None:
+            self._dequantized = {role: kernels.dequantize(qt, self.gemm_dtype) for role, qt in self.resident.tensors.items()}
+        return self._dequantized
 
     def on_device(self, tokens: int) -> bool:
         """Whether this many tokens compute on the device: the expert is resident there, or the path
@@ -98,7 +106,7 @@ class QuantizedExpert:
             def matmul(h: torch.Tensor, role: str) -> torch.Tensor:
                 return torch.from_numpy(PER_MATRIX[path](h.contiguous().numpy(), r.tensors[role]))
         else:
-            matmul = dense_matmul({role: kernels.dequantize(qt, self.gemm_dtype) for role, qt in r.tensors.items()})
+            matmul = dense_matmul(self._dequantize())
         return self.activation(x.float(), matmul).to(x.dtype)
 
 
@@ -212,7 +220,6 @@ class StoreExperts(ExpertProvider):
         out = self._run_resident(layer, x, batches)
         if out is not None:
             return out
-        starts = batches.starts
         pair_x = x.numpy()[batches.pair_tokens.numpy()]                             # [P, D]
         y = np.empty(pair_x.shape, np.float32)
         weak = {e for _, e in self._weak} if self._weak else ()
@@ -222,10 +229,10 @@ class StoreExperts(ExpertProvider):
             self.store.prefetch(((layer, batches.experts[i]) for i in waiting), urgent=True)
         ready = [(i, r) for i, r in enumerate(resident) if r is not None]
         self.fallback_uses += sum(r.narrowed for _, r in ready)
-        self._compute_pairs(layer, x, pair_x, batches, ready, starts, y)
+        self._compute_pairs(layer, pair_x, batches, ready, y)
         if waiting:
             arrived = [(i, self._fetch(layer, batches.experts[i])) for i in waiting]
-            self._compute_pairs(layer, x, pair_x, batches, arrived, starts, y)
+            self._compute_pairs(layer, pair_x, batches, arrived, y)
         return _weighted_sum(x, batches, y)
 
     def _run_resident(self, layer: int, x: torch.Tensor, batches: ExpertBatches) -> torch.Tensor | None:
@@ -239,8 +246,7 @@ class StoreExperts(ExpertProvider):
         if table is None:
             return None
         rows = table[batches.experts]
-        widths = zip(rows[:, G_BITS].tolist(), np.diff(batches.starts).tolist())
-        if any(self.choose(bits, count) != "fused-int" for bits, count in set(widths)):
+        if any(self.choose(bits, count) != "fused-int" for bits, count in _path_widths(rows[:, G_BITS], batches)):
             return None
         layouts = self._kernel_layouts(layer, batches.experts, rows)
         if layouts is None:
@@ -321,36 +327,53 @@ class StoreExperts(ExpertProvider):
     def served_resident(self, first_layer: int, chosen: list[list[int]]) -> None:
         self.store.served_resident(first_layer, chosen)
 
-    def _compute_pairs(self, layer: int, x: torch.Tensor, pair_x: np.ndarray, batches: ExpertBatches,
-                       experts: list[tuple[int, ResidentExpert]], starts: np.ndarray, y: np.ndarray) -> None:
-        """y's rows of the pairs of the experts (i, batches.experts[i] as resident); pair_x [P, D]:
-        each pair's token."""
-        fused, layouts, on_device = [], [], []
+    def _compute_pairs(self, layer: int, pair_x: np.ndarray, batches: ExpertBatches,
+                       experts: list[tuple[int, ResidentExpert]], y: np.ndarray) -> None:
+        """y's rows of the pairs of the experts (i, batches.experts[i] as resident), each of an expert's
+        groups of pairs (ExpertBatches.path_groups) on the path chosen for its count; pair_x [P, D]:
+        each pair's token. A group chosen as one token that does not go on "fused-int" computes a pair
+        at a time (one row's bits)."""
+        fused, layouts, on_device = [], [], []   # fused: pair ranges (an expert's all: a slice) or indices
         for i, resident in experts:
-            count = int(starts[i + 1] - starts[i])
+            start, end = int(batches.starts[i]), int(batches.starts[i + 1])
+            groups = batches.path_groups(i) if batches.parts is not None else ((None, end - start),)
             # "fused-int" on the host (SwiGLU, GPT-OSS, relu): the layer kernel (for SwiGLU, that path's bits)
-            row = (self._kernel_row(layer, batches.experts[i], resident.layout)
-                   if (resident.device is None and self._kernel_kind(layer) != "none"
-                       and self.choose(resident.bits, count, resident.nbytes) == "fused-int")
-                   else None)
-            if row is not None:
-                fused.append(i)
-                layouts.append(row)
+            rows = [self._fused_row(layer, batches.experts[i], resident, count) for _, count in groups]
+            if all(row is not None for row in rows):   # one group, in order: the expert's weights read once
+                fused.append(slice(start, end))
+                layouts.append(rows[0])
                 continue
-            expert = QuantizedExpert(resident, self.choose, self.store.device, self.activations(layer, batches.experts[i]),
-                                     self.gemm_dtype)
-            if expert.on_device(count):
-                on_device.append((i, expert))
-            else:
-                y[starts[i]:starts[i + 1]] = expert(x[batches.tokens[i]]).numpy()
+            expert = QuantizedExpert(resident, self.choose, self.store.device,   # one for its groups: dequantized once
+                                     self.activations(layer, batches.experts[i]), self.gemm_dtype)
+            for (pairs, count), row in zip(groups, rows):
+                pairs = np.arange(start, end) if pairs is None else pairs
+                if row is not None:
+                    fused.append(pairs)
+                    layouts.append(row)
+                    continue
+                for group in (pairs.reshape(-1, 1) if count == 1 else [pairs]):
+                    if expert.on_device(count):
+                        on_device.append((group, expert))
+                    else:
+                        y[group] = expert(torch.from_numpy(pair_x[group])).numpy()
         if on_device:
-            _compute_on_device(pair_x, on_device, starts, y, self.device_batch_bytes)
-        if len(fused) == len(starts) - 1:   # the whole layer (the usual case): every pair, in order
-            y[:] = swiglu_experts_int(pair_x, np.array(layouts), starts)
-        elif fused:
-            pairs = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in fused])
-            sizes = np.cumsum([0] + [starts[i + 1] - starts[i] for i in fused])
-            y[pairs] = swiglu_experts_int(pair_x[pairs], np.array(layouts), sizes)
+            _compute_on_device(pair_x, on_device, y, self.device_batch_bytes)
+        if not fused:
+            return
+        if len(fused) == len(batches.experts) and all(isinstance(f, slice) for f in fused):
+            y[:] = swiglu_experts_int(pair_x, np.array(layouts), batches.starts)   # the whole layer, in order (the usual case)
+            return
+        pairs = np.concatenate([np.arange(f.start, f.stop) if isinstance(f, slice) else f for f in fused])
+        sizes = np.cumsum([0] + [f.stop - f.start if isinstance(f, slice) else len(f) for f in fused])
+        y[pairs] = swiglu_experts_int(pair_x[pairs], np.array(layouts), sizes)
+
+    def _fused_row(self, layer: int, expert: int, resident: ResidentExpert, count: int) -> np.ndarray | None:
+        """The expert's layout row for the layer kernel where this many of its tokens compute on
+        "fused-int" on the host (and the kernel computes its kind), else None."""
+        if (resident.device is None and self._kernel_kind(layer) != "none"
+                and self.choose(resident.bits, count, resident.nbytes) == "fused-int"):
+            return self._kernel_row(layer, expert, resident.layout)
+        return None
 
     def _skip_weak_misses(self, layer: int, batches: ExpertBatches) -> ExpertBatches:
         """Adaptive top-k: an expert that is not resident and that every one of its tokens chose with
@@ -371,18 +394,18 @@ class StoreExperts(ExpertProvider):
         return ExpertBatches.from_lists([e for e, _, _ in kept], [t for _, t, _ in kept], [w * scale[t] for _, t, w in kept])
 
 
-def _compute_on_device(pair_x: np.ndarray, experts: list[tuple[int, QuantizedExpert]], starts: np.ndarray,
-                       y: np.ndarray, batch_bytes: int) -> None:
-    """y's rows of the pairs of a layer's experts that compute on the device: their rows copied over
-    at once, every expert's work queued (those of one shape and width dequantized together:
-    _device_batches), and one copy back, which waits for all of it (one wait a layer, not one an
-    expert: on a GPU each wait costs a round trip)."""
+def _compute_on_device(pair_x: np.ndarray, experts: list[tuple[np.ndarray, QuantizedExpert]], y: np.ndarray,
+                       batch_bytes: int) -> None:
+    """y's rows of the pairs (indices, with their expert) of a layer's experts that compute on the
+    device: their rows copied over at once, every expert's work queued (those of one shape and width
+    dequantized together: _device_batches), and one copy back, which waits for all of it (one wait a
+    layer, not one an expert: on a GPU each wait costs a round trip)."""
     batches = _device_batches(experts, batch_bytes)
-    rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for batch in batches for i, _ in batch])
+    rows = np.concatenate([pairs for batch in batches for pairs, _ in batch])
     x = torch.from_numpy(pair_x[rows]).to(experts[0][1].where_on_device())
     outputs, at = [], 0
     for batch in batches:
-        counts = [int(starts[i + 1] - starts[i]) for i, _ in batch]
+        counts = [len(pairs) for pairs, _ in batch]
         xs = x[at:at + sum(counts)]
         if len(batch) == 1:
             outputs.append(batch[0][1].compute_on_device(xs))
@@ -393,7 +416,7 @@ def _compute_on_device(pair_x: np.ndarray, experts: list[tuple[int, QuantizedExp
     y[rows] = torch.cat(outputs).cpu().numpy()
 
 
-def _device_batches(experts: list[tuple[int, QuantizedExpert]], batch_bytes: int) -> list[list]:
+def _device_batches(experts: list[tuple[np.ndarray, QuantizedExpert]], batch_bytes: int) -> list[list]:
     """The experts in batches dequantized together: SwiGLU experts of one batch_key, as many as fit
     in batch_bytes of float32 weights (so that large experts still go one at a time and a batch stays
     a small share of a small device's memory); any other expert alone."""
@@ -407,6 +430,15 @@ def _device_batches(experts: list[tuple[int, QuantizedExpert]], batch_bytes: int
         size = 1 if key is None else max(1, batch_bytes // float_bytes(members[0][1].resident.entry.tensors))
         batches += [members[at:at + size] for at in range(0, len(members), size)]
     return batches
+
+
+def _path_widths(bits: np.ndarray, batches: ExpertBatches) -> set[tuple[int, int]]:
+    """The (width, token count) pairs the active experts' paths are chosen by (ExpertBatches.path_groups),
+    each once; bits [A]: the experts' widths."""
+    if batches.parts is None:
+        return set(zip(bits.tolist(), np.diff(batches.starts).tolist()))
+    experts, counts = batches.path_counts()
+    return set(zip(bits[experts].tolist(), counts.tolist()))
 
 
 def _weighted_sum(x: torch.Tensor, batches: ExpertBatches, y: np.ndarray) -> torch.Tensor:

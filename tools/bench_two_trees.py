@@ -1,11 +1,12 @@
 """Decode steps of two source trees of edgemoe in one process, alternated token by token.
 
     git worktree add /tmp/before REV --detach
-    python tools/bench_two_trees.py STORE --before /tmp/before --prefill 512 --tokens 64 --threads 2
+    python tools/bench_two_trees.py STORE --before /tmp/before --prefill 512 --tokens 64 --threads 2 [--batch 4] [--ram 25%]
 
 Loads STORE with this tree's edgemoe and with the one at --before (imported as the package
-`edgemoe_before`), prefills the same random prompt in each, then decodes greedily, one token of
-each in turn, timing each forward step. On these shared 2-vCPU machines one process's speed drifts
+`edgemoe_before`), prefills the same random prompts in each (--batch of them, one at a time), then
+decodes greedily, one step of each tree in turn, timing each forward step: a step takes the next
+token of every prompt, as a server's step does for its requests. On these shared 2-vCPU machines one process's speed drifts
 by up to 2x from the next one's; alternating within one process keeps the drift out of the ratio.
 The two models' greedy tokens may part after a while (a change of rounding, on a random-weight
 checkpoint whose top logits are close): each then decodes its own text, at the same positions.
@@ -50,7 +51,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dense-bits", default="auto", choices=["auto", "none", "8", "4"])
+    parser.add_argument("--batch", type=int, default=1, help="sequences decoded together in each step")
+    parser.add_argument("--ram", default=None, help="the RAM tier's budget (bytes, 512MiB, 25%%; default unlimited)")
     args = parser.parse_args()
+    if args.batch < 1:
+        parser.error(f"--batch {args.batch}: give at least 1")
     if not (args.before / "edgemoe" / "__init__.py").is_file():
         parser.error(f"--before {args.before}: no edgemoe/__init__.py there (give a source tree's root)")
     torch.set_num_threads(args.threads)
@@ -58,30 +63,32 @@ def main() -> None:
     import edgemoe
     trees = {"before": load_tree("edgemoe_before", args.before.resolve()), "after": edgemoe}
     dense_bits = {"auto": "auto", "none": None}.get(args.dense_bits) or int(args.dense_bits)
-    prompt = torch.randint(3, 1000, (args.prefill,), generator=torch.Generator().manual_seed(0))
+    prompts = [torch.randint(3, 1000, (args.prefill,), generator=torch.Generator().manual_seed(i))
+               for i in range(args.batch)]
     runs = {}
     for name, package in trees.items():
-        model = package.load(args.store, dense_bits=dense_bits, threads=args.threads)
-        cache = model.new_cache()
+        model = package.load(args.store, dense_bits=dense_bits, threads=args.threads, ram=args.ram)
+        caches = [model.new_cache() for _ in prompts]
         segment = sys.modules[package.__name__ + ".model"].Segment
         start = time.perf_counter()
-        logits = model.forward(prompt, [segment(cache, args.prefill)], last_only=True)
-        print(f"{name}: prefill {args.prefill} tokens {time.perf_counter() - start:.2f} s (compiles on an empty cache)")
-        runs[name] = {"model": model, "segment": segment, "cache": cache, "token": int(logits[-1].argmax()),
-                      "times": []}
+        tokens = [int(model.forward(p, [segment(c, args.prefill)], last_only=True)[-1].argmax())
+                  for p, c in zip(prompts, caches)]
+        print(f"{name}: prefill {args.batch} x {args.prefill} tokens {time.perf_counter() - start:.2f} s "
+              "(compiles on an empty cache)")
+        runs[name] = {"model": model, "segment": segment, "caches": caches, "tokens": tokens, "times": []}
     for step in range(3 + args.tokens):   # 3 warm-up steps each, not timed
         for run in runs.values():
             start = time.perf_counter()
-            logits = run["model"].forward(torch.tensor([run["token"]]), [run["segment"](run["cache"], 1)],
+            logits = run["model"].forward(torch.tensor(run["tokens"]), [run["segment"](c, 1) for c in run["caches"]],
                                           last_only=True)
             if step >= 3:
                 run["times"].append(time.perf_counter() - start)
-            run["token"] = int(logits[-1].argmax())
+            run["tokens"] = logits.argmax(-1).tolist()
     medians = {name: float(np.median(run["times"])) for name, run in runs.items()}
     for name, run in runs.items():
-        print(f"{name}: median token {medians[name] * 1e3:.2f} ms, fastest {min(run['times']) * 1e3:.2f} ms "
-              f"over {args.tokens} tokens after {args.prefill}")
-    print(f"after against before: {medians['before'] / medians['after']:.3f}x (median tokens)")
+        print(f"{name}: median step {medians[name] * 1e3:.2f} ms, fastest {min(run['times']) * 1e3:.2f} ms "
+              f"over {args.tokens} steps of {args.batch} token(s) after {args.prefill}")
+    print(f"after against before: {medians['before'] / medians['after']:.3f}x (median steps)")
 
 
 if __name__ == "__main__":
