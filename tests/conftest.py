@@ -32,6 +32,17 @@ def vram_device(request) -> str:
 
 
 @pytest.fixture(scope="session")
+def bundled_int4_store(tmp_path_factory) -> Path:
+    """The bundled model converted at 4 bits (made once per session; tests only read it)."""
+    from edgemoe.bundled import bundled_model_path
+    from edgemoe.convert import convert
+
+    store = tmp_path_factory.mktemp("bundled") / "int4"
+    convert(bundled_model_path(), store, bits=4)
+    return store
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """tiny_model(arch, **config_overrides) -> checkpoint directory (built once per distinct call)."""
     made: dict[str, Path] = {}

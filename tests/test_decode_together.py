@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import edgemoe
-from edgemoe.bundled import bundled_model_path
 from edgemoe.convert import convert
 from edgemoe.dense import KERNEL_MAX_TOKENS
 from edgemoe.engine import Engine
@@ -71,21 +70,14 @@ def test_more_sequences_than_a_quantized_matrix_multiplies_at_once_each_decode_a
             assert torch.equal(alone, together)
 
 
-@pytest.fixture(scope="module")
-def int4_store(tmp_path_factory):
-    store = tmp_path_factory.mktemp("together") / "int4"
-    convert(bundled_model_path(), store, bits=4)
-    return store
-
-
 @pytest.mark.parametrize("path", int_paths())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ram", ["auto", 0])   # every expert resident (the one-call step alone), or none
-def test_the_bundled_store_decodes_together_as_alone_on_every_integer_path(int4_store, monkeypatch, path, dtype, ram):
+def test_the_bundled_store_decodes_together_as_alone_on_every_integer_path(bundled_int4_store, monkeypatch, path, dtype, ram):
     """The bundled model's INT4 store as the commands load it, four prompts, 10 steps (logits compared bit
     for bit: a step that rounded otherwise would show at once)."""
     monkeypatch.setenv(INT_PATH_ENV, path)
-    with edgemoe.load(int4_store, dtype, dense_bits="auto", ram=ram) as model:
+    with edgemoe.load(bundled_int4_store, dtype, dense_bits="auto", ram=ram) as model:
         prompts = [model.tokenizer.encode(p) for p in ("ROMEO:", "To be, or not to be", "First Citizen:", "KING HENRY")]
         for alone, together in decode_alone_and_together(model, prompts, 10):
             assert torch.equal(alone, together)
@@ -121,14 +113,14 @@ def test_prompt_chunks_beside_decoding_sequences_leave_each_as_alone(tiny_model,
     assert torch.equal(prompts_only, torch.cat(alone[2:]))
 
 
-def test_served_requests_in_a_burst_and_joining_later_give_their_text_alone(int4_store):
+def test_served_requests_in_a_burst_and_joining_later_give_their_text_alone(bundled_int4_store):
     """The engine on the bundled INT4 store: two requests arriving together (their prompts fed in one
     step), then others joining one after another, each prefilling beside the others' decoding: each
     gets its greedy tokens alone."""
     opts = GenerationOptions(max_new_tokens=24, temperature=0.0, stop_token_ids=[])
     texts = ["ROMEO:", "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer",
              "First Citizen:\nBefore we proceed any further, hear me speak.", "KING HENRY"]
-    with edgemoe.load(int4_store, dense_bits="auto") as model:
+    with edgemoe.load(bundled_int4_store, dense_bits="auto") as model:
         prompts = [model.tokenizer.encode(t) for t in texts]
         engine = Engine(model)
         requests = [engine.submit(prompts[0], opts)]

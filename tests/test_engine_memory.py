@@ -185,17 +185,10 @@ def test_the_last_to_join_is_paused_when_growth_does_not_fit_and_resumes_as_if_a
     _pause_and_resume(edgemoe.load(bundled_model_path(), dtype), tmp_path, caplog, opts)
 
 
-@pytest.fixture(scope="module")
-def int4_store(tmp_path_factory):
-    store = tmp_path_factory.mktemp("paused") / "int4"
-    convert(bundled_model_path(), store, bits=4)
-    return store
-
-
 @pytest.mark.parametrize("path", int_paths())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_paused_request_of_a_store_resumes_from_its_prompt_and_output_on_every_integer_path(
-        int4_store, tmp_path, monkeypatch, path, dtype):
+        bundled_int4_store, tmp_path, monkeypatch, path, dtype):
     """On an INT4 store as the commands load it (the decode engine, integer expert kernels), on every
     integer path this CPU runs, in either dense dtype: the paused request waits until the first ends,
     then goes on as a request whose prompt is its prompt and the tokens it had, fed as a prompt is,
@@ -204,7 +197,7 @@ def test_a_paused_request_of_a_store_resumes_from_its_prompt_and_output_on_every
     than the one-token decode engine.)"""
     monkeypatch.setenv(INT_PATH_ENV, path)
     opts = GenerationOptions(max_new_tokens=30, temperature=0.0, stop_token_ids=[])
-    with edgemoe.load(int4_store, dtype, dense_bits="auto") as model:
+    with edgemoe.load(bundled_int4_store, dtype, dense_bits="auto") as model:
         prompts = [model.tokenizer.encode(p) for p in ("ROMEO:", "To be, or not to be")]
         engine = Engine(model, memory_root=meminfo_root(tmp_path, 4 << 30))
         first, second = (engine.submit(p, opts) for p in prompts)
