@@ -178,6 +178,29 @@ class DecodeEngine:
                                              *arrays)
         return x, h, (logits if table[cpu_layer.ROUTER] else None)
 
+    def attends_rows(self) -> bool:
+        """Whether layer_rows() computes this model's attention blocks (grouped-query attention)."""
+        return self.spec.attention.kind == "gqa"
+
+    def layer_rows(self, l: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches):
+        """layer() for one token of each of several sequences in one call (attends_rows): x float32
+        [T, D], row t at position caches[t].length, cos / sin [T, Dk] (each row made alone). Returns
+        (x + attention [T, D], h [T, D], logits [T, E] or None), each row the bits of layer() on it;
+        the layer's matrices are read once for all rows."""
+        table = self.tables[l]
+        kv = np.empty((len(caches), 3), np.int64)
+        arrays = [cache.layer_arrays(l, cache.length + 1) for cache in caches]   # alive through the call
+        for row, (keys, values) in zip(kv, arrays):
+            row[:] = (address(keys), address(values), keys.shape[1])
+        positions = np.array([cache.length for cache in caches], np.int64)
+        x = x.clone()   # the residual stream is updated in place
+        h = torch.empty_like(x)
+        logits = torch.empty(x.shape[0], max(1, int(table[cpu_layer.EXPERTS])), dtype=torch.float32)
+        cpu_layer.attention_rows_kernel(_int_path(None), table, self.dims, self.eps, self.scale, self.clip, x.numpy(),
+                                        np.ascontiguousarray(cos.numpy()), np.ascontiguousarray(sin.numpy()), kv,
+                                        arrays[0][0], positions, h.numpy(), logits.numpy(), cpu.row_blocks())
+        return x, h, (logits if table[cpu_layer.ROUTER] else None)
+
     def _step_start(self) -> int | None:
         """The first layer of the layers step() runs in one call: those after the last layer whose MoE
         block moe() does not compute (a dense MLP, as DeepSeek's first layers; an unknown router), if

@@ -392,20 +392,34 @@ class MoEModel(StoreOwner):
         engine = self.decode_engine
         if parts is ONE_TOKEN:
             return engine.layer(l, x, segments[0].cache.length, cos, sin, segments[0].cache)
-        decoding = [s for s in segments if s.num_tokens == 1]
-        done = [engine.layer(l, x[r:r + 1], s.cache.length, cos[r:r + 1], sin[r:r + 1], s.cache)
-                for r, s in zip(parts.decoding.tolist(), decoding)]
-        logits = None if not done or done[0][2] is None else torch.cat([d[2] for d in done])
+        decoded = self._decoding_attention(l, x, cos, sin, segments, parts)
         if not parts.runs:
-            return torch.cat([d[0] for d in done]), torch.cat([d[1] for d in done]), logits
+            return decoded
         x, h = x.clone(), torch.empty_like(x)
         for rows, segment in parts.runs:
             x[rows] = x[rows] + self._attention(l, w, self._norm(x[rows], w, "attn_norm"), positions[rows], cos[rows],
                                                 sin[rows], [segment])
             h[rows] = self._norm(x[rows], w, "mlp_norm")
-        if done:
-            x[parts.decoding], h[parts.decoding] = torch.cat([d[0] for d in done]), torch.cat([d[1] for d in done])
-        return x, h, logits
+        if decoded is None:
+            return x, h, None
+        x[parts.decoding], h[parts.decoding] = decoded[:2]
+        return x, h, decoded[2]
+
+    def _decoding_attention(self, l: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                            segments: Sequence[Segment], parts: StepParts):
+        """The decoding rows' attention blocks by the decode engine: (x + attention, h, router logits or
+        None) of those rows, or None where there are none. Several of them in one call where the
+        engine has it (layer_rows: the layer's matrices read once), else a call a token."""
+        rows = parts.decoding
+        if not len(rows):
+            return None
+        engine, caches = self.decode_engine, [s.cache for s in segments if s.num_tokens == 1]
+        if len(rows) > 1 and engine.attends_rows():
+            return engine.layer_rows(l, x[rows], cos[rows], sin[rows], caches)
+        done = [engine.layer(l, x[r:r + 1], cache.length, cos[r:r + 1], sin[r:r + 1], cache)
+                for r, cache in zip(rows.tolist(), caches)]
+        logits = None if done[0][2] is None else torch.cat([d[2] for d in done])
+        return torch.cat([d[0] for d in done]), torch.cat([d[1] for d in done]), logits
 
     def _resident_step_layouts(self, x: torch.Tensor, segments: Sequence[Segment]):
         """The experts' layouts when the decode engine runs this step's layers from its step_start on in

@@ -299,8 +299,16 @@ def _project(path, table, m, v, rows, nblocks):
 def _gqa_qkv(path, table, dims, eps, clip, normed, cos, sin, nblocks):
     """Grouped-query attention's rotated q [H * Dk], k [K * Dk] and v [K * Dv] (attention.gqa_qkv)."""
     heads, kv_heads, dk, dv = dims[DIM_H], dims[DIM_K], dims[DIM_DK], dims[DIM_DV]
+    qkv = _project(path, table, QKV, normed, (heads + kv_heads) * dk + kv_heads * dv, nblocks)
+    return _gqa_rotated(table, dims, eps, clip, qkv, cos, sin)
+
+
+@njit_exact_inline
+def _gqa_rotated(table, dims, eps, clip, qkv, cos, sin):
+    """A token's projected q, k, v (qkv [H * Dk + K * Dk + K * Dv], in place) with their biases,
+    q/k norms, clip and rotary: _gqa_qkv's tail."""
+    heads, kv_heads, dk = dims[DIM_H], dims[DIM_K], dims[DIM_DK]
     nq, nk = heads * dk, kv_heads * dk
-    qkv = _project(path, table, QKV, normed, nq + nk + kv_heads * dv, nblocks)
     q, k, v = qkv[:nq], qkv[nq:nq + nk], qkv[nq + nk:]
     _add_bias(q, table[Q_BIAS])
     _add_bias(k, table[K_BIAS])
@@ -484,8 +492,13 @@ def _first_position(table, pos):
 def _output(path, table, dims, eps, x, attended, h, logits, nblocks):
     """From the heads' attention outputs attended [H * Dv]: o (+ bias), x += o, h = norm(x), router
     logits (if the layer routes). Compiled once for both attention kinds and every cache element type."""
+    _after_output(table, dims, eps, x, _project(path, table, O, attended, dims[DIM_D], nblocks), h, logits, nblocks)
+
+
+@njit_exact_inline
+def _after_output(table, dims, eps, x, o, h, logits, nblocks):
+    """_output's tail from the output projection o [D] (updated: + bias)."""
     dim = dims[DIM_D]
-    o = _project(path, table, O, attended, dim, nblocks)
     _add_bias(o, table[O_BIAS])
     for c in range(dim):
         x[c] = x[c] + o[c]
@@ -518,6 +531,53 @@ def attention_block_kernel(path, table, dims, eps, scale, clip, x, cos, sin, key
     q, k, v = _gqa_projections(path, table, dims, eps, clip, x, cos, sin, nblocks)
     _output(path, table, dims, eps, x, _cached_attention(table, dims, scale, q, k, v, keys, values, pos), h, logits,
             nblocks)
+
+
+@njit_exact_parallel
+def _matrix_product_rows(path, table, m, v, rows, nblocks):
+    """_matrix_product for several tokens: v float32 [T, C] -> [T, R], each token's row the bits of
+    _matrix_product on it alone (its activations quantized alike, the same _rows), the matrix read
+    once for all of them."""
+    bits, g, ng = table[m + BITS], table[m + GROUP], table[m + NGROUPS]
+    tokens = v.shape[0]
+    codes = zeroed_codes(tokens, ng * g)
+    xs = np.empty((tokens, ng), np.float32)
+    qs = np.empty((tokens, ng), np.int64)
+    for t in range(tokens):
+        _quantize_row(v[t], g, codes[t], xs[t], qs[t])
+    packed = uint8_view(table[m + PACKED], rows * ng * (g * bits // 8))
+    scale = float32_view(table[m + SCALE], rows, ng)
+    zero = float32_view(table[m + ZERO], rows, ng)
+    out = np.empty((tokens, rows), np.float32)
+    size = _block_size(rows, nblocks)
+    for b in numba.prange(-(-rows // size)):
+        _rows(path, bits, g, packed, scale, zero, codes.reshape(-1), ng * g, xs, qs, np.int64(0), np.int64(tokens),
+              b * size, min(rows, (b + 1) * size), out)
+    return out
+
+
+@njit_exact
+def attention_rows_kernel(path, table, dims, eps, scale, clip, x, cos, sin, kv, kv_like, pos, h, logits, nblocks):
+    """attention_block_kernel for one token of each of T sequences at once: x float32 [T, D] (updated),
+    cos / sin [T, Dk], kv int64 [T, 3] (each sequence's keys and values addresses for this layer and
+    their capacity, of kv_like's element type, as decode_token_kernel's), pos int64 [T], h float32
+    [T, D] and logits [T, E] out. Each row the bits of attention_block_kernel on it alone; the
+    layer's matrices read once for all rows."""
+    tokens, dim = x.shape[0], dims[DIM_D]
+    heads, kv_heads, dk, dv = dims[DIM_H], dims[DIM_K], dims[DIM_DK], dims[DIM_DV]
+    normed = np.empty((tokens, dim), np.float32)
+    for t in range(tokens):
+        _norm(dims[DIM_NORM], x[t], table, ATTN_NORM, ATTN_NORM_BIAS, eps, normed[t])
+    qkv = _matrix_product_rows(path, table, np.int64(QKV), normed, (heads + kv_heads) * dk + kv_heads * dv, nblocks)
+    attended = np.empty((tokens, heads * dv), np.float32)
+    for t in range(tokens):
+        q, k, v = _gqa_rotated(table, dims, eps, clip, qkv[t], cos[t], sin[t])
+        keys = like_view(kv[t, 0], (kv_heads, kv[t, 2], dk), kv_like)
+        values = like_view(kv[t, 1], (kv_heads, kv[t, 2], dv), kv_like)
+        attended[t] = _cached_attention(table, dims, scale, q, k, v, keys, values, pos[t])
+    o = _matrix_product_rows(path, table, np.int64(O), attended, dim, nblocks)
+    for t in range(tokens):
+        _after_output(table, dims, eps, x[t], o[t], h[t], logits[t], nblocks)
 
 
 @njit_exact
