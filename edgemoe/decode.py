@@ -12,7 +12,9 @@ input and the router's float32 logits; it writes the token's keys and values int
 model runs the MoE block on h (model.py). Against the generic forward on the same token: the
 projections, RMSNorms, rotary and residual are bit-identical; the attention, the router logits and
 LayerNorm differ in the last bits, so the results match within float32 rounding (tested per
-architecture in tests/test_decode_engine.py).
+architecture in tests/test_decode_engine.py). `layer_rows(l, x, cos, sin, caches)` runs layer() for
+one token of each of several sequences in one call (grouped-query attention), each row layer()'s
+bits: a step of sequences decoded together (model.py, StepParts).
 
 With every expert resident in RAM at full width (the store's resident tables), `moe(l, x, h, logits,
 layouts)` runs a layer's MoE block (computes_moe: a router in ROUTERS, top-k of the softmax, GPT-OSS's
