@@ -349,9 +349,12 @@ class MoEModel(StoreOwner):
         one, or of others)."""
         if parts is None or positions.numel() == 1:
             return self._rope(positions)
-        cos, sin = self._rope(positions)
-        for rows in [rows for rows, _ in parts.runs] + list(parts.decoding.split(1)):
-            cos[rows], sin[rows] = self._rope(positions[rows])
+        pieces = [(rows, self._rope(positions[rows])) for rows in [rows for rows, _ in parts.runs]
+                  + list(parts.decoding.split(1))]   # every row in one piece
+        first = pieces[0][1][0]
+        cos, sin = (first.new_empty((positions.numel(), first.shape[1])) for _ in range(2))
+        for rows, (row_cos, row_sin) in pieces:
+            cos[rows], sin[rows] = row_cos, row_sin
         return cos, sin
 
     def _layer(self, l: int, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
