@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
+import os
+import tempfile
+import threading
 from pathlib import Path
 
 import pytest
 import torch
+from numba.core.dispatcher import Dispatcher
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -20,6 +25,35 @@ def _load_tool(name: str):
 
 
 make_tiny = _load_tool("make_tiny_model")
+
+
+def _compile_each_kernel_once_across_workers() -> None:
+    """The test workers (pytest -n) share numba's on-disk cache but take no lock on it: two that need
+    the same kernel at once both compile it (a large kernel: half a minute each). Here a top-level
+    compile holds a file lock named after the function, so the second waits and then loads the
+    first's result from the cache. Compiles nested in another (a kernel's callees) take no lock, so a
+    thread holds one lock at most and none can wait on another in a cycle."""
+    locks = Path(tempfile.gettempdir()) / f"edgemoe-test-compile-locks-{os.getuid()}"
+    locks.mkdir(exist_ok=True)
+    compile_unlocked = Dispatcher.compile
+    nested = threading.local()
+
+    def compile_locked(self, sig):
+        if getattr(nested, "depth", 0):
+            return compile_unlocked(self, sig)
+        name = f"{self.py_func.__module__}.{self.py_func.__qualname__}"
+        with open(locks / name, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            nested.depth = 1
+            try:
+                return compile_unlocked(self, sig)
+            finally:
+                nested.depth = 0
+
+    Dispatcher.compile = compile_locked
+
+
+_compile_each_kernel_once_across_workers()
 
 # The VRAM tier's device: the CPU stands in for a GPU everywhere, and where torch sees a CUDA GPU the same
 # tests run on it too (tools/bench_device.py runs them on a GPU machine).

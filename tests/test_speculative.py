@@ -241,9 +241,8 @@ TRIALS = 8_000
 TOLERANCE = 0.022   # about 4 standard deviations of a frequency over TRIALS draws (sd <= 0.0056)
 
 
-def _one_round(target_logits, draft_logits, opts, generator):
+def _one_round(target_logits, q, opts, generator):
     """A speculative round on fixed logits: proposals drawn from the draft's q, then accept()."""
-    q = torch.stack([sampling_probs(row, opts) for row in draft_logits])
     proposals = [int(torch.multinomial(row, 1, generator=generator)) for row in q]
     k, token = accept(target_logits, proposals, q, opts, generator)
     return (proposals[:k] + [token])
@@ -258,10 +257,11 @@ def test_rejection_sampling_keeps_the_targets_distribution(opts):
     target_logits = torch.randn(3, vocab, generator=g) * 1.5    # positions 1, 2 and the bonus one
     draft_logits = target_logits[:2] + 2 * torch.randn(2, vocab, generator=g)   # a draft that is often wrong
     p = torch.stack([sampling_probs(row, opts) for row in target_logits])
+    q = torch.stack([sampling_probs(row, opts) for row in draft_logits])
     first = torch.zeros(vocab)
     second = torch.zeros(vocab)      # given the first proposal accepted
     for _ in range(TRIALS):
-        out = _one_round(target_logits, draft_logits, opts, g)
+        out = _one_round(target_logits, q, opts, g)
         first[out[0]] += 1
         if len(out) > 1:
             second[out[1]] += 1
