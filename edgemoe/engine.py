@@ -176,10 +176,16 @@ class MemoryAdmission:
 
 
 class Engine:
-    """Owns `model`: call step() yourself (tests) or start() a thread that steps whenever there is
-    work. `max_batch` requests at most share a step, and only as many as fit in memory (MemoryAdmission,
-    read under `memory_root`); the others wait in order of submission, and the last to join is paused
-    where the active ones' growth no longer fits (_pause_for_memory)."""
+    """Owns `model`: call step() yourself (tests), or run() the loop that steps whenever there is work
+    on a thread until stop(), or start() that loop on a thread of its own. `max_batch` requests at most
+    share a step, and only as many as fit in memory (MemoryAdmission, read under `memory_root`); the
+    others wait in order of submission, and the last to join is paused where the active ones' growth
+    no longer fits (_pause_for_memory).
+
+    Run the loop on the thread that loaded the model where you can (run(); `edgemoe serve` does): the
+    kernels' OpenMP runtimes keep a team of threads for each thread that calls them, and with a
+    second team the runtime's threads stop spinning between parallel regions and sleep, so each of
+    a step's hundreds of regions waits for a wake-up (docs/serving.md measures the cost)."""
 
     def __init__(self, model: MoEModel, max_batch: int = 16, memory_root: str | os.PathLike = "/",
                  step_prompt_tokens: int = STEP_PROMPT_TOKENS):
@@ -210,16 +216,30 @@ class Engine:
         self._wake.set()
         return request
 
+    def run(self) -> None:
+        """Step whenever there is work, on this thread, until stop() or close() (from another thread)."""
+        while not self._closing.is_set():
+            if not self.step():
+                # The model appends each step's timing; a server runs for days: start afresh when idle.
+                self.model.timings.reset()
+                self._wake.wait(timeout=1.0)
+                self._wake.clear()
+
     def start(self) -> "Engine":
-        """Run steps on a background thread until close()."""
-        self._thread = threading.Thread(target=self._loop, name="edgemoe-engine", daemon=True)
+        """run() on a background thread until close()."""
+        self._thread = threading.Thread(target=self.run, name="edgemoe-engine", daemon=True)
         self._thread.start()
         return self
 
-    def close(self) -> None:
-        """Stop the thread; requests still active or waiting end with "cancelled"."""
+    def stop(self) -> None:
+        """Make run() return after its step (safe from any thread); requests stay as they are."""
         self._closing.set()
         self._wake.set()
+
+    def close(self) -> None:
+        """Stop the loop (and its thread, if start()ed); requests still active or waiting end with
+        "cancelled"."""
+        self.stop()
         if self._thread is not None:
             self._thread.join()
         for request in self.active + list(self._held) + self._drain_waiting():
@@ -336,10 +356,3 @@ class Engine:
             except queue.Empty:
                 return drained
 
-    def _loop(self) -> None:
-        while not self._closing.is_set():
-            if not self.step():
-                # The model appends each step's timing; a server runs for days: start afresh when idle.
-                self.model.timings.reset()
-                self._wake.wait(timeout=1.0)
-                self._wake.clear()

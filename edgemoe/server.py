@@ -4,7 +4,8 @@ Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/comp
 tokenizer's chat template); `"stream": true` answers as server-sent events ending in `data: [DONE]`.
 The HTTP stack is the standard library's ThreadingHTTPServer (one thread per connection; the choice
 and its measurement are in docs/serving.md). Handler threads parse, tokenize and wait on their
-request's events; only the engine thread touches the model.
+request's events; only the engine's loop touches the model, on the thread that calls serve_forever()
+(`edgemoe serve`: the main thread, which loaded the model; connections are accepted on another).
 
 Errors are JSON bodies in OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with a 4xx
 status for bad requests (the standard library's own refusals included); a handler never lets an
@@ -243,7 +244,11 @@ class Job:
 
 
 class OpenAIServer(ThreadingHTTPServer):
-    """The HTTP server: holds the engine and the served model's name. serve_forever() / shutdown()."""
+    """The HTTP server: holds the engine and the served model's name. serve_forever() / shutdown().
+
+    serve_forever() runs the engine's loop on the thread that calls it and the accept loop on a
+    thread of its own: call it from the thread that loaded the model (edgemoe serve does), so that
+    the kernels run on one thread only (Engine says why that is faster)."""
 
     daemon_threads = True
     block_on_close = False
@@ -264,12 +269,9 @@ class OpenAIServer(ThreadingHTTPServer):
         self.created = int(time.time())
         self._workers = threading.BoundedSemaphore(max_connections)
         self._stopping = threading.Event()
-        self.engine = Engine(model, max_batch=max_batch).start()
-        try:
-            super().__init__((host, port), Handler)
-        except BaseException:
-            self.engine.close()
-            raise
+        self._served = threading.Event()      # set when serve_forever() has returned
+        self.engine = Engine(model, max_batch=max_batch)
+        super().__init__((host, port), Handler)
 
     @property
     def url(self) -> str:
@@ -303,9 +305,25 @@ class OpenAIServer(ThreadingHTTPServer):
         else:
             log.exception("%s: connection failed", client_address[0])
 
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        """Serve until shutdown() (from another thread) or an exception here (Ctrl-C): the engine's
+        loop on this thread, connections accepted on another."""
+        accepting = threading.Thread(target=super().serve_forever, args=(poll_interval,), name="edgemoe-accept",
+                                     daemon=True)
+        accepting.start()
+        try:
+            self.engine.run()
+        finally:
+            self._stopping.set()
+            super().shutdown()     # the accept loop ends
+            self._served.set()
+
     def shutdown(self) -> None:
+        """Stop serve_forever() and wait until it returns; requests in flight are ended by
+        server_close()."""
         self._stopping.set()
-        super().shutdown()
+        self.engine.stop()
+        self._served.wait()
 
     def server_close(self) -> None:
         super().server_close()

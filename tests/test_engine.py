@@ -1,6 +1,8 @@
 """The continuous-batching engine without HTTP: batched output equals each request generated alone,
 requests join mid-way and leave (cancel) between steps, stop strings and the context limit."""
 
+import threading
+
 import pytest
 
 import edgemoe
@@ -123,6 +125,28 @@ def test_engine_thread_serves_submissions_and_close_cancels_the_rest(model):
         engine.close()
     assert long.finish_reason in ("cancelled", "stop", "length")
     assert waiting.finish_reason == "cancelled" and [e.finish_reason for e in waiting.events()][-1] == "cancelled"
+
+
+def test_run_steps_on_the_calling_thread_until_stop_leaving_the_rest_to_close(model):
+    engine = Engine(model, max_batch=1)
+    done = engine.submit(model.tokenizer.encode("ROMEO:"), GREEDY)
+    waiting = engine.submit(model.tokenizer.encode("JULIET:"), GREEDY)   # max_batch=1: after the first
+    stepped_on = set()
+    step = engine.step
+    engine.step = lambda: (stepped_on.add(threading.get_ident()), step())[1]
+
+    def stop_after_the_first() -> None:
+        list(done.events())
+        engine.stop()
+
+    stopper = threading.Thread(target=stop_after_the_first)
+    stopper.start()
+    engine.run()                       # returns once stop() is called
+    stopper.join()
+    assert stepped_on == {threading.get_ident()}
+    assert done.output_ids == alone(model, model.tokenizer.encode("ROMEO:")) and done.finish_reason == "length"
+    engine.close()                     # ends what stop() left: the second request, unless it finished
+    assert waiting.finish_reason in ("cancelled", "length")
 
 
 def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(model, monkeypatch):

@@ -78,6 +78,25 @@ def test_completion_equals_the_model_alone_with_usage(model, client):
         (prompt_tokens, 10, prompt_tokens + 10)
 
 
+def test_the_engine_steps_on_the_thread_that_serves_and_shutdown_waits_for_it(model):
+    """serve_forever() runs the engine's loop on its caller's thread (`edgemoe serve`: the main thread,
+    which loaded the model), not on a thread of its own; shutdown() returns once serve_forever() has."""
+    srv = OpenAIServer(model, "127.0.0.1", 0)
+    stepped_on = set()
+    step = srv.engine.step
+    srv.engine.step = lambda: (stepped_on.add(threading.get_ident()), step())[1]
+    serving = threading.Thread(target=srv.serve_forever)
+    serving.start()
+    try:
+        status, answer = post(srv, "/v1/completions", {"prompt": "ROMEO:", "max_tokens": 3, "temperature": 0})
+        assert status == 200 and answer["choices"][0]["text"] == greedy(model, "ROMEO:", 3)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert not serving.is_alive()
+    assert stepped_on == {serving.ident}
+
+
 def test_chat_streamed_and_whole_give_the_templated_generation(model, client):
     messages = [{"role": "user", "content": "Who art thou?"}]
     expected = greedy(model, model.tokenizer.encode_chat(messages), 12)

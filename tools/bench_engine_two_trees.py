@@ -7,7 +7,7 @@ continuous-batching engine steps until all end. Completion tokens per second of 
     python tools/bench_engine_two_trees.py STORE --before /tmp/before --clients 8 --requests 2 \\
         --max-tokens 48 --rounds 3 --threads 2
 
-Each tree loads STORE as the commands do (--ram auto); one warm-up round of each first (it compiles
+Each tree loads STORE as the commands do (--ram auto, --dense-bits auto); one warm-up round of each first (it compiles
 on an empty cache). numba's cache folder: as tools/bench_two_trees.py.
 """
 
@@ -73,7 +73,8 @@ def main() -> None:
     numba.set_num_threads(args.threads)
     import edgemoe
     trees = {"before": load_tree("edgemoe_before", args.before.resolve()), "after": edgemoe}
-    models = {name: package.load(args.store, threads=args.threads, ram="auto") for name, package in trees.items()}
+    models = {name: package.load(args.store, threads=args.threads, ram="auto", dense_bits="auto")
+              for name, package in trees.items()}
     for name in trees:   # warm-up
         serve_round(trees[name], models[name], args.clients, args.requests, args.max_tokens)
     for round_ in range(1, args.rounds + 1):

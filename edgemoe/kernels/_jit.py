@@ -6,7 +6,8 @@ calls them one after the other, never at the same time, so each pool gets all co
 numba runs on its "omp" threading layer (thread-safe, so a background loader thread may also call
 a kernel); torch ships its own OpenMP runtime (a second libgomp), whose threads spin for a while
 after each parallel region: docs/benchmarks.md measured no cost for a numba kernel that follows a
-torch op.
+torch op. Each runtime keeps a team of workers per thread that calls it: call the kernels of a
+step from one thread (a second team makes the workers sleep between regions: docs/serving.md).
 
 Determinism. Kernels are parallel over output rows only: every output element is computed by one
 thread in a fixed order, so results do not depend on the thread count (nor, for qmatmul, on the
