@@ -11,7 +11,7 @@ import pytest
 from edgemoe.scheduling import simulate as sim
 from edgemoe.scheduling.cache import ExpertCache
 from edgemoe.scheduling.guard import SchemeGuard
-from edgemoe.scheduling.policies import POLICIES, AdaptivePolicy, GhostCache
+from edgemoe.scheduling.policies import POLICIES, AdaptivePolicy, GhostCache, RoutingShape, make_policy
 from edgemoe.scheduling.profile import RoutingProfile
 
 
@@ -140,15 +140,18 @@ def test_adaptive_follows_the_candidate_that_misses_least(stream, winner, loser)
     assert hits >= best - 0.1 * (best - worst)       # it pays a little for learning, not the loser's price
 
 
-def test_on_a_fine_grained_model_the_ghosts_see_every_kth_layer_in_its_share_of_the_capacity():
-    """Set dueling's sampling: 24 MoE layers of top-8 (192 requests a token), every third layer seen
-    by the ghosts, each ghost a third of the capacity, read_bytes scaled back to every layer. On the
-    frequency-wins stream in every layer the sampled ghosts still leave LRU. Top-2 (48 requests a
-    token), or no profile to count by: every layer."""
+@pytest.mark.parametrize("counted_by", ["profile", "model"])
+def test_on_a_fine_grained_model_the_ghosts_see_every_kth_layer_in_its_share_of_the_capacity(counted_by):
+    """Set dueling's sampling: 24 MoE layers of top-8 (192 requests a token, counted from the routing
+    profile, or from the model's shape where there is none), every third layer seen by the ghosts,
+    each ghost a third of the capacity, read_bytes scaled back to every layer. On the frequency-wins
+    stream in every layer the sampled ghosts still leave LRU. Top-2 (48 requests a token), or nothing
+    to count by: every layer."""
     layers = 24
     stream = frequency_wins(30)
     profile = RoutingProfile(list(range(layers)), num_experts=128, top_k=8)
-    policy = AdaptivePolicy(layers, profile=profile)
+    policy = (AdaptivePolicy(layers, profile=profile) if counted_by == "profile"
+              else make_policy("adaptive", layers, routing=RoutingShape(list(range(layers)), 8)))
     policy.set_capacity(3 * layers)
     assert policy.ghost_layers == set(range(0, layers, 3)) and policy.ghost_share == 1 / 3
     assert {ghost.capacity for ghost in policy.ghosts.values()} == {layers}
@@ -164,8 +167,27 @@ def test_on_a_fine_grained_model_the_ghosts_see_every_kth_layer_in_its_share_of_
     reads = sorted(ghost.read_bytes for ghost in policy.ghosts.values())
     assert 3 * reads[0] <= policy.read_bytes <= 3 * reads[-1]     # the leaders' reads, scaled to every layer
     for unsampled in (AdaptivePolicy(layers, profile=RoutingProfile(list(range(layers)), 128, 2)),
+                      AdaptivePolicy(layers, routing=RoutingShape(list(range(layers)), 2)),
                       AdaptivePolicy(layers), AdaptivePolicy(layers, profile=profile, ghost_requests=None)):
         assert unsampled.ghost_layers == set(range(layers)) and unsampled.ghost_share == 1
+
+
+def test_a_fine_grained_store_without_a_routing_profile_samples_its_ghosts(tiny_model, tmp_path):
+    """The store gives adaptive eviction the model's shape: 16 MoE layers of top-8 (128 requests a
+    token) and no profile (converted without calibration text), so the ghosts see every second layer,
+    as the simulator's on the same routing."""
+    from edgemoe.convert import convert
+    from edgemoe.store import TieredStore
+
+    checkpoint = tiny_model("qwen3_moe", num_hidden_layers=16, num_experts=16, num_experts_per_tok=8)
+    convert(checkpoint, tmp_path / "store", bits=4)
+    with TieredStore(tmp_path / "store", ram="25%", policy="adaptive") as store:
+        assert store.routing_profile is None
+        adaptive = store.cache.tiers[-1].policy.primary
+        assert adaptive.ghost_layers == set(range(0, 16, 2)) and adaptive.ghost_share == 1 / 2
+    tokens = [{layer: tuple(range(8)) for layer in range(16)}] * 2   # room for all: the first token's misses
+    sampled = {"lru": 8 * 8, "lfu": 8 * 8, "frequency-distance": 8 * 8}  # of the 8 layers seen, 8 experts each
+    assert sim.simulate(tokens, 1000, "adaptive")["ghost_misses"] == sampled
 
 
 def test_the_leader_changes_only_past_the_margin():

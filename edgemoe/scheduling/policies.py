@@ -40,11 +40,11 @@ fits in free room); every policy but "expected-use" admits every preload. Keys a
   is the reference its guard holds the scheme to (edgemoe.scheduling.guard). Each candidate's own policy object follows the tier's real events, so a switch loses no
   history. Preload admission is expected-use's rule where there is a profile (the only one that
   weighs a preload against its victim), else every preload is admitted. Where a token makes many
-  requests (MoE layers x top-k over ADAPTIVE_GHOST_REQUESTS: fine-grained models), the ghosts see a
-  sample of the layers, as set dueling samples a cache's sets: every k-th MoE layer, each ghost
-  with that share of the capacity (its reads scaled back to the whole model for read_bytes);
-  elsewhere (and without a profile) every layer, and each ghost then misses exactly what its
-  policy alone would. Bookkeeping: per sampled layer, one
+  requests (MoE layers x top-k over ADAPTIVE_GHOST_REQUESTS: fine-grained models; counted from the
+  routing profile, else from the model's shape given as `routing`), the ghosts see a sample of the
+  layers, as set dueling samples a cache's sets: every k-th MoE layer, each ghost with that share of
+  the capacity (its reads scaled back to the whole model for read_bytes); elsewhere (and with
+  nothing to count by) every layer, and each ghost then misses exactly what its policy alone would. Bookkeeping: per sampled layer, one
   pass of its requests through each ghost (at most its capacity in keys each) and a window of
   per-layer read counts; the CPU time this costs is measured in docs/scheduling.md. With
   two tiers (VRAM and RAM) each tier's ghosts see every request: for the faster tier, an
@@ -69,11 +69,19 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from typing import Container, Iterable, Mapping
+from typing import Container, Iterable, Mapping, NamedTuple
 
 from edgemoe.options import one_of
 
 Key = tuple[int, int]
+
+
+class RoutingShape(NamedTuple):
+    """What a token asks of the experts: its MoE layers in the order they run and top-k requests at each
+    (a RoutingProfile has both attributes too)."""
+
+    moe_layers: list[int]
+    top_k: int
 
 
 class LayerOrder:
@@ -379,7 +387,7 @@ ADAPTIVE_CANDIDATES = ("lru", "lfu", "frequency-distance", "expected-use")
 # makes fewer requests, so that a shallow model's window is not a few noisy tokens: docs/scheduling.md).
 ADAPTIVE_WINDOW_REQUESTS = 1024
 ADAPTIVE_MARGIN = 0.02        # another candidate leads once it missed this much less over the window
-# Where a token makes more requests than this (MoE layers x top-k, from the routing profile), the ghosts
+# Where a token makes more requests than this (MoE layers x top-k, from the routing profile or the model), the ghosts
 # see every k-th MoE layer, in the share of the capacity those layers' experts would get, so that they
 # see about this many: set dueling's sampled sets. On fine-grained routing each layer's pass through the
 # ghosts costs ~0.6-1 ms of Python (docs/scheduling.md), the decode step's order of magnitude; a
@@ -392,18 +400,19 @@ class AdaptivePolicy:
 
     def __init__(self, num_layers: int, popularity: dict[Key, float] | None = None, profile=None,
                  window_requests: int = ADAPTIVE_WINDOW_REQUESTS, margin: float = ADAPTIVE_MARGIN,
-                 ghost_requests: int | None = ADAPTIVE_GHOST_REQUESTS):
+                 ghost_requests: int | None = ADAPTIVE_GHOST_REQUESTS, routing: RoutingShape | None = None):
         """ghost_requests: about how many of a token's requests the ghosts see, by sampling layers
-        (None, or no profile to count them by: every one; then each ghost misses exactly what its
-        policy alone would)."""
+        (None, or neither a profile nor `routing` to count them by: every one; then each ghost misses
+        exactly what its policy alone would). routing: the model's shape, where there is no profile."""
         self.candidates = [n for n in ADAPTIVE_CANDIDATES if n != "expected-use" or profile is not None]
         self._make = lambda name: POLICIES[name](num_layers, popularity, profile)
         self.followers = {name: self._make(name) for name in self.candidates}   # fed the tier's own events
         self.ghosts: dict[str, GhostCache] = {}
         self.leader = self.candidates[0]
         self.margin = margin
-        layers = list(profile.moe_layers) if profile is not None else list(range(max(1, num_layers)))
-        every = len(layers) * profile.top_k // ghost_requests if profile is not None and ghost_requests else 1
+        shape = profile if profile is not None else routing
+        layers = list(shape.moe_layers) if shape is not None else list(range(max(1, num_layers)))
+        every = len(layers) * shape.top_k // ghost_requests if shape is not None and ghost_requests else 1
         self.ghost_layers = set(layers[::max(1, every)])
         self.ghost_share = len(self.ghost_layers) / len(layers)   # of the layers, so of the capacity
         self.window_requests = window_requests
@@ -481,7 +490,11 @@ POLICIES = {p.name: p for p in (LRUPolicy, LFUPolicy, FrequencyDistancePolicy, E
 DEFAULT_POLICY = "adaptive"   # a store's eviction unless told otherwise (edgemoe.loader.StoreOptions)
 
 
-def make_policy(name: str, num_layers: int, popularity: dict[Key, float] | None = None, profile=None):
-    """profile: the store's RoutingProfile (or None), for policies that predict."""
+def make_policy(name: str, num_layers: int, popularity: dict[Key, float] | None = None, profile=None,
+                routing: RoutingShape | None = None):
+    """profile: the store's RoutingProfile (or None), for policies that predict. routing: the model's
+    MoE layers and top-k, which adaptive eviction samples its ghosts by where there is no profile."""
     one_of(name, "policy=", sorted(POLICIES))
+    if name == AdaptivePolicy.name:
+        return AdaptivePolicy(num_layers, popularity, profile, routing=routing)
     return POLICIES[name](num_layers, popularity, profile)

@@ -47,7 +47,7 @@ from typing import NamedTuple
 
 from .cache import ExpertCache
 from .guard import GUARD_WINDOW_TOKENS, GuardedPolicy, SchemeGuard
-from .policies import DEFAULT_POLICY, POLICIES, AdaptivePolicy, make_policy
+from .policies import DEFAULT_POLICY, POLICIES, AdaptivePolicy, RoutingShape, make_policy
 from .preload import MIN_PROBABILITY
 from .profile import RoutingProfile, read_trace, tokens_from_trace
 
@@ -110,7 +110,11 @@ def _replay(tokens, capacity: int, name: str, profile: RoutingProfile | None, pr
     # EdgeMoE's layer distance wraps at num_layers: the model's layer count, at least 1 + the last MoE layer.
     num_layers = max(layers, default=0) + 1
     guard = SchemeGuard(capacity, window_layers=GUARD_WINDOW_TOKENS * len(layers)) if guarded else None
-    cache = ExpertCache([("cache", capacity)], lambda: make_policy(name, num_layers, popularity, prior), guard)
+    # The model's shape as the store gives it to adaptive eviction where there is no profile: the trace's
+    # MoE layers and its widest choice.
+    shape = RoutingShape(layers, max((len(e) for routing in tokens for e in routing.values()), default=1))
+    cache = ExpertCache([("cache", capacity)], lambda: make_policy(name, num_layers, popularity, prior, shape),
+                        guard)
     hits = total = preloads = preload_hits = 0
     pending: set[Key] = set()     # preloaded for the next layer, not yet scored
     for routing in tokens:

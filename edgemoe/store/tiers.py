@@ -38,7 +38,7 @@ from edgemoe.options import OptionError, check_device, parse_bytes
 from edgemoe.quant import QuantizedTensor, dequantize_reference
 from edgemoe.scheduling.cache import CacheStats, ExpertCache, TierStats
 from edgemoe.scheduling.guard import GUARD_WINDOW_TOKENS, SchemeGuard
-from edgemoe.scheduling.policies import make_policy
+from edgemoe.scheduling.policies import RoutingShape, make_policy
 from edgemoe.scheduling.profile import RoutingProfile
 
 from .disk import DiskTier
@@ -196,7 +196,8 @@ class TieredStore:
         self._layer_tables: dict[int, np.ndarray | None] = {}   # resident_layer_table's, until an item enters or leaves
         self._stacked_tables: tuple[int, np.ndarray] | None = None   # resident_tables' (first, tables), as long
         self.cache = ExpertCache(
-            tiers, lambda: make_policy(policy, self.spec.num_layers, self.popularity, self.routing_profile),
+            tiers, lambda: make_policy(policy, self.spec.num_layers, self.popularity, self.routing_profile,
+                                       RoutingShape(self.spec.moe_layer_ids, self.spec.top_k)),
             guard=SchemeGuard(ram_capacity, GUARD_WINDOW_TOKENS * len(self.spec.moe_layer_ids)) if guarded else None,
             enter=self._enter, stats=self.stats, leave=self._leave)
         self._lock = threading.RLock()
