@@ -7,6 +7,7 @@ per --dense-bits setting, one after the other, so that a machine's drift hits bo
 
     python tools/bench_vs_llamacpp.py --llama-bench PATH/llama-bench --threads 2 --rounds 2 \\
         --pair STORE_INT4=MODEL-Q4_0.gguf --pair STORE_INT8=MODEL-Q8_0.gguf [--dense-bits auto none] [--json OUT]
+        [--llama-flags "-fa 0"]   # more llama-bench flags for both of its tests (default: none, its defaults)
 
 Prints one table row per pair and program setting: medians over rounds of each run's mean tokens/s
 (llama-bench's avg_ts; edgemoe bench's median over its --repeats), and the ratio to llama.cpp. The
@@ -18,14 +19,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
 
 
-def llama_bench(binary: str, gguf: str, threads: int, prompt: int, generate: int, depth: int) -> float:
-    """llama-bench's mean tokens/s for one test (3 repetitions)."""
-    cmd = [binary, "-m", gguf, "-t", str(threads), "-p", str(prompt), "-n", str(generate), "-r", "3", "-o", "jsonl"]
+def llama_bench(binary: str, gguf: str, threads: int, prompt: int, generate: int, depth: int,
+                flags: list[str] = ()) -> float:
+    """llama-bench's mean tokens/s for one test (3 repetitions), with more of its flags."""
+    cmd = [binary, "-m", gguf, "-t", str(threads), "-p", str(prompt), "-n", str(generate), "-r", "3", "-o", "jsonl",
+           *flags]
     if depth:
         cmd += ["-d", str(depth)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
@@ -62,6 +66,7 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=512)
     parser.add_argument("--dense-bits", nargs="+", default=["auto", "none"], choices=["auto", "none", "8", "4"],
                         help="edgemoe settings to run (auto: the default, dense.dense_bits_for)")
+    parser.add_argument("--llama-flags", default="", help="more llama-bench flags, e.g. \"-fa 0\"")
     parser.add_argument("--json", help="write every run's figures here")
     args = parser.parse_args()
     pairs = [tuple(p.split("=", 1)) for p in args.pair]
@@ -70,8 +75,9 @@ def main() -> None:
     for r in range(args.rounds):
         for store, gguf in pairs:
             name = os.path.basename(gguf)
-            prefill = llama_bench(args.llama_bench, gguf, args.threads, args.prefill, 0, 0)
-            decode = llama_bench(args.llama_bench, gguf, args.threads, 0, 32, args.prefill)
+            flags = shlex.split(args.llama_flags)
+            prefill = llama_bench(args.llama_bench, gguf, args.threads, args.prefill, 0, 0, flags)
+            decode = llama_bench(args.llama_bench, gguf, args.threads, 0, 32, args.prefill, flags)
             runs.setdefault((store, gguf, "llama.cpp"), []).append((prefill, decode))
             print(f"round {r + 1} {name} llama.cpp: prefill {prefill:.2f} decode {decode:.2f} t/s", flush=True)
             for bits in args.dense_bits:
