@@ -44,11 +44,11 @@ fits in free room); every policy but "expected-use" admits every preload. Keys a
   routing profile, else from the model's shape given as `routing`), the ghosts see a sample of the
   layers, as set dueling samples a cache's sets: every k-th MoE layer, each ghost with that share of
   the capacity (its reads scaled back to the whole model for read_bytes); elsewhere (and with
-  nothing to count by) every layer, and each ghost then misses exactly what its policy alone would. Bookkeeping: per sampled layer, one
-  pass of its requests through each ghost (at most its capacity in keys each) and a window of
-  per-layer read counts; the CPU time this costs is measured in docs/scheduling.md. With
-  two tiers (VRAM and RAM) each tier's ghosts see every request: for the faster tier, an
-  approximation of what reaches it.
+  nothing to count by) every layer, and each ghost then misses exactly what its policy alone would.
+  Bookkeeping: per sampled layer, one pass of its requests through each ghost (at most its capacity
+  in keys each) and a window of per-layer read counts; the CPU time this costs is measured in
+  docs/scheduling.md. With two tiers (VRAM and RAM) each tier's ghosts see every request: for the
+  faster tier, an approximation of what reaches it.
 
 Finding a victim. `victim(candidates)` defines each policy's choice over a list of keys;
 `resident_victim(pinned)`, what the tiers and ghosts call, makes the same choice among the keys the
@@ -387,9 +387,9 @@ ADAPTIVE_CANDIDATES = ("lru", "lfu", "frequency-distance", "expected-use")
 # makes fewer requests, so that a shallow model's window is not a few noisy tokens: docs/scheduling.md).
 ADAPTIVE_WINDOW_REQUESTS = 1024
 ADAPTIVE_MARGIN = 0.02        # another candidate leads once it missed this much less over the window
-# Where a token makes more requests than this (MoE layers x top-k, from the routing profile or the model), the ghosts
-# see every k-th MoE layer, in the share of the capacity those layers' experts would get, so that they
-# see about this many: set dueling's sampled sets. On fine-grained routing each layer's pass through the
+# Where a token makes more requests than this (MoE layers x top-k, from the routing profile or the
+# model), the ghosts see every k-th MoE layer, in the share of the capacity those layers' experts would
+# get, so that they see about this many: set dueling's sampled sets. On fine-grained routing each layer's pass through the
 # ghosts costs ~0.6-1 ms of Python (docs/scheduling.md), the decode step's order of magnitude; a
 # Mixtral-shaped model (32 x 2) is below it, where sampling cost 2-5% more reads in the simulator.
 ADAPTIVE_GHOST_REQUESTS = 64
