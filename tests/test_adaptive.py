@@ -188,6 +188,7 @@ def test_a_fine_grained_store_without_a_routing_profile_samples_its_ghosts(tiny_
     tokens = [{layer: tuple(range(8)) for layer in range(16)}] * 2   # room for all: the first token's misses
     sampled = {"lru": 8 * 8, "lfu": 8 * 8, "frequency-distance": 8 * 8}  # of the 8 layers seen, 8 experts each
     assert sim.simulate(tokens, 1000, "adaptive")["ghost_misses"] == sampled
+    assert sim.simulate([], 1000, "adaptive")["hits"] == 0     # no tokens: no shape to sample by, no error
 
 
 def test_the_leader_changes_only_past_the_margin():

@@ -111,8 +111,9 @@ def _replay(tokens, capacity: int, name: str, profile: RoutingProfile | None, pr
     num_layers = max(layers, default=0) + 1
     guard = SchemeGuard(capacity, window_layers=GUARD_WINDOW_TOKENS * len(layers)) if guarded else None
     # The model's shape as the store gives it to adaptive eviction where there is no profile: the trace's
-    # MoE layers and its widest choice.
-    shape = RoutingShape(layers, max((len(e) for routing in tokens for e in routing.values()), default=1))
+    # MoE layers and its widest choice (none for no tokens).
+    widest = max((len(experts) for routing in tokens for experts in routing.values()), default=0)
+    shape = RoutingShape(layers, widest) if layers else None
     cache = ExpertCache([("cache", capacity)], lambda: make_policy(name, num_layers, popularity, prior, shape),
                         guard)
     hits = total = preloads = preload_hits = 0
